@@ -1,0 +1,146 @@
+"""Advantage estimators: GAE, group-relative, terminal-reward, step-level TD.
+
+All outputs are plain tensors without gradient; padded positions are 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from caspo.algo.stats import masked_fill_zero
+
+TERMINAL_SCOPES = ("batch", "group", "off")
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over ``[B, T]`` tokens.
+
+    Walk t = T−1 … 0 starting from nv = g = 0:
+
+        δ_t = r_t + γ·nv − V_t
+        if m_t = 1:  g ← δ_t + γλ·g,  nv ← V_t
+        if m_t = 0:  skip (the bootstrap jumps over holes such as observation tokens)
+
+        A_t = g,   R_t = A_t + V_t
+
+    Advantages are raw (not whitened). Both outputs are 0 where m = 0.
+    With γ = λ = 1 and V = 0, A_t is the reward-to-go Σ_{t' ≥ t} m·r.
+    """
+    keep = mask.bool()
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    rewards = masked_fill_zero(rewards, keep)
+    values = masked_fill_zero(values.to(rewards.dtype), keep)
+    next_value = torch.zeros_like(rewards[:, 0])
+    last_gae = torch.zeros_like(rewards[:, 0])
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        m = keep[:, t]
+        last_gae = torch.where(m, delta + gamma * lam * last_gae, last_gae)
+        next_value = torch.where(m, values[:, t], next_value)
+        advantages[:, t] = last_gae
+    advantages = masked_fill_zero(advantages, keep)
+    returns = masked_fill_zero(advantages + values, keep)
+    return advantages, returns
+
+
+@torch.no_grad()
+def group_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantages (GRPO), one per sequence.
+
+        A_i = (s_i − mean_g) / (std_g + eps)      std_g unbiased (n − 1)
+        A_i =  s_i − mean_g                       when std_normalize is False (Dr. GRPO)
+
+    ``group_ids`` is a 1-D integer tensor of arbitrary labels. A group whose
+    scores are all equal gets exactly 0. A group of one sample has no baseline
+    and raises ValueError.
+    """
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(
+            f"group_advantages: scores and group_ids must be 1-D of equal length, "
+            f"got {tuple(scores.shape)} and {tuple(group_ids.shape)}"
+        )
+    if not scores.is_floating_point():
+        scores = scores.to(torch.get_default_dtype())
+    labels, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if bool((counts < 2).any()):
+        lonely = labels[counts < 2].tolist()
+        raise ValueError(f"group_advantages: groups {lonely} have a single sample; a group needs at least 2")
+
+    n = counts.to(scores.dtype)
+    mean = torch.zeros_like(n).index_add_(0, index, scores) / n
+    centered = scores - mean[index]
+    if not std_normalize:
+        advantages = centered
+    else:
+        var = torch.zeros_like(n).index_add_(0, index, centered**2) / (n - 1)
+        advantages = centered / (var.sqrt()[index] + eps)
+    # Rounding in the mean can leave ~1e-8 residues; equal scores carry no signal.
+    low = torch.full_like(n, float("inf")).scatter_reduce_(0, index, scores, "amin")
+    high = torch.full_like(n, float("-inf")).scatter_reduce_(0, index, scores, "amax")
+    flat = (low == high)[index]
+    return torch.where(flat, torch.zeros_like(advantages), advantages)
+
+
+@torch.no_grad()
+def terminal_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    scope: str,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """"PPO with terminal reward" (method ``ppo``): the sequence score, standardised.
+
+        batch:  A_i = (s_i − mean) / (std + eps)   over the whole batch, std unbiased
+        group:  A_i = group_advantages(s, group_ids)
+        off:    A_i = s_i
+
+    Returns ``[B]``; every response token of sequence i takes A_i, which is GAE
+    with γ = λ = 1, V = 0 and the score as the last token's reward, then
+    standardised. ``group_ids`` is only read for ``group``. An all-equal batch
+    (or group) gets exactly 0.
+    """
+    if scope == "off":
+        return scores.clone() if scores.is_floating_point() else scores.to(torch.get_default_dtype())
+    if scope == "batch":
+        if scores.numel() < 2:
+            raise ValueError("terminal_advantages: scope 'batch' needs at least 2 scores")
+        return group_advantages(scores, torch.zeros_like(scores, dtype=torch.long), eps=eps)
+    if scope == "group":
+        if group_ids is None:
+            raise ValueError("terminal_advantages: scope 'group' needs group_ids")
+        return group_advantages(scores, group_ids, eps=eps)
+    raise ValueError(f"unknown terminal advantage scope {scope!r}; valid scopes: {', '.join(TERMINAL_SCOPES)}")
+
+
+@torch.no_grad()
+def step_td(
+    step_rewards: torch.Tensor,
+    step_values: torch.Tensor,
+    step_mask: torch.Tensor,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """One-step TD advantage per reasoning step (VinePPO, λ = 0).
+
+        A_k = r_k + γ·V_{k+1} − V_k
+
+    Tensors are ``[B, S]`` with valid steps left-aligned (``step_mask`` 1). The value
+    after the last valid step is 0 (terminal), so the last step gets r_K − V_K.
+    A_k is 0 where ``step_mask`` is 0. (If a row has holes, V_{k+1} is the value of
+    the next valid step, as in ``gae``.)
+    """
+    advantages, _ = gae(step_rewards, step_values, step_mask, gamma=gamma, lam=0.0)
+    return advantages

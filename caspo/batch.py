@@ -1,0 +1,108 @@
+"""The batch that flows through one outer step, filled phase by phase.
+
+Token layout (as in verl): prompts left-padded to a common width P, responses
+right-padded to a common width R, so every response occupies columns P..P+R-1 and
+the logits that score it are columns P-1..P+R-2. Per-token tensors of the training
+signal (log-probs, advantages, masks) are `[B, R]` in the response frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional, Sequence
+
+import torch
+
+from caspo.rollout.base import Completion
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [B, P+R]
+    attention_mask: torch.Tensor  # [B, P+R]
+    position_ids: torch.Tensor  # [B, P+R]
+    prompt_width: int  # P
+    responses: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R] float 0/1
+    behaviour_logprobs: torch.Tensor  # [B, R] from the engine
+    group_ids: torch.Tensor  # [B] prompt group of each sample
+    finished: torch.Tensor  # [B] bool: stopped before the length limit
+    # per-sample metadata
+    example_ids: list[str]
+    sample_seeds: list[int]
+    policy_versions: list[int]
+    finish_reasons: list[str]
+    texts: list[str]
+    # filled by later phases
+    rewards: Optional[torch.Tensor] = None  # [B]
+    old_logprobs: Optional[torch.Tensor] = None  # [B, R]
+    ref_logprobs: Optional[torch.Tensor] = None  # [B, R]
+    advantages: Optional[torch.Tensor] = None  # [B, R]
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.responses.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1).long()
+
+    @classmethod
+    def from_completions(cls, prompts: Sequence[list[int]], completions: Sequence[Completion], *,
+                         group_ids: Sequence[int], example_ids: Sequence[str], sample_seeds: Sequence[int],
+                         texts: Sequence[str], pad_token_id: int) -> "RolloutBatch":
+        B = len(completions)
+        P = max(len(p) for p in prompts)
+        R = max(1, max(len(c.tokens) for c in completions))
+        input_ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)
+        attention = torch.zeros((B, P + R), dtype=torch.long)
+        responses = torch.full((B, R), pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((B, R))
+        behaviour = torch.zeros((B, R))
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            n = len(c.tokens)
+            input_ids[i, P - len(p):P] = torch.tensor(p)
+            attention[i, P - len(p):P + n] = 1
+            if n:
+                input_ids[i, P:P + n] = torch.tensor(c.tokens)
+                responses[i, :n] = torch.tensor(c.tokens)
+                response_mask[i, :n] = 1
+                behaviour[i, :n] = torch.tensor(c.logprobs)
+        return cls(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+            prompt_width=P,
+            responses=responses,
+            response_mask=response_mask,
+            behaviour_logprobs=behaviour,
+            group_ids=torch.tensor(list(group_ids)),
+            finished=torch.tensor([c.finish_reason == "stop" for c in completions]),
+            example_ids=list(example_ids),
+            sample_seeds=list(sample_seeds),
+            policy_versions=[c.policy_version for c in completions],
+            finish_reasons=[c.finish_reason for c in completions],
+            texts=list(texts),
+        )
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> "RolloutBatch":
+        """Rows `index`, with the response frame trimmed to their longest response."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        R = max(1, int(self.response_mask[idx].sum(-1).max()))
+        P = self.prompt_width
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[idx]
+                if value.dim() == 2 and f.name in ("input_ids", "attention_mask", "position_ids"):
+                    value = value[:, :P + R]
+                elif value.dim() == 2:
+                    value = value[:, :R]
+            elif isinstance(value, list):
+                value = [value[i] for i in idx.tolist()]
+            elif isinstance(value, dict):
+                value = dict(value)
+            out[f.name] = value
+        return replace(self, **out)

@@ -1,0 +1,63 @@
+"""The `caspo` command line: train, sft, eval, config."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+import typer
+
+from caspo.config import ConfigError, load_config, to_yaml
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+PRESET = typer.Argument(..., help="preset name (e.g. arith-tiny) or path to a YAML file")
+OVERRIDES = typer.Argument(None, help="dotted overrides, e.g. train.steps=50 method.name=grpo")
+
+
+def _config(preset: str, overrides: Optional[List[str]]):
+    try:
+        return load_config(preset, overrides or [])
+    except ConfigError as err:
+        typer.secho(f"config error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def config(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
+    """Print the resolved configuration."""
+    typer.echo(to_yaml(_config(preset, overrides)))
+
+
+@app.command()
+def train(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
+          resume: Optional[str] = typer.Option(None, help="checkpoint folder, run folder, or 'latest'")):
+    """Train a policy with the configured method."""
+    from caspo.train.loop import train as run_train
+
+    summary = run_train(_config(preset, overrides), resume=resume)
+    typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command()
+def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
+        output: str = typer.Option(..., help="folder for the trained policy and tokenizer"),
+        init: Optional[str] = typer.Option(None, help="continue from this policy instead of from scratch")):
+    """Supervised fine-tuning of a tiny policy on the arithmetic task."""
+    from caspo.train.sft import run_sft
+
+    typer.echo(json.dumps(run_sft(_config(preset, overrides), output, init=init), indent=2))
+
+
+@app.command("eval")
+def evaluate(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
+    """Greedy held-out accuracy of `model.policy`."""
+    from caspo.train.loop import build_trainer, evaluate as run_eval
+
+    tr = build_trainer(_config(preset, overrides))
+    with tr.pool:
+        typer.echo(json.dumps(run_eval(tr), indent=2))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,326 @@
+"""Typed run configuration: a YAML preset plus dotted command-line overrides.
+
+    cfg = load_config("arith-tiny", ["method.name=grpo", "train.steps=50"])
+
+Every section is a dataclass; loading walks the YAML against the field types, so
+an unknown key or a value of the wrong type is an error naming its key path and
+the expected type. `validate` then checks the shapes that must agree (whole
+minibatches, G >= 2 for GRPO, ...). Presets live in `caspo/presets/` and are
+addressed by name or by path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key path and the fix in the message."""
+
+
+@dataclass
+class ModelConfig:
+    # Policy checkpoint: an HF folder, a hub id, or "embedded:<name>" for one that ships with caspo.
+    policy: str = "embedded:tiny-arith"
+    # Where training runs: "cpu", "cuda", "cuda:1", ... ("auto" = cuda when available).
+    device: str = "cpu"
+    # CPU threads for torch (0 = leave torch's default).
+    threads: int = 2
+
+
+@dataclass
+class ArithConfig:
+    seed: int = 1234
+    min_ops: int = 2
+    max_ops: int = 5
+    max_start: int = 50
+    max_addend: int = 30
+    mul_factors: list[int] = field(default_factory=lambda: [2, 3])
+    max_value: int = 200
+    heldout_size: int = 1000
+    train_size: int = 20_000
+
+
+@dataclass
+class DataConfig:
+    # "arith" (the procedural task) or a path to a JSONL file.
+    source: str = "arith"
+    # Held-out prompts: "arith" uses the task's held-out split; a JSONL path otherwise.
+    eval_source: Optional[str] = None
+    # Training examples used (0 = all).
+    train_size: int = 0
+    query_field: str = "problem"
+    label_field: str = "answer"
+    id_field: Optional[str] = None
+    skip_invalid: bool = False
+    template: str = "arith"
+    add_bos: bool = False
+    max_prompt_tokens: int = 256
+    arith: ArithConfig = field(default_factory=ArithConfig)
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["hf"] = "hf"
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    # Sequences decoded together; 0 = all requests of a step at once.
+    max_batch: int = 0
+
+
+@dataclass
+class RewardConfig:
+    workers: int = 2
+    timeout_s: float = 5.0
+    # Control experiments: shuffle rewards within each batch before advantages.
+    shuffle_within_batch: bool = False
+
+
+@dataclass
+class MethodConfig:
+    name: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    loss_agg: str = "token-mean"
+    std_normalize: bool = True
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    output_dir: str = "runs/default"
+    seed: int = 0
+    # Responses per optimizer step; the rollout's responses must split into whole minibatches.
+    minibatch_size: int = 128
+    micro_batch_size: int = 32
+    epochs_per_rollout: int = 1
+    precision: Literal["fp32"] = "fp32"
+    save_every: int = 0
+    stop_after: int = 0
+
+
+@dataclass
+class EvalConfig:
+    heldout_size: int = 500
+    max_new_tokens: int = 96
+    batch_size: int = 250
+    every: int = 0
+    before: bool = True
+    after: bool = True
+
+
+@dataclass
+class SftConfig:
+    steps: int = 1200
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    skip_last_prob: float = 0.5
+    skip_last_when: str = "any"
+    seed: int = 0
+    eval_every: int = 200
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+
+    @property
+    def responses_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+
+# ---------------------------------------------------------------- loading
+
+
+def resolve_preset(preset: str | Path) -> Path:
+    """A preset name ("arith-tiny") or a path to a YAML file."""
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        return path
+    named = PRESET_DIR / f"{preset}.yaml"
+    if not named.exists():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(names)} (or pass a .yaml path)")
+    return named
+
+
+def load_config(preset: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    raw: dict = {}
+    if preset is not None:
+        path = resolve_preset(preset)
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    cfg = build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.path=value")
+    key, text = item.split("=", 1)
+    return key.strip(), yaml.safe_load(text) if text.strip() else ""
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def build(cls, raw: Any, path: str):
+    """Instantiate dataclass `cls` from `raw`, checking keys and types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]}; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = coerce(hints[name], value, f"{path}.{name}" if path else name)
+    return cls(**kwargs)
+
+
+def coerce(tp, value: Any, path: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(inner[0], value, path)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected bool (true/false), got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected float, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected str, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported config type {tp}")
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    from caspo.methods import METHODS  # the table names the valid methods
+
+    r, t, m = cfg.rollout, cfg.train, cfg.method
+    if m.name not in METHODS:
+        raise ConfigError(f"method.name: unknown method {m.name!r}; methods: {', '.join(METHODS)}")
+    positive = {
+        "rollout.prompts_per_step": r.prompts_per_step,
+        "rollout.samples_per_prompt": r.samples_per_prompt,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "train.minibatch_size": t.minibatch_size,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.epochs_per_rollout": t.epochs_per_rollout,
+        "train.steps": t.steps,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    n = cfg.responses_per_step
+    if n % t.minibatch_size:
+        raise ConfigError(
+            f"train.minibatch_size={t.minibatch_size} does not divide the {n} responses of a step "
+            f"(rollout.prompts_per_step × rollout.samples_per_prompt = {r.prompts_per_step} × {r.samples_per_prompt}); "
+            "choose a divisor so every minibatch is whole"
+        )
+    if t.minibatch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.micro_batch_size={t.micro_batch_size} does not divide train.minibatch_size={t.minibatch_size}"
+        )
+    if METHODS[m.name].group_baseline and r.samples_per_prompt < 2:
+        raise ConfigError(
+            f"method {m.name} compares samples within a prompt group: rollout.samples_per_prompt must be >= 2, "
+            f"got {r.samples_per_prompt}"
+        )
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if r.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0 for training rollouts, got {r.temperature}")
+    if m.clip_low < 0 or m.clip_high < 0:
+        raise ConfigError("method.clip_low and method.clip_high must be >= 0")
+    if m.dual_clip is not None and m.dual_clip <= 1:
+        raise ConfigError(f"method.dual_clip must be > 1 (or null), got {m.dual_clip}")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

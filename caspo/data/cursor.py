@@ -1,0 +1,58 @@
+"""A resumable stream of item indices: a fresh shuffle of the dataset at every pass."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PromptCursor:
+    """Yields item indices in a permutation reshuffled each epoch, seeded by seed + epoch.
+
+    The state is just (epoch, position), so a checkpointed cursor resumes exactly where it was.
+    """
+
+    def __init__(self, num_items: int, seed: int):
+        if num_items < 1:
+            raise ValueError(f"num_items={num_items}: the dataset is empty")
+        self.num_items = num_items
+        self.seed = seed
+        self._epoch = 0
+        self.position = 0  # items of the current epoch's permutation already taken
+        self._perm = None  # permutation of the current epoch, built on demand
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the data."""
+        return self._epoch
+
+    def permutation(self, epoch: int) -> list[int]:
+        # torch's CPU generator gives the same permutation on every platform and process
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_items, generator=generator).tolist()
+
+    def take(self, n: int) -> list[int]:
+        """The next n indices; a take that crosses the end of a pass continues into the next one."""
+        if n < 0:
+            raise ValueError(f"n={n} must be >= 0")
+        out = []
+        while len(out) < n:
+            if self._perm is None:
+                self._perm = self.permutation(self._epoch)
+            chunk = self._perm[self.position:self.position + n - len(out)]
+            out.extend(chunk)
+            self.position += len(chunk)
+            if self.position == self.num_items:
+                self._epoch, self.position, self._perm = self._epoch + 1, 0, None
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "position": self.position, "num_items": self.num_items, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("num_items", "seed"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"cursor state has {key}={state[key]}, this cursor has {getattr(self, key)}: "
+                                 "resuming on a different dataset or seed would not continue the same stream")
+        if not 0 <= state["position"] < self.num_items or state["epoch"] < 0:
+            raise ValueError(f"invalid cursor state {state}")
+        self._epoch, self.position, self._perm = state["epoch"], state["position"], None

@@ -1,0 +1,38 @@
+"""Turn rendered prompt strings into token ids for the policy."""
+
+from __future__ import annotations
+
+ON_OVERFLOW = ("error", "truncate_left")
+
+
+def encode_prompts(tokenizer, texts: list[str], *, add_bos: bool, max_prompt_tokens: int,
+                   on_overflow: str = "error") -> list[list[int]]:
+    """Encode prompts without the tokenizer's own special tokens, optionally prefixed with BOS.
+
+    Prompts longer than max_prompt_tokens (BOS included) raise, or with "truncate_left" keep
+    their last tokens: the end of a prompt holds the instruction the completion follows.
+    """
+    if on_overflow not in ON_OVERFLOW:
+        raise ValueError(f"on_overflow={on_overflow!r}: expected one of {ON_OVERFLOW}")
+    if max_prompt_tokens < 1 + add_bos:
+        raise ValueError(f"data.max_prompt_tokens={max_prompt_tokens} leaves no room for the prompt")
+    bos = []
+    if add_bos:
+        if tokenizer.bos_token_id is None:
+            raise ValueError("add_bos is set but the tokenizer has no BOS token; turn add_bos off")
+        bos = [tokenizer.bos_token_id]
+    if not texts:
+        return []
+
+    encoded = []
+    for i, ids in enumerate(tokenizer(list(texts), add_special_tokens=False)["input_ids"]):
+        ids = bos + list(ids)
+        if len(ids) > max_prompt_tokens:
+            if on_overflow == "error":
+                raise ValueError(
+                    f"prompt {i} is {len(ids)} tokens, over data.max_prompt_tokens={max_prompt_tokens}; "
+                    "raise data.max_prompt_tokens or set on_overflow to truncate_left"
+                )
+            ids = bos + ids[len(ids) - max_prompt_tokens + len(bos):]
+        encoded.append(ids)
+    return encoded

@@ -1,0 +1,1 @@
+"""Procedural tasks with exactly checkable answers."""

@@ -1,0 +1,64 @@
+"""Load policies and tokenizers; build the tiny Qwen2-architecture policy.
+
+A model spec is a checkpoint folder, a hub id, or "embedded:<name>" for a policy that
+ships inside the package (`caspo/assets/<name>`), so the default job needs nothing
+downloaded or trained first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+EMBEDDED = "embedded:"
+
+
+def resolve_model_path(spec: str) -> str:
+    if spec.startswith(EMBEDDED):
+        name = spec[len(EMBEDDED):]
+        path = ASSETS / name
+        if not (path / "config.json").exists():
+            shipped = sorted(p.name for p in ASSETS.iterdir() if (p / "config.json").exists()) if ASSETS.exists() else []
+            raise FileNotFoundError(
+                f"no embedded policy {name!r} (shipped: {', '.join(shipped) or 'none'}); "
+                "`caspo sft` creates one, see the README"
+            )
+        return str(path)
+    return spec
+
+
+def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec), dtype=dtype)
+    return model.to(device)
+
+
+def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 4, heads: int = 4,
+                      kv_heads: int = 4, intermediate: int = 256, max_positions: int = 512,
+                      bos_token_id: int | None = None, eos_token_id: int | None = None,
+                      pad_token_id: int | None = None) -> Qwen2Config:
+    """A Qwen2 causal LM of about 0.5–1 M parameters with tied embeddings."""
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device={device} but no CUDA device is visible; use model.device=cpu")
+    return torch.device(device)

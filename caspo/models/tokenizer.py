@@ -1,0 +1,65 @@
+"""Character-level tokenizer for the embedded tiny policies.
+
+One token per printable ASCII character plus newline, and four specials. It is a
+`tokenizers` WordLevel model wrapped as a `PreTrainedTokenizerFast`, so it saves
+and loads with `save_pretrained` / `from_pretrained` like any HF tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+CHARSET = list(string.digits + string.ascii_letters + string.punctuation + " \n")
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARSET)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Every character is its own piece; spaces and newlines are kept, not stripped.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def save_tokenizer(tok, path: str | Path) -> None:
+    """`save_pretrained`, recording a plain fast tokenizer as such so it loads back as itself."""
+    tok.save_pretrained(str(path))
+    if type(tok) is not PreTrainedTokenizerFast:  # a model-specific class records itself
+        return
+    cfg_path = Path(path) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def load_tokenizer(path: str | Path):
+    """Load a tokenizer folder and refuse one that does not round-trip spaces.
+
+    `AutoTokenizer` picks the class from the model type, so a character-level tokenizer
+    saved beside a Qwen2 config comes back as Qwen2's tokenizer, which drops spaces. Our
+    own folders record "PreTrainedTokenizerFast" and load as that; any tokenizer must
+    round-trip a probe with spaces and newlines, or loading fails.
+    """
+    cfg_path = Path(path) / "tokenizer_config.json"
+    saved_class = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
+    if saved_class == "PreTrainedTokenizerFast":
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    probe = "Mia has 14 marbles.\n12 + 7 = 19"
+    ids = tok.encode(probe, add_special_tokens=False)
+    back = tok.decode(ids)
+    if back != probe:
+        raise ValueError(
+            f"tokenizer at {path} does not round-trip text ({probe!r} -> {back!r}); "
+            "set tokenizer_class in tokenizer_config.json to the class it was saved with"
+        )
+    return tok

@@ -1,0 +1,25 @@
+"""A misbehaving score function, for testing how RewardPool survives hangs and crashes."""
+
+import os
+import signal
+import time
+
+from caspo.reward.verify import score
+
+HANG = "<caspo-test-hang>"
+CRASH = "<caspo-test-crash>"
+
+
+def faulty_score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0) -> float:
+    """caspo.reward.verify.score, except that response HANG hangs and response CRASH kills the process.
+
+    The hang blocks SIGALRM first, like a call stuck in C code that math-verify's alarm
+    cannot interrupt, so only the pool's own time limit can end it.
+    """
+    if response == HANG:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
+        while True:
+            time.sleep(60)
+    if response == CRASH:
+        os._exit(70)
+    return score(response, label, finished, timeout_s)

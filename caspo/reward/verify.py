@@ -1,0 +1,160 @@
+"""Final-answer reward: 1.0 if the response's final answer equals the gold label, else 0.0.
+
+The answer is extracted first (last box, else last number) and only that is handed to
+math-verify, wrapped as `$\\boxed{...}$`, because math-verify merges two nearby boxes into a
+set. Golds are wrapped as `$...$`: a bare `\\frac12` parses to nothing.
+
+This module is also the entry point of the reward worker processes, so it imports only the
+standard library and math-verify (never torch).
+"""
+
+import logging
+import math
+import re
+import signal
+import threading
+from functools import lru_cache
+from importlib.metadata import version
+
+from math_verify import parse, verify
+from math_verify.errors import TimeoutException
+
+from caspo.reward.extract import extract_answer
+
+# Names this verifier and the libraries that decide its verdicts; bump the first part
+# whenever extraction or scoring changes, so results can be traced to the code that made them.
+VERIFIER_VERSION = (
+    "caspo-final-answer-1"
+    f"+math-verify-{version('math-verify')}"
+    f"+latex2sympy2_extended-{version('latex2sympy2_extended')}"
+)
+
+_INTEGER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)")
+
+
+def score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0) -> float:
+    """Reward of one response: 1.0 if its final answer matches `label`, else 0.0.
+
+    A response cut off by the length limit (finished=False) scores 0 whatever it says.
+    Never raises on model output: any failure to extract, parse or compare scores 0.
+
+    timeout_s bounds each math-verify step (parsing the gold, parsing the answer, each
+    comparison). math-verify enforces it with SIGALRM, in whole seconds, so it only works in
+    the main thread; calling from another thread raises RuntimeError instead of silently
+    scoring 0. timeout_s=None switches the alarms off (any thread, but no time limit).
+    """
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str, got {type(label).__name__}: {label!r}")
+    if timeout_s is not None and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("score() with a timeout needs the main thread (math-verify uses SIGALRM)")
+    if not finished:
+        return 0.0
+    try:
+        answer = extract_answer(response)
+        if answer is None:
+            return 0.0
+        fast = _integer_verdict(answer, label)
+        if fast is not None:
+            return fast
+        seconds = _alarm_seconds(timeout_s)
+        gold = _parse_gold(_strip_dollars(label), seconds)
+        # Unescaped "$" inside the box ("\boxed{$18$}") would close the math environment early.
+        answer = re.sub(r"(?<!\\)\$", "", answer)
+        prediction = parse("$\\boxed{" + answer + "}$", parsing_timeout=seconds)
+        return 1.0 if verify(list(gold), prediction, timeout_seconds=seconds) else 0.0
+    except (Exception, TimeoutException):  # TimeoutException is a BaseException
+        return 0.0
+
+
+def check_label(label: str) -> None:
+    """Raise ValueError unless `label` is a usable gold answer (for validating dataset rows).
+
+    Usable means: a non-empty string that math-verify parses as math (not only as a raw
+    string), and that a response boxing exactly that label scores 1.0 against (otherwise no
+    response could ever earn reward).
+    Runs math-verify with its SIGALRM timeouts, so call it from the main thread.
+    """
+    if not isinstance(label, str):
+        raise ValueError(f"label must be a string, got {type(label).__name__}: {label!r}")
+    gold = _strip_dollars(label)
+    if not gold:
+        raise ValueError(f"empty label: {label!r}")
+    try:
+        parsed = _parse_gold(gold, _alarm_seconds(5.0))
+    except ValueError:
+        raise ValueError(f"math-verify cannot parse label {label!r}") from None
+    if all(isinstance(p, str) for p in parsed):  # math-verify only echoed the text back
+        raise ValueError(f"math-verify cannot parse label {label!r} as math (only as a string)")
+    if score("\\boxed{" + gold + "}", label) != 1.0:
+        raise ValueError(f"label {label!r} does not match itself: a response boxing it would score 0")
+
+
+def serve(fd: int) -> None:
+    """Entry point of a reward worker process (see caspo.reward.pool).
+
+    Talks over the multiprocessing Connection on file descriptor `fd`: receives
+    (score_fn, timeout_s) once, answers "ready", then answers each (response, label, finished)
+    task with a float reward, until it receives None or the other end closes.
+    """
+    from multiprocessing.connection import Connection
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops us
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout warnings print whole responses
+    conn = Connection(fd)
+    score_fn, timeout_s = conn.recv()
+    conn.send("ready")
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:  # parent went away
+            return
+        if task is None:
+            return
+        try:
+            reward = float(score_fn(*task, timeout_s=timeout_s))
+        except Exception:
+            logging.getLogger(__name__).exception("score_fn raised; reward 0")
+            reward = 0.0
+        conn.send(reward)
+
+
+def _integer_verdict(answer: str, label: str) -> float | None:
+    """Exact verdict when both sides are plain integers ("1,450,000", "\\$18", "-7"), else None.
+
+    Agrees with math-verify, which compares integers exactly and reads thousands separators
+    and dollar signs the same way; it only saves the parse for the common case.
+    """
+    a, b = _as_integer(answer), _as_integer(label)
+    if a is None or b is None:
+        return None
+    return 1.0 if a == b else 0.0
+
+
+def _as_integer(text: str) -> int | None:
+    text = text.replace("\\$", "").replace("$", "").strip()
+    return int(text.replace(",", "")) if _INTEGER.fullmatch(text) else None
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(gold: str, seconds: int | None) -> tuple:
+    """Parsed gold, cached: each prompt's label is scored once per sampled response.
+
+    Raises ValueError if nothing parses; a failure (possibly a timeout) is not cached.
+    """
+    parsed = parse("$" + gold + "$", parsing_timeout=seconds)
+    if not parsed:
+        raise ValueError(f"math-verify cannot parse {gold!r}")
+    return tuple(parsed)
+
+
+def _strip_dollars(label: str) -> str:
+    """'$\\frac12$' -> '\\frac12'; an escaped trailing '\\$' is kept."""
+    label = label.strip().lstrip("$")
+    while label.endswith("$") and not label.endswith("\\$"):
+        label = label[:-1]
+    return label.strip()
+
+
+def _alarm_seconds(timeout_s: float | None) -> int | None:
+    """SIGALRM counts whole seconds, and 0 would mean no alarm at all."""
+    return None if timeout_s is None else max(1, math.ceil(timeout_s))

@@ -1,0 +1,52 @@
+"""The engine protocol: requests in, completions out, weights published as transactions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    seed: int  # the sample seed: all randomness of this completion derives from it
+    max_new_tokens: int
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]  # behaviour log-probs of the sampled distribution
+    finish_reason: Literal["stop", "length"]
+    policy_version: int
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = full vocabulary
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]: ...
+
+    def begin(self, version: int) -> None: ...
+
+    def load(self, named_tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def commit(self) -> str: ...
+
+
+def publish(engine: Engine, model: torch.nn.Module, version: int) -> str:
+    """Send every parameter of `model` to `engine` as one publication; returns the digest."""
+    engine.begin(version)
+    with torch.no_grad():
+        engine.load(dict(model.named_parameters()))
+    return engine.commit()

@@ -1,0 +1,121 @@
+"""The `transformers` rollout backend: any causal LM, a KV cache, counter-based sampling.
+
+It holds its own copy of the policy's weights, so publishing new weights is a real
+operation (and tests can catch one that fails). Requests are decoded in fixed-size
+batches in request order; each row is left-padded and carries its own seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from caspo.rollout.base import Completion, Request, SamplingParams
+from caspo.rollout.publication import Publication, PublicationError, weights_digest
+from caspo.rollout.sampling import sample_next
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward() keyword for the KV cache: `cache` in newer transformers, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class HFEngine:
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch: int = 0, decode=None):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.pad_token_id = pad_token_id
+        self.max_batch = max_batch
+        self.decode = decode  # token ids -> text, needed only for stop strings
+        self.version = 0
+        self._cache_kw = cache_kwarg(self.model)
+        self._publication: Publication | None = None
+
+    # ------------------------------------------------------------ publication
+    def _params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    def begin(self, version: int) -> None:
+        self._publication = Publication(self._params(), version)
+
+    def load(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        if self._publication is None:
+            raise PublicationError("load() before begin()")
+        self._publication.load(named_tensors)
+
+    def commit(self) -> str:
+        if self._publication is None:
+            raise PublicationError("commit() before begin()")
+        publication, self._publication = self._publication, None
+        digest = publication.commit()
+        self.version = publication.version
+        return digest
+
+    def digest(self) -> str:
+        return weights_digest(self._params())
+
+    # ------------------------------------------------------------ generation
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
+        if sampling.stop_strings and self.decode is None:
+            raise ValueError("stop strings need a decode function: HFEngine(..., decode=tokenizer.decode)")
+        size = self.max_batch or len(requests)
+        out: list[Completion] = []
+        for start in range(0, len(requests), size):
+            out.extend(self._generate_batch(requests[start:start + size], sampling))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: Sequence[Request], sp: SamplingParams) -> list[Completion]:
+        device = next(self.model.parameters()).device
+        B = len(requests)
+        lengths = [len(r.prompt_ids) for r in requests]
+        width = max(lengths)
+        ids = torch.full((B, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - lengths[i]:] = torch.tensor(r.prompt_ids)
+            mask[i, width - lengths[i]:] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=device)
+        budget = torch.tensor([r.max_new_tokens for r in requests], device=device)
+        stop_ids = torch.tensor(sp.stop_token_ids or [-1], device=device)
+
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1,
+                            use_cache=True, **{self._cache_kw: cache}).logits[:, -1]
+        next_pos = positions[:, -1] + 1
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        finish = [""] * B
+        active = torch.ones(B, dtype=torch.bool, device=device)
+        for t in range(int(budget.max())):
+            step_pos = torch.full((B,), t, dtype=torch.int64, device=device)
+            tok, lp = sample_next(logits, seeds, step_pos, sp.temperature, sp.top_k, sp.top_p)
+            tok = torch.where(active, tok, torch.full_like(tok, self.pad_token_id))
+            hit_stop = torch.isin(tok, stop_ids) & active
+            tok_list, lp_list, stop_list = tok.tolist(), lp.tolist(), hit_stop.tolist()
+            for i in range(B):
+                if finish[i]:
+                    continue
+                tokens[i].append(tok_list[i])
+                logps[i].append(lp_list[i])
+                if stop_list[i] or (sp.stop_strings and self._ends_with_stop(tokens[i], sp.stop_strings)):
+                    finish[i] = "stop"
+                elif len(tokens[i]) >= requests[i].max_new_tokens:
+                    finish[i] = "length"
+            active = torch.tensor([not f for f in finish], device=device)
+            if not active.any():
+                break
+            mask = torch.cat([mask, active[:, None].long()], dim=1)
+            logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                use_cache=True, **{self._cache_kw: cache}).logits[:, -1]
+            next_pos = next_pos + 1
+        return [Completion(tokens[i], logps[i], finish[i] or "length", self.version) for i in range(B)]
+
+    def _ends_with_stop(self, token_ids: list[int], stops: list[str]) -> bool:
+        tail = self.decode(token_ids[-32:])
+        return any(tail.endswith(s) for s in stops)

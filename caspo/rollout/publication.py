@@ -1,0 +1,65 @@
+"""Weight publication as a transaction: stage every tensor, check, then swap.
+
+A publication that misses a name, or brings a wrong shape or dtype, raises at
+`commit()` and leaves the weights in service untouched: a half-loaded policy can
+never generate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+class PublicationError(RuntimeError):
+    pass
+
+
+def weights_digest(named: dict[str, torch.Tensor]) -> str:
+    """A checksum of named tensors, computed where they live (float64 sum and sum of squares)."""
+    h = hashlib.sha256()
+    for name in sorted(named):
+        t = named[name].detach()
+        x = t.double()
+        stats = torch.stack([x.sum(), x.square().sum()]).cpu().tolist()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{stats[0]!r}:{stats[1]!r};".encode())
+    return h.hexdigest()[:16]
+
+
+class Publication:
+    """Staging area for one versioned publication into `target`'s parameters."""
+
+    def __init__(self, target: dict[str, torch.Tensor], version: int):
+        self.target = target
+        self.version = version
+        self.staged: dict[str, torch.Tensor] = {}
+
+    def load(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in named_tensors.items():
+            if name not in self.target:
+                raise PublicationError(f"publication v{self.version}: unknown tensor {name!r}")
+            want = self.target[name]
+            if tuple(tensor.shape) != tuple(want.shape):
+                raise PublicationError(
+                    f"publication v{self.version}: {name} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}"
+                )
+            # Cast to the engine's compute dtype here, so what is checked is what will serve.
+            self.staged[name] = tensor.detach().to(device=want.device, dtype=want.dtype, copy=True)
+
+    def commit(self) -> str:
+        missing = sorted(set(self.target) - set(self.staged))
+        if missing:
+            raise PublicationError(
+                f"publication v{self.version} incomplete: {len(missing)} tensors never arrived (first: {missing[0]}); "
+                "the previous weights stay in service"
+            )
+        for name, tensor in self.staged.items():
+            if tensor.dtype != self.target[name].dtype:
+                raise PublicationError(f"publication v{self.version}: {name} dtype {tensor.dtype}")
+        digest = weights_digest(self.staged)
+        with torch.no_grad():
+            for name, tensor in self.staged.items():
+                self.target[name].copy_(tensor)
+        self.staged.clear()
+        return digest

@@ -1,0 +1,27 @@
+"""Step segmentation: text splitters -> character offsets -> token step ids."""
+
+from caspo.segment.latex import latex_step_starts
+from caspo.segment.newline import newline_step_starts
+from caspo.segment.token_steps import (
+    SPLITTERS,
+    TokenSteps,
+    char_offsets_from_tokens,
+    final_box_end,
+    merge_after_final_box,
+    pad_step_ids,
+    segment_response,
+    token_step_ids,
+)
+
+__all__ = [
+    "SPLITTERS",
+    "TokenSteps",
+    "char_offsets_from_tokens",
+    "final_box_end",
+    "latex_step_starts",
+    "merge_after_final_box",
+    "newline_step_starts",
+    "pad_step_ids",
+    "segment_response",
+    "token_step_ids",
+]

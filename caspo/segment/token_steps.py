@@ -1,0 +1,193 @@
+"""From character steps to token steps.
+
+The policy produced token ids, so step membership is read off those ids: the
+response text is their decode, and each token's character offset comes from
+decoding them cumulatively (``decode(ids[:i+1])`` prefixes), never from
+re-tokenizing the text, which may not reproduce the generated ids.
+
+A token whose cumulative decode does not extend the visible text (an empty
+special token, or the first bytes of a multi-byte UTF-8 character, which
+decode to U+FFFD until the character is complete) gets the offset where the
+next visible text starts. Each token belongs to the step holding its first
+character; tokens at or past the end of the text (a trailing EOS) belong to
+the last step.
+
+``segment_response`` also folds a step that no token starts in (one token
+spans its whole text) into the previous step, so step ids are contiguous and
+every step owns at least one token.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from caspo.segment.latex import latex_step_starts
+from caspo.segment.newline import newline_step_starts
+
+Decode = Callable[[list[int]], str]
+SPLITTERS = {"latex": latex_step_starts, "newline": newline_step_starts}
+MAX_PENDING = 32  # tokens without visible text before the fast decode gives up
+
+
+@dataclass
+class TokenSteps:
+    step_starts_chars: list[int]  # offsets in ``text`` where steps start
+    token_step_ids: list[int]  # step index of every response token
+    num_steps: int
+    text: str  # decode of the response token ids
+
+
+def char_offsets_from_tokens(decode: Decode, token_ids: Sequence[int], text: str | None = None) -> list[int]:
+    """Offset in ``decode(token_ids)`` where each token's text begins.
+
+    Decodes incrementally over a small window (the tokens since the last
+    visible output plus the previous chunk as context), which is O(n·k). The
+    result is checked against the full decode; if they differ (tokenizers that
+    rewrite earlier text, such as clean-up of spaces before punctuation) it
+    falls back to the exact O(n²) cumulative decode.
+    """
+    ids = list(token_ids)
+    if not ids:
+        return []
+    text = decode(ids) if text is None else text
+    ends = _incremental_ends(decode, ids, text)
+    if ends is None:
+        ends = _cumulative_ends(decode, ids, text)
+    return [0] + ends[:-1]
+
+
+def _incremental_ends(decode: Decode, ids: list[int], text: str) -> list[int] | None:
+    """End of the visible text after each token, or None if it does not rebuild ``text``."""
+    ends, length = [], 0
+    prefix_start, read_start, prefix_text = 0, 0, ""
+    for i in range(len(ids)):
+        window = decode(ids[prefix_start : i + 1])
+        # the previous chunk is decoded as context so leading-space rules match the full decode
+        if len(window) > len(prefix_text) and not window.endswith("\ufffd") and window.startswith(prefix_text):
+            new = window[len(prefix_text) :]
+            if text[length : length + len(new)] != new:
+                return None
+            length += len(new)
+            prefix_start, read_start = read_start, i + 1
+            prefix_text = decode(ids[prefix_start:read_start])
+        elif i + 1 - read_start > MAX_PENDING:
+            return None
+        ends.append(length)
+    return ends if length == len(text) else None
+
+
+def _cumulative_ends(decode: Decode, ids: list[int], text: str) -> list[int]:
+    """Exact version: the longest prefix of ``text`` that ``decode(ids[:i+1])`` agrees with.
+
+    A dangling partial character (U+FFFD) or text the tokenizer later rewrites
+    is not part of that prefix, so it does not count as visible yet.
+    """
+    ends, best = [], 0
+    for i in range(len(ids)):
+        best = max(best, _common_prefix_len(decode(ids[: i + 1]), text, best))  # non-decreasing
+        ends.append(best)
+    return ends
+
+
+def _common_prefix_len(a: str, b: str, hint: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``; cheap when it is about ``hint``."""
+    if a[:hint] == b[:hint]:
+        n, limit = min(hint, len(a), len(b)), min(len(a), len(b))
+        while n < limit and a[n] == b[n]:
+            n += 1
+        return n
+    lo, hi = 0, hint  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+def token_step_ids(token_char_offsets: Sequence[int], step_starts: Sequence[int], num_tokens: int) -> list[int]:
+    """Step index of each token: the step holding the token's first character.
+
+    Tokens past ``len(token_char_offsets)`` (an EOS that was not decoded) get
+    the last step.
+    """
+    if num_tokens and not step_starts:
+        raise ValueError("tokens but no steps: segment a non-empty text first")
+    last = len(step_starts) - 1
+    ids = [max(bisect_right(step_starts, off) - 1, 0) for off in token_char_offsets[:num_tokens]]
+    return ids + [last] * (num_tokens - len(ids))
+
+
+def final_box_end(text: str) -> int | None:
+    """Offset just after the closing brace of the last ``\\boxed{...}``, or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None  # unbalanced: the box never closes
+
+
+def merge_after_final_box(text: str, step_starts: list[int]) -> list[int]:
+    """Drop step starts at or after the end of the final box: that text joins the box's step."""
+    end = final_box_end(text)
+    return step_starts if end is None else [s for s in step_starts if s < end]
+
+
+def segment_response(
+    decode: Decode,
+    token_ids: Sequence[int],
+    splitter: str = "latex",
+    max_steps: int | None = None,
+    after_final_box: str = "keep",
+) -> TokenSteps:
+    """Split one response into steps and map every token to its step.
+
+    ``after_final_box="merge"`` folds steps that start after the final
+    ``\\boxed{...}`` into the step containing it. ``max_steps`` keeps the first
+    ``max_steps - 1`` boundaries and merges all the rest into the last allowed
+    step, so the early steps keep their own values and only the tail is coarse.
+    A non-empty token list whose text is empty is one step.
+    """
+    if splitter not in SPLITTERS:
+        raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
+    if after_final_box not in ("keep", "merge"):
+        raise ValueError(f"after_final_box must be 'keep' or 'merge', got {after_final_box!r}")
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    ids = list(token_ids)
+    text = decode(ids) if ids else ""
+    if not ids:
+        return TokenSteps([], [], 0, text)
+    starts = SPLITTERS[splitter](text) or [0]
+    if after_final_box == "merge":
+        starts = merge_after_final_box(text, starts)
+    offsets = char_offsets_from_tokens(decode, ids, text)
+    owned = sorted(set(token_step_ids(offsets, starts, len(ids))))
+    starts = [starts[k] for k in owned][:max_steps]
+    return TokenSteps(starts, token_step_ids(offsets, starts, len(ids)), len(starts), text)
+
+
+def pad_step_ids(step_ids: Sequence[Sequence[int]], seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``[B, T]`` LongTensor of token step ids (-1 on padding) and ``[B]`` step counts.
+
+    ``step_ids`` holds one ``TokenSteps.token_step_ids`` list per response;
+    ``T`` is ``seq_len`` or the longest response.
+    """
+    lengths = [len(row) for row in step_ids]
+    width = max(lengths, default=0) if seq_len is None else seq_len
+    if max(lengths, default=0) > width:
+        raise ValueError(f"a response has {max(lengths)} tokens, more than seq_len={width}")
+    out = torch.full((len(step_ids), width), -1, dtype=torch.long)
+    for b, row in enumerate(step_ids):
+        out[b, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+    counts = torch.tensor([max(row, default=-1) + 1 for row in step_ids], dtype=torch.long)
+    return out, counts

@@ -1,0 +1,297 @@
+"""The outer training step, phase by phase, as the data path of DESIGN.md:
+
+    prompts  = cursor.take(P)                 resumable prompt cursor
+    batch    = engine.generate(prompts × G)   t_roll    tokens + behaviour log-probs + policy version
+    batch    = reward(batch)                  t_reward  verifier in a process pool
+    batch    = old / ref log-probs            t_old, t_ref  (trainer recomputes, no grad)
+    batch    = advantages(batch)              pure tensor functions of caspo.algo
+    stats    = update(batch)                  t_pol
+    engine.publish(policy, version + 1)       t_sync
+    checkpoint / log / eval                   t_ckpt, t_eval
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from caspo import algo
+from caspo.batch import RolloutBatch
+from caspo.config import Config, to_yaml
+from caspo.data.build import TaskData, load_task_data
+from caspo.data.cursor import PromptCursor
+from caspo.eval.heldout import greedy_accuracy
+from caspo.models.policy import load_policy, resolve_device, resolve_model_path
+from caspo.models.tokenizer import load_tokenizer
+from caspo.report.curves import plot_run
+from caspo.reward.pool import RewardPool
+from caspo.rollout.base import Request, SamplingParams, publish
+from caspo.rollout.hf import HFEngine
+from caspo.rollout.sampling import sample_seed
+from caspo.train import checkpoint as ckpt
+from caspo.train.forward import response_logprobs
+from caspo.train.optim import build_optimizer, build_scheduler
+from caspo.train.runlog import JsonlWriter, console, progress_bar
+from caspo.train.timers import PhaseTimer
+from caspo.train.update import policy_update
+
+
+@dataclass
+class Trainer:
+    """Everything one run holds between steps."""
+    cfg: Config
+    run_dir: Path
+    device: torch.device
+    tokenizer: object
+    policy: torch.nn.Module
+    ref: torch.nn.Module | None
+    engine: HFEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    cursor: PromptCursor
+    update_rng: torch.Generator
+    data: TaskData
+    pool: RewardPool
+    step: int = 0  # outer steps completed
+    version: int = 0  # policy version served by the engine
+
+    @property
+    def sampling(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              stop_token_ids=[self.tokenizer.eos_token_id], stop_strings=list(r.stop))
+
+
+# ---------------------------------------------------------------- the outer step
+
+
+def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
+    cfg, timer = tr.cfg, PhaseTimer()
+    with timer("t_step"):
+        indices = tr.cursor.take(cfg.rollout.prompts_per_step)
+        with timer("t_roll"):
+            batch = generate(tr, indices)
+        with timer("t_reward"):
+            batch.rewards = reward(tr, batch)
+        with timer("t_old"):
+            batch.old_logprobs = score(tr.policy, batch, cfg)
+        with timer("t_ref"):
+            batch.ref_logprobs = score(tr.ref, batch, cfg) if tr.ref is not None else None
+        batch.advantages = advantages(batch, cfg)
+        with timer("t_pol"):
+            stats = policy_update(tr.policy, tr.optimizer, tr.scheduler, batch, cfg, tr.update_rng)
+        with timer("t_sync"):
+            publish(tr.engine, tr.policy, tr.version + 1)
+            tr.version += 1
+    tr.step += 1
+    return batch, {**stats, **batch_stats(batch), **timer.reset()}
+
+
+def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
+    """G samples of each prompt; every sample's seed comes from (run seed, step, global prompt index, sample)."""
+    cfg = tr.cfg
+    G, P = cfg.rollout.samples_per_prompt, cfg.rollout.prompts_per_step
+    prompts, seeds, groups, ids = [], [], [], []
+    for i, item in enumerate(indices):
+        global_prompt = tr.step * P + i
+        for j in range(G):
+            prompts.append(tr.data.train_prompts[item])
+            seeds.append(sample_seed(cfg.train.seed, tr.step, global_prompt, j))
+            groups.append(i)
+            ids.append(tr.data.train[item].id)
+    requests = [Request(p, s, cfg.rollout.max_new_tokens) for p, s in zip(prompts, seeds)]
+    completions = tr.engine.generate(requests, tr.sampling)
+    texts = [tr.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+    batch = RolloutBatch.from_completions(prompts, completions, group_ids=groups, example_ids=ids,
+                                          sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id)
+    batch.extras["labels"] = [tr.data.train[item].label for item in indices for _ in range(G)]
+    return batch
+
+
+def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
+    result = tr.pool.score(batch.texts, batch.extras["labels"], batch.finished.tolist())
+    rewards = torch.tensor(result.rewards, dtype=torch.float32)
+    batch.extras["reward_timeouts"] = result.timeouts
+    if tr.cfg.reward.shuffle_within_batch:  # the control: same rewards, no longer tied to the samples
+        g = torch.Generator().manual_seed(tr.cfg.train.seed * 1_000_003 + tr.step)
+        batch.extras["true_rewards"] = rewards
+        rewards = rewards[torch.randperm(len(rewards), generator=g)]
+    return rewards
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """Response log-probs under `model`, micro-batch by micro-batch, no grad."""
+    out = torch.zeros_like(batch.behaviour_logprobs)
+    mb = cfg.train.micro_batch_size
+    for start in range(0, batch.size, mb):
+        idx = torch.arange(start, min(start + mb, batch.size))
+        micro = batch.select(idx)
+        out[idx, :micro.responses.shape[1]] = response_logprobs(model, micro, cfg.rollout.temperature)
+    return out
+
+
+def advantages(batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """Group-relative terminal reward, broadcast to every response token."""
+    seq_adv = algo.group_advantages(batch.rewards, batch.group_ids, std_normalize=cfg.method.std_normalize)
+    return seq_adv[:, None] * batch.response_mask
+
+
+def batch_stats(batch: RolloutBatch) -> dict:
+    lengths = batch.response_lengths.float()
+    stats = {
+        "reward_mean": float(batch.rewards.mean()),
+        "response_len_mean": float(lengths.mean()),
+        "truncated_frac": float((~batch.finished).float().mean()),
+        "reward_timeouts": batch.extras.get("reward_timeouts", 0),
+        "behaviour_vs_old_logp_absdiff": float(
+            algo.masked_mean((batch.behaviour_logprobs - batch.old_logprobs).abs(), batch.response_mask)),
+    }
+    if "true_rewards" in batch.extras:
+        stats["true_reward_mean"] = float(batch.extras["true_rewards"].mean())
+    return stats
+
+
+def sample_records(tr: Trainer, batch: RolloutBatch, step: int) -> list[dict]:
+    rewards = batch.extras.get("true_rewards", batch.rewards).tolist()
+    return [
+        {"step": step, "prompt_id": batch.example_ids[i], "sample_seed": batch.sample_seeds[i],
+         "policy_version": batch.policy_versions[i], "finish_reason": batch.finish_reasons[i],
+         "length": int(batch.response_lengths[i]), "reward": rewards[i], "text": batch.texts[i]}
+        for i in range(batch.size)
+    ]
+
+
+# ---------------------------------------------------------------- setup and the run
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_trainer(cfg: Config) -> Trainer:
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    seed_everything(cfg.train.seed)
+    device = resolve_device(cfg.model.device)
+    path = resolve_model_path(cfg.model.policy)
+    tokenizer = load_tokenizer(path)
+    policy = load_policy(path, device).eval()
+    ref = copy.deepcopy(policy).requires_grad_(False) if cfg.method.kl_coef > 0 else None
+    data = load_task_data(cfg, tokenizer)
+    engine = HFEngine(policy, pad_token_id=tokenizer.pad_token_id, max_batch=cfg.rollout.max_batch,
+                      decode=tokenizer.decode)
+    updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
+    optimizer = build_optimizer(policy.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, warmup=cfg.optim.warmup_steps, total=updates, schedule=cfg.optim.schedule)
+    return Trainer(
+        cfg=cfg, run_dir=Path(cfg.train.output_dir), device=device, tokenizer=tokenizer, policy=policy, ref=ref,
+        engine=engine, optimizer=optimizer, scheduler=scheduler,
+        cursor=PromptCursor(len(data.train), cfg.train.seed),
+        update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
+        pool=RewardPool(cfg.reward.workers, cfg.reward.timeout_s),
+    )
+
+
+def trainer_state(tr: Trainer) -> dict:
+    return {
+        "step": tr.step, "version": tr.version,
+        "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
+        "cursor": tr.cursor.state_dict(), "update_rng": tr.update_rng.get_state(), "rng": ckpt.rng_state(),
+    }
+
+
+def save(tr: Trainer) -> Path:
+    return ckpt.save_checkpoint(
+        tr.run_dir, tr.step, models={"policy": tr.policy}, tokenizer=tr.tokenizer,
+        trainer_state=trainer_state(tr), counters={"step": tr.step, "version": tr.version},
+    )
+
+
+def restore(tr: Trainer, checkpoint: Path) -> None:
+    """Load weights and state, then publish the restored weights before anything generates."""
+    from safetensors.torch import load_model
+
+    load_model(tr.policy, str(checkpoint / "policy" / "model.safetensors"), device=str(tr.device))
+    state = ckpt.load_trainer_state(checkpoint)
+    tr.optimizer.load_state_dict(state["optimizer"])
+    tr.scheduler.load_state_dict(state["scheduler"])
+    tr.cursor.load_state_dict(state["cursor"])
+    tr.update_rng.set_state(state["update_rng"])
+    ckpt.set_rng_state(state["rng"])
+    tr.step, tr.version = state["step"], state["version"]
+    tr.engine.begin(tr.version)
+    tr.engine.load(dict(tr.policy.named_parameters()))
+    tr.engine.commit()
+
+
+def evaluate(tr: Trainer) -> dict:
+    cfg = tr.cfg
+    result = greedy_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
+                             tr.pool, max_new_tokens=cfg.eval.max_new_tokens,
+                             stop_token_ids=[tr.tokenizer.eos_token_id], stop_strings=cfg.rollout.stop)
+    return {f"eval_{k}": v for k, v in result.summary().items()}
+
+
+def train(cfg: Config, resume: str | None = None) -> dict:
+    tr = build_trainer(cfg)
+    tr.run_dir.mkdir(parents=True, exist_ok=True)
+    (tr.run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if resume:
+        checkpoint = ckpt.resolve_checkpoint(tr.run_dir if resume == "latest" else resume)
+        restore(tr, checkpoint)
+        console.print(f"resumed from {checkpoint} at step {tr.step}, policy version {tr.version}")
+    truncate = tr.step if resume else -1
+    metrics = JsonlWriter(tr.run_dir / "metrics.jsonl", truncate_after_step=truncate)
+    samples = JsonlWriter(tr.run_dir / "samples.jsonl", truncate_after_step=truncate)
+    summary: dict = {"run_dir": str(tr.run_dir)}
+    last = min(cfg.train.steps, tr.step + cfg.train.stop_after) if cfg.train.stop_after else cfg.train.steps
+    with tr.pool:
+        if cfg.eval.before and tr.step == 0:
+            timer = PhaseTimer()
+            with timer("t_eval"):
+                before = evaluate(tr)
+            metrics.write({"step": 0, **before, **timer.reset()})
+            summary["before"] = before
+            console.print(f"held-out greedy before: accuracy {before['eval_accuracy']:.3f}, "
+                          f"boxed {before['eval_boxed_rate']:.3f} (n={before['eval_n']})")
+        train_time = 0.0
+        with progress_bar() as progress:
+            task = progress.add_task("train", total=cfg.train.steps, completed=tr.step, status="")
+            while tr.step < last:
+                batch, stats = outer_step(tr)
+                train_time += stats["t_step"]
+                record = {"step": tr.step, **stats}
+                timer = PhaseTimer()
+                if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or tr.step == last:
+                    with timer("t_ckpt"):
+                        save(tr)
+                if cfg.eval.every and tr.step % cfg.eval.every == 0 and tr.step != cfg.train.steps:
+                    with timer("t_eval"):
+                        record.update(evaluate(tr))
+                record.update(timer.reset())
+                metrics.write(record)
+                for s in sample_records(tr, batch, tr.step):
+                    samples.write(s)
+                progress.update(task, completed=tr.step,
+                                status=f"reward {stats['reward_mean']:.3f}  step {stats['t_step']:.1f}s")
+        summary["train_seconds"] = round(train_time, 1)
+        if cfg.eval.after and tr.step == cfg.train.steps:
+            timer = PhaseTimer()
+            with timer("t_eval"):
+                after = evaluate(tr)
+            metrics.write({"step": tr.step, **after, **timer.reset()})
+            summary["after"] = after
+            console.print(f"held-out greedy after {tr.step} steps: accuracy {after['eval_accuracy']:.3f}, "
+                          f"boxed {after['eval_boxed_rate']:.3f}")
+    metrics.close()
+    samples.close()
+    summary["curves"] = str(plot_run(tr.run_dir))
+    return summary

@@ -1,0 +1,39 @@
+"""Optimizer and learning-rate schedule, built after any model wrapping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from caspo.config import OptimConfig
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        foreach=False,  # the same kernels on every device and split, for exact resume
+    )
+
+
+def lr_multiplier(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
+    """Linear warmup over `warmup` updates, then constant, linear or cosine decay to min_ratio at `total`."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}; use constant, linear or cosine")
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def build_scheduler(optimizer, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, warmup=warmup, total=total, schedule=schedule, min_ratio=min_ratio)
+    )

@@ -1,0 +1,132 @@
+import math
+
+import pytest
+import torch
+
+from caspo.algo import gae, group_advantages, step_td, terminal_advantages
+
+NAN, INF = float("nan"), float("inf")
+
+
+def gae_by_hand(rewards, values, mask, gamma, lam):
+    """The verl loop on Python lists, one row at a time."""
+    adv_rows = []
+    for r_row, v_row, m_row in zip(rewards, values, mask):
+        nv = g = 0.0
+        out = [0.0] * len(r_row)
+        for t in reversed(range(len(r_row))):
+            if m_row[t]:
+                delta = r_row[t] + gamma * nv - v_row[t]
+                g = delta + gamma * lam * g
+                nv = v_row[t]
+                out[t] = g
+        adv_rows.append(out)
+    return adv_rows
+
+
+def test_gae_with_a_hole_by_hand():
+    rewards = torch.tensor([[0.0, 9.0, 0.0, 1.0], [1.0, NAN, INF, 5.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, NAN, 0.6, 0.8], [0.3, INF, NAN, 2.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1, 1], [1, 0, 0, 0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    # row 0, γλ = 0.45:
+    #   t=3: δ = 1 + 0 − 0.8 = 0.2                       A = 0.2,   nv = 0.8
+    #   t=2: δ = 0 + 0.9·0.8 − 0.6 = 0.12                A = 0.12 + 0.45·0.2 = 0.21,  nv = 0.6
+    #   t=1: hole, skipped (its reward 9 is ignored)
+    #   t=0: δ = 0 + 0.9·0.6 − 0.5 = 0.04                A = 0.04 + 0.45·0.21 = 0.1345
+    # row 1: only t=0: δ = 1 − 0.3 = 0.7
+    expected_adv = torch.tensor([[0.1345, 0.0, 0.21, 0.2], [0.7, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    expected_ret = torch.tensor([[0.6345, 0.0, 0.81, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(adv, expected_adv)
+    torch.testing.assert_close(ret, expected_ret)
+
+
+def test_gae_matches_hand_loop_on_random_ragged_batch_with_holes():
+    gen = torch.Generator().manual_seed(1)
+    B, T = 5, 9
+    rewards = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    values = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=gen) > 0.3).long()
+    mask[2] = 0  # an empty row
+    expected = gae_by_hand(rewards.tolist(), values.tolist(), mask.tolist(), 0.95, 0.8)
+    adv, ret = gae(rewards, values, mask, gamma=0.95, lam=0.8)
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(ret, torch.where(mask.bool(), adv + values, 0.0))
+
+
+def test_gae_gamma_lambda_one_value_zero_is_return_to_go():
+    rewards = torch.tensor([[1.0, 2.0, 3.0, NAN], [0.0, 0.0, 5.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    adv, ret = gae(rewards, torch.zeros(2, 4), mask, gamma=1.0, lam=1.0)
+    # row 0: 1+2+3, 2+3, 3; row 1: the terminal 5 reaches back to t=0
+    expected = torch.tensor([[6.0, 5.0, 3.0, 0.0], [5.0, 5.0, 5.0, 0.0]])
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, expected)
+
+
+def test_gae_has_no_gradient():
+    values = torch.zeros(1, 3, requires_grad=True)
+    adv, ret = gae(torch.ones(1, 3), values, torch.ones(1, 3), 1.0, 1.0)
+    assert not adv.requires_grad and not ret.requires_grad
+
+
+def test_group_advantages_by_hand_with_arbitrary_labels():
+    # groups interleaved, labels 5, 9, -1
+    scores = torch.tensor([1.0, 2.0, 0.3, 0.0, 2.0, 1.0, 0.7, 0.5, 2.0], dtype=torch.float64)
+    ids = torch.tensor([5, 9, -1, 5, 9, 5, -1, 5, 9])
+    adv = group_advantages(scores, ids)
+    # group 5 = [1, 0, 1, 0.5]: mean 0.625, deviations .375 −.625 .375 −.125,
+    #   Σd² = .140625 + .390625 + .140625 + .015625 = .6875, unbiased var = .6875/3
+    s5 = math.sqrt(0.6875 / 3) + 1e-6
+    # group -1 = [0.3, 0.7]: mean 0.5, d = ∓0.2, var = 0.08/1
+    s1 = math.sqrt(0.08) + 1e-6
+    expected = torch.tensor(
+        [0.375 / s5, 0.0, -0.2 / s1, -0.625 / s5, 0.0, 0.375 / s5, 0.2 / s1, -0.125 / s5, 0.0], dtype=torch.float64
+    )
+    torch.testing.assert_close(adv, expected)
+
+    centered = group_advantages(scores, ids, std_normalize=False)
+    expected = torch.tensor([0.375, 0.0, -0.2, -0.625, 0.0, 0.375, 0.2, -0.125, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(centered, expected)
+
+
+def test_group_advantages_equal_scores_give_exact_zero():
+    # in fp64 the mean of three 0.1s is 0.1 − 1.4e-17, so s − mean alone would not be 0
+    scores = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0], dtype=torch.float64)
+    adv = group_advantages(scores, torch.tensor([3, 3, 3, 4, 4]))
+    assert (adv[:3] == 0).all()
+    assert adv[3].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-6))
+
+
+def test_group_advantages_singleton_is_an_error_naming_the_group():
+    with pytest.raises(ValueError, match="42"):
+        group_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([7, 7, 42]))
+
+
+def test_terminal_advantages_scopes():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    ids = torch.tensor([0, 0, 1, 1])
+    # batch: mean 0.5, d = ±0.5, unbiased var = 4·0.25/3 = 1/3
+    s = math.sqrt(1 / 3) + 1e-6
+    torch.testing.assert_close(terminal_advantages(scores, ids, "batch"), torch.tensor([0.5, -0.5, -0.5, 0.5]) / s)
+    # group: each pair is {0, 1}: d = ±0.5, var = 0.5
+    g = 0.5 / (math.sqrt(0.5) + 1e-6)
+    torch.testing.assert_close(terminal_advantages(scores, ids, "group"), torch.tensor([g, -g, -g, g]))
+    torch.testing.assert_close(terminal_advantages(scores, None, "off"), scores)
+    assert (terminal_advantages(torch.ones(4), None, "batch") == 0).all()
+    with pytest.raises(ValueError, match="batch"):
+        terminal_advantages(scores, ids, "prompt")
+
+
+def test_step_td_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, NAN], [0.0, 1.0, INF, NAN]])
+    values = torch.tensor([[0.5, 0.7, 0.9, 3.0], [0.2, 0.4, NAN, INF]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    # γ = 1, V after the last valid step = 0:
+    #   row 0: 0 + .7 − .5 = .2,  0 + .9 − .7 = .2,  1 + 0 − .9 = .1
+    #   row 1: 0 + .4 − .2 = .2,  1 + 0 − .4 = .6
+    expected = torch.tensor([[0.2, 0.2, 0.1, 0.0], [0.2, 0.6, 0.0, 0.0]])
+    torch.testing.assert_close(step_td(rewards, values, mask), expected)
+    # γ = 0.5, row 0: .35 − .5 = −.15,  .45 − .7 = −.25,  1 − .9 = .1
+    half = step_td(rewards, values, mask, gamma=0.5)
+    torch.testing.assert_close(half[0], torch.tensor([-0.15, -0.25, 0.1, 0.0]))

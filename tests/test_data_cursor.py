@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from caspo.data import PromptCursor
+
+
+def test_pinned_permutation():
+    # The stream must not depend on the process or platform; a change here breaks resumed runs.
+    assert PromptCursor(10, seed=0).take(10) == [4, 1, 7, 5, 3, 9, 0, 8, 6, 2]
+
+
+def test_each_pass_is_a_fresh_permutation():
+    cursor = PromptCursor(50, seed=3)
+    passes = [cursor.take(50) for _ in range(3)]
+    assert all(sorted(p) == list(range(50)) for p in passes)
+    assert passes[0] != passes[1] != passes[2]
+    assert passes == [cursor.permutation(e) for e in range(3)]
+    assert cursor.epoch == 3
+
+
+def test_takes_cross_pass_boundaries():
+    cursor = PromptCursor(10, seed=1)
+    taken = [cursor.take(7) for _ in range(6)]
+    assert [len(t) for t in taken] == [7] * 6
+    stream = sum(taken, [])
+    assert stream == sum((cursor.permutation(e) for e in range(5)), [])[:42]
+    assert cursor.epoch == 4 and cursor.position == 2
+    assert cursor.take(0) == []
+
+
+def test_epoch_counts_completed_passes():
+    cursor = PromptCursor(4, seed=0)
+    cursor.take(3)
+    assert cursor.epoch == 0
+    cursor.take(1)
+    assert cursor.epoch == 1 and cursor.position == 0
+
+
+def test_same_seed_same_stream_and_seeds_differ():
+    assert PromptCursor(100, 5).take(250) == PromptCursor(100, 5).take(250)
+    assert PromptCursor(100, 5).take(100) != PromptCursor(100, 6).take(100)
+
+
+@pytest.mark.parametrize("k", [0, 5, 13, 20, 37])
+def test_resume_continues_exactly(k):
+    uninterrupted = PromptCursor(13, seed=9).take(80)
+    cursor = PromptCursor(13, seed=9)
+    head = cursor.take(k)
+    state = json.loads(json.dumps(cursor.state_dict()))  # survives a checkpoint round trip
+    assert state["epoch"] == cursor.epoch and state["position"] == cursor.position
+    resumed = PromptCursor(13, seed=9)
+    resumed.load_state_dict(state)
+    assert head + resumed.take(80 - k) == uninterrupted
+
+
+def test_state_from_other_dataset_is_rejected():
+    state = PromptCursor(13, seed=9).state_dict()
+    with pytest.raises(ValueError, match="num_items"):
+        PromptCursor(14, seed=9).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        PromptCursor(13, seed=1).load_state_dict(state)
+
+
+def test_empty_dataset():
+    with pytest.raises(ValueError):
+        PromptCursor(0, seed=0)

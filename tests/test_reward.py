@@ -1,0 +1,189 @@
+"""Final-answer extraction and scoring, run inline (math-verify's SIGALRM needs the main thread)."""
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from math_verify import parse, verify
+
+from caspo.reward import VERIFIER_VERSION, check_label, extract_answer, last_boxed, last_number, score
+
+# pytest-timeout's default "signal" method shares SIGALRM with math-verify, which would
+# cancel it; the thread method does not interfere.
+pytestmark = pytest.mark.timeout(60, method="thread")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so \boxed{3}.", "3"),
+        (r"\boxed{3} no wait \boxed{2}", "2"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{\frac{\sqrt{3}}{2}} done", r"\frac{\sqrt{3}}{2}"),
+        (r"\boxed{\{1,2\}}", r"\{1,2\}"),  # escaped braces do not close the box
+        (r"\boxed{\left\{ x \right\}}", r"\left\{ x \right\}"),
+        (r"\boxed { 7 }", "7"),
+        (r"\fbox{5}", "5"),
+        (r"$\boxed 42$.", "42"),
+        (r"answer: \boxed 42.", "42"),
+        (r"\boxed{\boxed{9}}", "9"),
+        (r"\boxed{\$18}", r"\$18"),
+        (r"\boxed{3} then \boxed{\frac{1}{2}", None),  # last box cut off: no earlier box instead
+        (r"\boxed{}", None),
+        (r"ends with \boxed", None),
+        (r"\boxedfoo{3}", None),
+        ("no box, 42", None),
+        ("", None),
+    ],
+)
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The total is 1,450,000 dollars.", "1450000"),
+        ("1,234.5 kg", "1234.5"),
+        ("x = -7.", "-7"),
+        ("so (-3) works", "-3"),
+        ("10-7", "7"),  # subtraction, not a sign
+        ("f(2)-3", "3"),
+        ("it costs $3.50", "3.50"),
+        ("about .5 of it", ".5"),
+        ("\u22124", "-4"),  # unicode minus
+        ("12,3456", "3456"),  # not a thousands-grouped number
+        ("1, 2, 3", "3"),
+        ("step 2: 40 + 2 = 42. Done", "42"),
+        ("no digits here", None),
+        ("", None),
+    ],
+)
+def test_last_number(text, expected):
+    assert last_number(text) == expected
+
+
+def test_extract_answer_prefers_last_box_then_last_number():
+    assert extract_answer(r"try 5, so \boxed{6} and 7 steps") == "6"
+    assert extract_answer("we get 1,450,000 in total") == "1450000"
+    assert extract_answer("I have no idea") is None
+
+
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        # fractions
+        (r"So the answer is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+        (r"So the answer is \boxed{\frac{1}{2}}.", r"\frac12", 1.0),
+        (r"So the answer is \boxed{\frac{1}{2}}.", r"$\frac12$", 1.0),
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{\frac{1}{3}}", r"\frac12", 0.0),
+        (r"\boxed{$\frac12$}", "0.5", 1.0),  # stray $ inside the box
+        # negatives
+        (r"\boxed{-7}", "-7", 1.0),
+        (r"\boxed{7}", "-7", 0.0),
+        ("so x = -7.", "-7", 1.0),
+        # thousands separators and currency
+        (r"\boxed{1,450,000}", "1450000", 1.0),
+        ("The total is 1,450,000.", "1450000", 1.0),
+        (r"\boxed{1450000}", "1,450,000", 1.0),
+        (r"\boxed{\$18}", "18", 1.0),
+        (r"\boxed{\$18.00}", "18", 1.0),
+        # no box: last number
+        ("He pays 3 * 6 = 18 dollars.", "18", 1.0),
+        ("He pays 3 * 6 = 19 dollars.", "18", 0.0),
+        ("18 is wrong, it is 17", "18", 0.0),
+        # nothing to extract
+        ("I don't know.", "18", 0.0),
+        ("", "18", 0.0),
+        (r"\boxed{}", "18", 0.0),
+        # two boxes: only the last counts (math-verify alone would merge them into {2, 3})
+        (r"First \boxed{3}, no wait: \boxed{2}", "2", 1.0),
+        (r"First \boxed{3}, no wait: \boxed{2}", "3", 0.0),
+        (r"\boxed{2}\boxed{3}", "2", 0.0),
+        # nested braces and other math
+        (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}", 1.0),
+        (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"(3,\frac{\pi}{2})", 1.0),
+        (r"\boxed{3, 2, 1}", r"\{1,2,3\}", 1.0),
+        (r"\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
+        (r"\boxed{x = 5}", "5", 1.0),
+        (r"\boxed{\text{Evelyn}}", r"\text{Evelyn}", 1.0),
+        (r"\boxed{(2,5)}", "[2,5)", 0.0),
+        # plain wrong answers
+        (r"\boxed{6}", "5", 0.0),
+        (r"\boxed{\sqrt{2}}", r"\sqrt{3}", 0.0),
+    ],
+)
+def test_score(response, label, expected):
+    assert score(response, label) == expected
+
+
+def test_truncated_response_scores_zero_even_if_correct():
+    assert score(r"\boxed{42}", "42", finished=True) == 1.0
+    assert score(r"\boxed{42}", "42", finished=False) == 0.0
+    assert score(r"\boxed{\frac{1}{2}}", "0.5", finished=False) == 0.0
+
+
+def test_garbage_responses_score_zero_without_raising():
+    for response in [r"\boxed{\frac{", r"\boxed{}}}}{{", "\\" * 1000, r"\boxed{\begin{pmatrix}}", "\x00\uffff", "9" * 5000]:
+        assert score(response, r"\frac12") == 0.0
+
+
+@pytest.mark.parametrize(
+    "answer, label",
+    [("7", "7"), ("7", "8"), ("-7", "7"), ("-0", "0"), ("007", "7"), ("1,450,000", "1450000"), ("1,000", "1,000"),
+     (r"\$18", "18"), ("123456789012345678", "123456789012345679"), ("10", "1,0")],
+)
+def test_integer_shortcut_agrees_with_math_verify(answer, label):
+    expected = float(verify(parse(f"${label}$"), parse(f"$\\boxed{{{answer}}}$")))
+    assert score(f"\\boxed{{{answer}}}", label) == expected
+
+
+def test_timeouts_need_the_main_thread():
+    errors, results = [], []
+
+    def run():
+        try:
+            score(r"\boxed{1}", "1")
+        except RuntimeError as error:
+            errors.append(error)
+        results.append(score(r"\boxed{\frac{1}{2}}", "0.5", timeout_s=None))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and results == [1.0]
+
+
+def test_non_string_label_is_a_programming_error():
+    with pytest.raises(TypeError):
+        score(r"\boxed{18}", 18)
+
+
+@pytest.mark.parametrize("label", ["18", "-7", r"\frac12", "$0.5$", r"\text{Evelyn}", r"\{1,2,3\}", r"\$18"])
+def test_check_label_accepts(label):
+    check_label(label)
+
+
+@pytest.mark.parametrize("label", ["", "   ", "$$", r"\text{}", "\\", "}{", "???", None, 18])
+def test_check_label_rejects(label):
+    with pytest.raises(ValueError):
+        check_label(label)
+
+
+def test_verifier_version_names_math_verify():
+    from importlib.metadata import version
+
+    assert VERIFIER_VERSION.startswith("caspo-")
+    assert f"math-verify-{version('math-verify')}" in VERIFIER_VERSION
+
+
+def test_verifier_module_does_not_import_torch():
+    """Workers import only this module; it must stay free of torch and other heavy packages."""
+    code = "import sys, caspo.reward.verify; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]"
