@@ -86,6 +86,11 @@ class RolloutBatch:
             texts=list(texts),
         )
 
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
     def select(self, index: torch.Tensor | Sequence[int]) -> "RolloutBatch":
         """Rows `index`, with the response frame trimmed to their longest response."""
         idx = torch.as_tensor(index, dtype=torch.long)

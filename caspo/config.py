@@ -12,6 +12,7 @@ addressed by name or by path.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
@@ -261,6 +263,8 @@ def coerce(tp, value: Any, path: str):
             raise ConfigError(f"{path}: expected int, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and FLOAT_RE.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected float, got {value!r}")
         return float(value)

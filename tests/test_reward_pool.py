@@ -69,7 +69,7 @@ def test_hang_times_out_counts_and_pool_recovers(pool):
     responses, labels, finished, expected = batch(CASES)
     start = time.perf_counter()
     result = pool.score([HANG] + responses, ["1"] + labels, [True] + finished)
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < 6  # 1 s limit + 1 s grace + a worker restart
     assert result.rewards == [0.0] + expected
     assert (result.timeouts, result.crashes) == (1, 0)
 
@@ -99,6 +99,8 @@ def test_bad_arguments():
         RewardPool(workers=1).score(["a"], ["1"], [True])  # not started
     with pytest.raises(ValueError):
         RewardPool(workers=-1)
+    with pytest.raises(TypeError):
+        RewardPool(workers=0).score(["a"], [18], [True])
 
 
 def test_workers_do_not_import_torch_even_if_the_main_script_does(tmp_path):

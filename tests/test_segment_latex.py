@@ -1,6 +1,7 @@
 """LaTeX-aware and newline step splitters: one hand-derived case per rule, plus MATH-wide checks."""
 
 import json
+import random
 import statistics
 from pathlib import Path
 
@@ -242,6 +243,25 @@ def test_math_solution_by_hand():
 )
 def test_newline_splitter(text, expected):
     assert steps(text, newline_step_starts) == expected
+
+
+# ---------------------------------------------------------------- robustness
+
+FRAGMENTS = [
+    "$", "$$", "\\(", "\\)", "\\[", "\\]", "\\begin{align*}", "\\end{align*}", "\\begin{tabular}",
+    "[asy]", "[/asy]", "\n", "\n\n", ". ", "The ", "x", " and ", ", ", ":", " to ", "=", "+",
+    "\\equiv", ",$", ".$", ".\\]", "word ", "Mr. ", "e.g. ", "\\$", "\ue000", "é", "😀", "  ",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [latex_step_starts, newline_step_starts])
+def test_random_latex_soup_is_tiled(split):
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 60)))
+        starts = split(text)
+        assert starts[0] == 0 and starts[-1] < len(text)
+        assert all(a < b for a, b in zip(starts, starts[1:]))
 
 
 # ---------------------------------------------------------------- MATH-wide

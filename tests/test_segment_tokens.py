@@ -1,6 +1,7 @@
 """Token offsets from cumulative decoding, token step ids, response segmentation, batching."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,22 @@ def test_empty_tokens_take_the_next_visible_offset():
     assert char_offsets_from_tokens(piece_decoder(pieces), []) == []
 
 
+def test_leading_space_stripped_at_decode_start():
+    # SentencePiece-style: "▁" is a space, dropped at the start of a decode
+    pieces = ["▁Let", "▁x", "▁=", "▁2", ".", "\n", "▁So", "▁x", "²"]
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return "".join(pieces[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 8] * 20
+    assert char_offsets_from_tokens(decode, ids) == cumulative_offsets(decode, ids)
+    decoded.clear()
+    char_offsets_from_tokens(decode, ids)
+    assert sum(decoded) < 6 * len(ids)  # windowed, not the quadratic fallback
+
+
 def test_tokenizer_that_rewrites_earlier_text():
     # clean-up of " ," changes text already shown, so the exact path must take over
     pieces = ["a", " ", ",", "b"]
@@ -89,6 +106,21 @@ def test_tokenizer_that_rewrites_earlier_text():
 
     ids = [0, 1, 2, 1, 3]  # "a , b" -> "a, b"
     assert char_offsets_from_tokens(decode, ids) == [0, 1, 1, 2, 3]
+
+
+def test_random_byte_groupings_match_cumulative_decode():
+    rng = random.Random(0)
+    alphabet = "ab \n$é∑😀数"
+    for _ in range(300):
+        data = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))).encode()
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(0, len(data) - 1)))
+        pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]  # arbitrary byte tokens
+
+        def decode(ids):
+            return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+        ids = list(range(len(pieces)))
+        assert char_offsets_from_tokens(decode, ids) == cumulative_offsets(decode, ids)
 
 
 def test_bpe_offsets_match_cumulative_decode(bpe):

@@ -54,8 +54,11 @@ class RewardPool:
               main thread only, and nothing can stop a hang in C code.
     timeout_s: time limit of one call (see the module docstring).
     score_fn: `score_fn(response, label, finished, timeout_s=...) -> float`, run in the
-              workers; it must be a module-level function importable there. Defaults to
-              caspo.reward.verify.score; tests pass caspo.reward.testing.faulty_score.
+              workers; it must be a module-level function of an importable module (not
+              __main__). Defaults to caspo.reward.verify.score; tests pass
+              caspo.reward.testing.faulty_score to inject hangs and crashes.
+
+    One batch at a time: `score` is not meant to be called from several threads at once.
     """
 
     def __init__(self, workers: int = 2, timeout_s: float = 5.0, score_fn: Callable[..., float] = score):
@@ -84,6 +87,8 @@ class RewardPool:
         """Rewards of a batch, in input order. Never raises on a bad or slow response."""
         if not len(responses) == len(labels) == len(finished):
             raise ValueError(f"lengths differ: {len(responses)} responses, {len(labels)} labels, {len(finished)} finished")
+        if not all(isinstance(label, str) for label in labels):
+            raise TypeError("labels must be strings")  # a worker would score them 0 one by one
         if self.workers == 0:
             calls = zip(responses, labels, finished)
             return RewardResult([float(self.score_fn(*call, timeout_s=self.timeout_s)) for call in calls])

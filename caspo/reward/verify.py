@@ -45,8 +45,8 @@ def score(response: str, label: str, finished: bool = True, timeout_s: float | N
     """
     if not isinstance(label, str):
         raise TypeError(f"label must be a str, got {type(label).__name__}: {label!r}")
-    if timeout_s is not None and threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("score() with a timeout needs the main thread (math-verify uses SIGALRM)")
+    if timeout_s is not None:
+        _require_main_thread()
     if not finished:
         return 0.0
     try:
@@ -74,6 +74,7 @@ def check_label(label: str) -> None:
     response could ever earn reward).
     Runs math-verify with its SIGALRM timeouts, so call it from the main thread.
     """
+    _require_main_thread()
     if not isinstance(label, str):
         raise ValueError(f"label must be a string, got {type(label).__name__}: {label!r}")
     gold = _strip_dollars(label)
@@ -153,6 +154,12 @@ def _strip_dollars(label: str) -> str:
     while label.endswith("$") and not label.endswith("\\$"):
         label = label[:-1]
     return label.strip()
+
+
+def _require_main_thread() -> None:
+    # Elsewhere math-verify's signal.alarm raises, and every answer would quietly score 0.
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("math-verify's timeouts use SIGALRM: score in the main thread, or use RewardPool")
 
 
 def _alarm_seconds(timeout_s: float | None) -> int | None:

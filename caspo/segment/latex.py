@@ -52,9 +52,15 @@ Deliberate differences from upstream:
 - Stage 4 also glues a piece made of several openers (``\\[\\begin{aligned}``)
   or an opener with a column spec (``\\begin{array}{cc}``).
 
-On the 5000 MATH test solutions this gives a mean of 8.34 steps per
-solution, median 6 (upstream reports mean 9.8, median 7 over MATH
-train+test, whose train split has longer solutions).
+Choices where the description leaves room: a glued piece is rechecked as a
+whole (glue until the accumulated piece is long enough); every cut goes right
+after its separator (`` and ``, ``:`` and `` to `` included); ties for the
+midpoint go to the earlier cut; a closing ``$$`` on its own line reads as an
+opener, so it is glued (backward, when last).
+
+On the 5000 MATH test solutions this gives a mean of 9.67 steps per
+solution, median 7, and a median of 53 characters per step (upstream: mean
+9.8, median 7, 54 characters, over MATH train+test).
 """
 
 from __future__ import annotations

@@ -44,11 +44,11 @@ class TokenSteps:
 def char_offsets_from_tokens(decode: Decode, token_ids: Sequence[int], text: str | None = None) -> list[int]:
     """Offset in ``decode(token_ids)`` where each token's text begins.
 
-    Decodes incrementally over a small window (the tokens since the last
-    visible output plus the previous chunk as context), which is O(n·k). The
-    result is checked against the full decode; if they differ (tokenizers that
-    rewrite earlier text, such as clean-up of spaces before punctuation) it
-    falls back to the exact O(n²) cumulative decode.
+    Decodes incrementally over a small window (the tokens since the last clean
+    boundary plus the chunk before it as context), which is O(n·k). Each
+    window's new text is checked against the full decode; on any disagreement
+    (tokenizers that rewrite earlier text, such as clean-up of spaces before
+    punctuation) it falls back to the exact O(n²) cumulative decode.
     """
     ids = list(token_ids)
     if not ids:
@@ -61,23 +61,31 @@ def char_offsets_from_tokens(decode: Decode, token_ids: Sequence[int], text: str
 
 
 def _incremental_ends(decode: Decode, ids: list[int], text: str) -> list[int] | None:
-    """End of the visible text after each token, or None if it does not rebuild ``text``."""
-    ends, length = [], 0
-    prefix_start, read_start, prefix_text = 0, 0, ""
+    """End of the visible text after each token, or None if windows do not rebuild ``text``.
+
+    ``anchor`` is the last token boundary where the decode was clean (no
+    dangling U+FFFD); tokens after it are decoded with the chunk before it as
+    context, so leading-space rules match the full decode. Visible text after
+    token i is the anchor's text plus the part of the new text that agrees with
+    ``text``, which is what the cumulative decode would show.
+    """
+    ends, best = [], 0
+    context, anchor, anchor_len, context_text = 0, 0, 0, ""
     for i in range(len(ids)):
-        window = decode(ids[prefix_start : i + 1])
-        # the previous chunk is decoded as context so leading-space rules match the full decode
-        if len(window) > len(prefix_text) and not window.endswith("\ufffd") and window.startswith(prefix_text):
-            new = window[len(prefix_text) :]
-            if text[length : length + len(new)] != new:
-                return None
-            length += len(new)
-            prefix_start, read_start = read_start, i + 1
-            prefix_text = decode(ids[prefix_start:read_start])
-        elif i + 1 - read_start > MAX_PENDING:
+        window = decode(ids[context : i + 1])
+        if not window.startswith(context_text):
             return None
-        ends.append(length)
-    return ends if length == len(text) else None
+        new, rest = window[len(context_text) :], text[anchor_len:]
+        if not rest.startswith(new.rstrip("\ufffd")):
+            return None
+        best = max(best, anchor_len + _common_prefix_len(new, rest, len(new.rstrip("\ufffd"))))
+        ends.append(best)
+        if new and not new.endswith("\ufffd"):
+            context, anchor, anchor_len = anchor, i + 1, anchor_len + len(new)
+            context_text = decode(ids[context:anchor])
+        elif i + 1 - anchor > MAX_PENDING:
+            return None
+    return ends if best == len(text) else None
 
 
 def _cumulative_ends(decode: Decode, ids: list[int], text: str) -> list[int]:
@@ -155,7 +163,8 @@ def segment_response(
     ``\\boxed{...}`` into the step containing it. ``max_steps`` keeps the first
     ``max_steps - 1`` boundaries and merges all the rest into the last allowed
     step, so the early steps keep their own values and only the tail is coarse.
-    A non-empty token list whose text is empty is one step.
+    Order: split, merge after the box, fold token-less steps, cap. A
+    non-empty token list whose text is empty is one step.
     """
     if splitter not in SPLITTERS:
         raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")

@@ -109,18 +109,19 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
     texts = [tr.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     batch = RolloutBatch.from_completions(prompts, completions, group_ids=groups, example_ids=ids,
                                           sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id)
+    batch = batch.to(tr.device)
     batch.extras["labels"] = [tr.data.train[item].label for item in indices for _ in range(G)]
     return batch
 
 
 def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
     result = tr.pool.score(batch.texts, batch.extras["labels"], batch.finished.tolist())
-    rewards = torch.tensor(result.rewards, dtype=torch.float32)
+    rewards = torch.tensor(result.rewards, dtype=torch.float32, device=tr.device)
     batch.extras["reward_timeouts"] = result.timeouts
     if tr.cfg.reward.shuffle_within_batch:  # the control: same rewards, no longer tied to the samples
         g = torch.Generator().manual_seed(tr.cfg.train.seed * 1_000_003 + tr.step)
         batch.extras["true_rewards"] = rewards
-        rewards = rewards[torch.randperm(len(rewards), generator=g)]
+        rewards = rewards[torch.randperm(len(rewards), generator=g).to(tr.device)]
     return rewards
 
 
