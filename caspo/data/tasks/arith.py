@@ -26,7 +26,8 @@ from functools import cached_property
 from typing import NamedTuple
 
 SPLITS = ("train", "heldout")
-SKIP_LAST_WHEN = ("any", "last_op_add", "last_op_sub", "last_op_mul")
+# "any", or "last_op_" + operation names joined by "_" (e.g. "last_op_sub", "last_op_add_sub")
+SKIP_LAST_WHEN = ("any", "last_op_add", "last_op_sub", "last_op_mul", "last_op_add_sub")
 OP_NAMES = {"+": "add", "-": "sub", "*": "mul"}
 MAX_DRAWS = 1000  # attempts to find a problem text outside the held-out set (or a new held-out text)
 
@@ -99,7 +100,10 @@ class ArithSpec:
         check(all(isinstance(f, int) and not isinstance(f, bool) and f >= 2 for f in self.mul_factors),
               "mul_factors", "must be ints >= 2 (use () to disable multiplication)")
         check(0.0 <= self.skip_last_prob <= 1.0, "skip_last_prob", "must be in [0, 1]")
-        check(self.skip_last_when in SKIP_LAST_WHEN, "skip_last_when", f"must be one of {SKIP_LAST_WHEN}")
+        ops = self.skip_last_when.removeprefix("last_op_").split("_")
+        check(self.skip_last_when == "any" or (self.skip_last_when.startswith("last_op_")
+                                               and set(ops) <= set(OP_NAMES.values())),
+              "skip_last_when", f"must be 'any' or 'last_op_' + ops joined by '_', e.g. {SKIP_LAST_WHEN}")
 
 
 class Step(NamedTuple):
@@ -251,7 +255,7 @@ class ArithTask:
     def skip_qualifies(self, problem: ArithProblem) -> bool:
         """Whether this problem's SFT target may skip its last computation."""
         when = self.spec.skip_last_when
-        return when == "any" or when == "last_op_" + OP_NAMES[problem.last_op]
+        return when == "any" or OP_NAMES[problem.last_op] in when.removeprefix("last_op_").split("_")
 
     def sft_solution(self, problem: ArithProblem, rng: random.Random) -> str:
         """The SFT target: the reference solution, or (with prob. skip_last_prob) one line short.
