@@ -1,0 +1,127 @@
+import copy
+
+import pytest
+import torch
+
+from caspo.rollout.base import Request, SamplingParams, publish
+from caspo.rollout.hf import HFEngine
+from caspo.rollout.publication import PublicationError
+from caspo.rollout.sampling import sample_next, sample_seed, uniform_noise
+
+SAMPLING = SamplingParams(temperature=1.0, stop_token_ids=[1])
+
+
+def requests(n, max_new=12):
+    return [Request([5 + i % 7, 9, 11 + i % 3][: 1 + i % 3], seed=sample_seed(0, 0, i, 0), max_new_tokens=max_new)
+            for i in range(n)]
+
+
+def test_sample_seed_is_a_function_of_its_counters():
+    assert sample_seed(1, 2, 3, 4) == sample_seed(1, 2, 3, 4)
+    seeds = {sample_seed(1, s, p, j) for s in range(3) for p in range(3) for j in range(3)}
+    assert len(seeds) == 27
+
+
+def test_noise_depends_only_on_seed_and_position():
+    seeds = torch.tensor([11, 12, 11])
+    pos = torch.tensor([0, 0, 3])
+    u = uniform_noise(seeds, pos, 50)
+    assert ((u > 0) & (u < 1)).all()
+    alone = uniform_noise(seeds[2:], pos[2:], 50)
+    assert torch.equal(u[2], alone[0])
+    assert not torch.equal(u[0], u[2])  # same seed, other position
+    assert not torch.equal(u[0], u[1])  # other seed
+
+
+def test_gumbel_max_samples_the_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(20000, 1)
+    seeds = torch.arange(20000)
+    tokens, _ = sample_next(logits, seeds, torch.zeros(20000, dtype=torch.long), temperature=1.0)
+    freq = torch.bincount(tokens, minlength=3).float() / 20000
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.015)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).repeat(2000, 1)
+    seeds, pos = torch.arange(2000), torch.zeros(2000, dtype=torch.long)
+    top2, logp = sample_next(logits, seeds, pos, temperature=1.0, top_k=2)
+    assert set(top2.tolist()) == {0, 1}
+    # log-probs are of the truncated distribution
+    assert torch.allclose(logp[top2 == 0], torch.log_softmax(torch.tensor([3.0, 2.0]), -1)[0])
+    nucleus, _ = sample_next(logits, seeds, pos, temperature=1.0, top_p=0.5)
+    assert set(nucleus.tolist()) == {0}  # p(0) = 0.64 covers 0.5
+
+
+def test_same_seed_same_tokens_whatever_the_batch(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=0)
+    reqs = requests(12)
+    full = engine.generate(reqs, SAMPLING)
+    for subset in ([3], [7, 2, 11], list(range(12))[::-1]):
+        part = engine.generate([reqs[i] for i in subset], SAMPLING)
+        for i, completion in zip(subset, part):
+            assert completion.tokens == full[i].tokens
+            assert completion.logprobs == pytest.approx(full[i].logprobs, abs=1e-5)
+    # in micro-batches of 5 too
+    chunked = HFEngine(tiny_model, pad_token_id=0, max_batch=5).generate(reqs, SAMPLING)
+    assert [c.tokens for c in chunked] == [c.tokens for c in full]
+
+
+def test_behaviour_logprobs_match_a_full_forward(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=0)
+    req = requests(3)[2]
+    completion = engine.generate([req], SAMPLING)[0]
+    ids = torch.tensor([req.prompt_ids + completion.tokens])
+    with torch.no_grad():
+        logits = tiny_model(ids).logits[0, len(req.prompt_ids) - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(req.prompt_ids):, None])[:, 0]
+    assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-5)
+
+
+def test_finish_reasons_and_stop_strings(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=0, decode=lambda ids: "".join(chr(65 + i % 26) for i in ids))
+    out = engine.generate(requests(6, max_new=8), SamplingParams(temperature=1.0, stop_token_ids=[]))
+    assert all(c.finish_reason == "length" and len(c.tokens) == 8 for c in out)
+    first = out[0]
+    stop = chr(65 + first.tokens[2] % 26)  # a string that appears at the third token at the latest
+    cut = engine.generate(requests(6, max_new=8)[:1], SamplingParams(temperature=1.0, stop_strings=[stop]))[0]
+    assert cut.finish_reason == "stop" and len(cut.tokens) <= 3
+    assert cut.tokens == first.tokens[:len(cut.tokens)]
+
+
+def perturbed(model, scale=0.05):
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return new
+
+
+def test_publication_changes_outputs_exactly_as_a_fresh_load(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=0)
+    before = engine.generate(requests(8), SAMPLING)
+    updated = perturbed(tiny_model)
+    digest = publish(engine, updated, version=1)
+    after = engine.generate(requests(8), SAMPLING)
+    fresh = HFEngine(updated, pad_token_id=0).generate(requests(8), SAMPLING)
+    assert [c.tokens for c in after] == [c.tokens for c in fresh]
+    assert [c.tokens for c in after] != [c.tokens for c in before]
+    assert all(c.policy_version == 1 for c in after)
+    assert digest == HFEngine(updated, pad_token_id=0).digest()
+
+
+def test_incomplete_or_mismatched_publication_keeps_old_weights(tiny_model):
+    engine = HFEngine(tiny_model, pad_token_id=0)
+    before = engine.generate(requests(8), SAMPLING)
+    named = dict(perturbed(tiny_model).named_parameters())
+    engine.begin(1)
+    engine.load({k: v for k, v in list(named.items())[:-1]})  # the last tensor never arrives
+    with pytest.raises(PublicationError, match="incomplete"):
+        engine.commit()
+    engine.begin(1)
+    name = next(iter(named))
+    with pytest.raises(PublicationError, match="shape"):
+        engine.load({name: named[name][:-1]})
+    with pytest.raises(PublicationError, match="unknown tensor"):
+        engine.load({"not.a.weight": named[name]})
+    assert engine.version == 0
+    assert [c.tokens for c in engine.generate(requests(8), SAMPLING)] == [c.tokens for c in before]

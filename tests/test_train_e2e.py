@@ -1,0 +1,59 @@
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from caspo.config import load_config
+from caspo.models.policy import load_policy
+from caspo.models.tokenizer import load_tokenizer
+from caspo.train import loop
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_three_step_grpo_run(tmp_path):
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}"])
+    summary = loop.train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "t_step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        for key in ("t_roll", "t_reward", "t_old", "t_ref", "t_pol", "t_sync", "reward_mean", "clipfrac", "kl"):
+            assert key in r, key
+        assert r["t_step"] >= r["t_roll"] + r["t_pol"]
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * cfg.responses_per_step
+    assert {s["policy_version"] for s in samples} == {0, 1, 2}  # generated before each update
+    assert set(samples[0]) >= {"prompt_id", "sample_seed", "policy_version", "finish_reason", "length", "reward", "text"}
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert 0 <= summary["after"]["eval_accuracy"] <= 1
+
+
+def test_checkpoint_reloads_identical_logits(tmp_path):
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "eval.before=false"])
+    tr = loop.build_trainer(cfg)
+    with tr.pool:
+        loop.outer_step(tr)
+    folder = loop.save(tr)
+    reloaded = load_policy(str(folder / "policy"))
+    tokenizer = load_tokenizer(folder / "policy")
+    ids = torch.tensor([tokenizer.encode("Ada has 3 pens.\nSolution:\n", add_special_tokens=False)])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, tr.policy(ids).logits)
+    # the update really changed the weights, so the check above is not vacuous
+    base = load_policy(cfg.model.policy)
+    with torch.no_grad():
+        assert not torch.equal(base(ids).logits, tr.policy(ids).logits)
+
+
+def test_grpo_advantages_in_the_step():
+    batch = SimpleNamespace(rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), group_ids=torch.tensor([0, 0, 1, 1]),
+                            response_mask=torch.tensor([[1.0, 1.0, 0.0]] * 4))
+    cfg = load_config("tests")
+    adv = loop.advantages(batch, cfg)
+    # group 0: mean 0.5, unbiased std sqrt(0.5) -> ±0.5/0.7071; group 1 all equal -> 0
+    a = 0.5 / 0.5 ** 0.5
+    expected = torch.tensor([[a, a, 0.0], [-a, -a, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert torch.allclose(adv, expected, atol=1e-5)
