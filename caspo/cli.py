@@ -59,5 +59,16 @@ def evaluate(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
         typer.echo(json.dumps(run_eval(tr), indent=2))
 
 
+@app.command("verify-resume")
+def verify_resume(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
+                  workdir: str = typer.Option("runs/verify-resume", help="folder for the two runs")):
+    """Check that 2 steps + a resumed third equal 3 uninterrupted steps, bit for bit."""
+    from caspo.train.verify_resume import verify_resume as run_verify
+
+    _config(preset, overrides)  # fail fast on a bad config
+    if not run_verify(preset, overrides or [], workdir):
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()

@@ -82,6 +82,8 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     # Sequences decoded together; 0 = all requests of a step at once.
     max_batch: int = 0
+    # The engine's compute dtype; "auto" = the training precision's compute dtype.
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
 
 @dataclass
@@ -125,9 +127,14 @@ class TrainConfig:
     minibatch_size: int = 128
     micro_batch_size: int = 32
     epochs_per_rollout: int = 1
-    precision: Literal["fp32"] = "fp32"
+    # fp32 | bf16 (bf16 compute, fp32 master weights) | fp16 (fp32 master weights, fixed loss scale)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = 128.0
     save_every: int = 0
+    # Stop cleanly (checkpoint written) after this many outer steps of this process; 0 = run to train.steps.
     stop_after: int = 0
+    # Deterministic kernels (and the environment they need), for bit-exact resume checks.
+    deterministic: bool = False
 
 
 @dataclass

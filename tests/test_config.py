@@ -4,7 +4,7 @@ from caspo.config import ConfigError, load_config
 
 
 def test_preset_and_overrides():
-    cfg = load_config("tests", ["train.steps=7", "optim.lr=1e-4", "rollout.stop=['\\n\\n']"])
+    cfg = load_config("tests", ["train.steps=7", "optim.lr=1e-4", 'rollout.stop=["\\n\\n"]'])
     assert cfg.train.steps == 7
     assert cfg.optim.lr == pytest.approx(1e-4)
     assert cfg.rollout.stop == ["\n\n"]

@@ -30,7 +30,7 @@ def resolve_model_path(spec: str) -> str:
     return spec
 
 
-def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32):
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec), dtype=dtype)
     return model.to(device)
 

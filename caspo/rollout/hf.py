@@ -25,8 +25,11 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 
 
 class HFEngine:
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch: int = 0, decode=None):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch: int = 0, decode=None,
+                 dtype: torch.dtype | None = None):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        if dtype is not None:
+            self.model.to(dtype)  # the engine computes in its own dtype; publications are cast to it
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.decode = decode  # token ids -> text, needed only for stop strings

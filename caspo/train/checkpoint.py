@@ -1,8 +1,10 @@
 """Checkpoints: an HF policy folder plus the trainer state, written atomically.
 
     <run>/checkpoints/step_000010/policy/            save_pretrained folder (+ tokenizer)
-    <run>/checkpoints/step_000010/trainer_state.pt   optimizer, scheduler, RNG, cursor, counters
+    <run>/checkpoints/step_000010/trainer_state.pt   optimizer, scheduler, loss scale, RNG, cursor,
+                                                     counters, fp32 master weights (if not fp32 export)
     <run>/checkpoints/step_000010/trainer_state.json the counters, readable
+    <run>/checkpoints/step_000010/config.yaml        the resolved config of the run
     <run>/checkpoints/latest                         name of the newest complete checkpoint
 
 A checkpoint is built in a temporary folder and renamed into place; `latest` is
@@ -45,7 +47,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, trainer_state: dict,
-                    counters: dict) -> Path:
+                    counters: dict, config_yaml: str | None = None) -> Path:
     """Write `models` (name -> HF module) and the trainer state; returns the checkpoint folder."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -59,6 +61,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, 
             save_tokenizer(tokenizer, tmp / name)
     torch.save(trainer_state, tmp / "trainer_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(counters, indent=2) + "\n")
+    if config_yaml is not None:
+        (tmp / "config.yaml").write_text(config_yaml)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

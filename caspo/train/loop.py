@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 
 from caspo import algo
 from caspo.batch import RolloutBatch
-from caspo.config import Config, to_yaml
+from caspo.config import Config, to_dict, to_yaml
 from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
 from caspo.eval.heldout import greedy_accuracy
@@ -36,6 +38,7 @@ from caspo.rollout.sampling import sample_seed
 from caspo.train import checkpoint as ckpt
 from caspo.train.forward import response_logprobs
 from caspo.train.optim import build_optimizer, build_scheduler
+from caspo.train.precision import LossScaler, autocast, compute_dtype
 from caspo.train.runlog import JsonlWriter, console, progress_bar
 from caspo.train.timers import PhaseTimer
 from caspo.train.update import policy_update
@@ -57,6 +60,7 @@ class Trainer:
     update_rng: torch.Generator
     data: TaskData
     pool: RewardPool
+    scaler: LossScaler
     step: int = 0  # outer steps completed
     version: int = 0  # policy version served by the engine
 
@@ -84,7 +88,7 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
             batch.ref_logprobs = score(tr.ref, batch, cfg) if tr.ref is not None else None
         batch.advantages = advantages(batch, cfg)
         with timer("t_pol"):
-            stats = policy_update(tr.policy, tr.optimizer, tr.scheduler, batch, cfg, tr.update_rng)
+            stats = policy_update(tr.policy, tr.optimizer, tr.scheduler, batch, cfg, tr.update_rng, tr.scaler)
         with timer("t_sync"):
             publish(tr.engine, tr.policy, tr.version + 1)
             tr.version += 1
@@ -133,7 +137,8 @@ def score(model: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Ten
     for start in range(0, batch.size, mb):
         idx = torch.arange(start, min(start + mb, batch.size))
         micro = batch.select(idx)
-        out[idx, :micro.responses.shape[1]] = response_logprobs(model, micro, cfg.rollout.temperature)
+        with autocast(cfg.train.precision, micro.input_ids.device):
+            out[idx, :micro.responses.shape[1]] = response_logprobs(model, micro, cfg.rollout.temperature)
     return out
 
 
@@ -160,8 +165,11 @@ def batch_stats(batch: RolloutBatch) -> dict:
 
 def sample_records(tr: Trainer, batch: RolloutBatch, step: int) -> list[dict]:
     rewards = batch.extras.get("true_rewards", batch.rewards).tolist()
+    lengths = batch.response_lengths.tolist()
+    tokens = batch.responses.tolist()
     return [
         {"step": step, "prompt_id": batch.example_ids[i], "sample_seed": batch.sample_seeds[i],
+         "tokens_digest": hashlib.sha256(str(tokens[i][:lengths[i]]).encode()).hexdigest()[:16],
          "policy_version": batch.policy_versions[i], "finish_reason": batch.finish_reasons[i],
          "length": int(batch.response_lengths[i]), "reward": rewards[i], "text": batch.texts[i]}
         for i in range(batch.size)
@@ -177,9 +185,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def set_deterministic() -> None:
+    """Deterministic kernels; the environment is inherited by every worker process started later."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    os.environ["NCCL_ALGO"] = "Ring"
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+def engine_dtype(cfg: Config) -> torch.dtype:
+    return compute_dtype(cfg.train.precision if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
+
+
 def build_trainer(cfg: Config) -> Trainer:
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
+    if cfg.train.deterministic:
+        set_deterministic()
     seed_everything(cfg.train.seed)
     device = resolve_device(cfg.model.device)
     path = resolve_model_path(cfg.model.policy)
@@ -188,7 +210,7 @@ def build_trainer(cfg: Config) -> Trainer:
     ref = copy.deepcopy(policy).requires_grad_(False) if cfg.method.kl_coef > 0 else None
     data = load_task_data(cfg, tokenizer)
     engine = HFEngine(policy, pad_token_id=tokenizer.pad_token_id, max_batch=cfg.rollout.max_batch,
-                      decode=tokenizer.decode)
+                      decode=tokenizer.decode, dtype=engine_dtype(cfg))
     updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
     optimizer = build_optimizer(policy.parameters(), cfg.optim)
     scheduler = build_scheduler(optimizer, warmup=cfg.optim.warmup_steps, total=updates, schedule=cfg.optim.schedule)
@@ -198,21 +220,33 @@ def build_trainer(cfg: Config) -> Trainer:
         cursor=PromptCursor(len(data.train), cfg.train.seed),
         update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
         pool=RewardPool(cfg.reward.workers, cfg.reward.timeout_s),
+        scaler=LossScaler(cfg.train.precision, cfg.train.loss_scale),
     )
 
 
 def trainer_state(tr: Trainer) -> dict:
-    return {
-        "step": tr.step, "version": tr.version,
+    """The exact training state; the fp32 master weights travel here unless the HF export is them."""
+    state = {
+        "step": tr.step, "version": tr.version, "config": to_dict(tr.cfg),
         "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
-        "cursor": tr.cursor.state_dict(), "update_rng": tr.update_rng.get_state(), "rng": ckpt.rng_state(),
+        "loss_scaler": tr.scaler.state_dict(), "cursor": tr.cursor.state_dict(),
+        "update_rng": tr.update_rng.get_state(), "rng": ckpt.rng_state(),
     }
+    if tr.cfg.train.precision != "fp32":
+        state["master_weights"] = {"policy": tr.policy.state_dict()}
+    return state
+
+
+def export(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """The model as it is published: in the compute dtype."""
+    return model if precision == "fp32" else copy.deepcopy(model).to(compute_dtype(precision))
 
 
 def save(tr: Trainer) -> Path:
     return ckpt.save_checkpoint(
-        tr.run_dir, tr.step, models={"policy": tr.policy}, tokenizer=tr.tokenizer,
-        trainer_state=trainer_state(tr), counters={"step": tr.step, "version": tr.version},
+        tr.run_dir, tr.step, models={"policy": export(tr.policy, tr.cfg.train.precision)}, tokenizer=tr.tokenizer,
+        trainer_state=trainer_state(tr), config_yaml=to_yaml(tr.cfg),
+        counters={"step": tr.step, "version": tr.version, "skipped_steps": tr.scaler.skipped_steps},
     )
 
 
@@ -220,17 +254,19 @@ def restore(tr: Trainer, checkpoint: Path) -> None:
     """Load weights and state, then publish the restored weights before anything generates."""
     from safetensors.torch import load_model
 
-    load_model(tr.policy, str(checkpoint / "policy" / "model.safetensors"), device=str(tr.device))
     state = ckpt.load_trainer_state(checkpoint)
+    if "master_weights" in state:
+        tr.policy.load_state_dict(state["master_weights"]["policy"])
+    else:
+        load_model(tr.policy, str(checkpoint / "policy" / "model.safetensors"), device=str(tr.device))
     tr.optimizer.load_state_dict(state["optimizer"])
     tr.scheduler.load_state_dict(state["scheduler"])
+    tr.scaler.load_state_dict(state["loss_scaler"])
     tr.cursor.load_state_dict(state["cursor"])
     tr.update_rng.set_state(state["update_rng"])
     ckpt.set_rng_state(state["rng"])
     tr.step, tr.version = state["step"], state["version"]
-    tr.engine.begin(tr.version)
-    tr.engine.load(dict(tr.policy.named_parameters()))
-    tr.engine.commit()
+    publish(tr.engine, tr.policy, tr.version)
 
 
 def evaluate(tr: Trainer) -> dict:

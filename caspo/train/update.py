@@ -15,6 +15,7 @@ from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.train.forward import response_logprobs
+from caspo.train.precision import LossScaler, autocast
 
 
 ADDITIVE = {"pg_loss", "kl"}
@@ -37,38 +38,50 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom: torch.Tensor, no
     return loss, metrics
 
 
-def policy_update(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, generator: torch.Generator) -> dict:
+def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Config, scaler: LossScaler,
+                         norm_len: int) -> list[dict]:
+    """Backward of one minibatch (`rows`), micro-batch by micro-batch, normalised by the minibatch's counts."""
+    denom = algo.aggregate_denom(batch.response_mask[rows], cfg.method.loss_agg, norm_len)
+    out = []
+    for start in range(0, len(rows), cfg.train.micro_batch_size):
+        micro = batch.select(rows[start:start + cfg.train.micro_batch_size])
+        with autocast(cfg.train.precision, micro.input_ids.device):
+            loss, metrics = policy_loss(model, micro, cfg, denom, norm_len)
+        scaler.scale_loss(loss).backward()
+        out.append({"tokens": micro.response_mask.sum().item(), **metrics})
+    return out
+
+
+def policy_update(model, optimizer, scheduler, batch: RolloutBatch, cfg: Config, generator: torch.Generator,
+                  scaler: LossScaler) -> dict:
     t = cfg.train
-    n = batch.size
     norm_len = batch.responses.shape[1]
     sums: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
+    counts: dict[str, float] = defaultdict(float)
     minibatches = 0
     model.train()
     for _ in range(t.epochs_per_rollout):
-        order = torch.randperm(n, generator=generator)
-        for mb_start in range(0, n, t.minibatch_size):
-            minibatch = order[mb_start:mb_start + t.minibatch_size]
-            denom = algo.aggregate_denom(batch.response_mask[minibatch], cfg.method.loss_agg, norm_len)
+        order = torch.randperm(batch.size, generator=generator)
+        for start in range(0, batch.size, t.minibatch_size):
             optimizer.zero_grad(set_to_none=True)
-            for mc_start in range(0, len(minibatch), t.micro_batch_size):
-                micro = batch.select(minibatch[mc_start:mc_start + t.micro_batch_size])
-                loss, metrics = policy_loss(model, micro, cfg, denom, norm_len)
-                loss.backward()
-                weight = micro.response_mask.sum().item()
+            for metrics in accumulate_gradients(model, batch, order[start:start + t.minibatch_size], cfg, scaler,
+                                                norm_len):
+                weight = metrics.pop("tokens")
                 for k, v in metrics.items():
                     if k in ADDITIVE:  # micro-batch parts of the minibatch loss: sum them
                         sums[k] += float(v)
                     else:  # masked means: weight by tokens
                         sums[k] += float(v) * weight
                         counts[k] += weight
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            sums["grad_norm"] += float(grad_norm)
-            counts["grad_norm"] += 1
-            optimizer.step()
-            scheduler.step()
+            if scaler.unscale_and_check(model.parameters()):
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                sums["grad_norm"] += float(grad_norm)
+                counts["grad_norm"] += 1
+                optimizer.step()
+            scheduler.step()  # a skipped update still uses its slot of the schedule
             minibatches += 1
     model.eval()
     stats = {k: sums[k] / (minibatches if k in ADDITIVE else max(counts[k], 1e-9)) for k in sums}
     stats["lr"] = scheduler.get_last_lr()[0]
+    stats["skipped_steps"] = scaler.skipped_steps
     return stats

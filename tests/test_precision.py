@@ -1,0 +1,81 @@
+import copy
+
+import pytest
+import torch
+
+from caspo.config import load_config
+from caspo.train import loop
+from caspo.train.precision import LossScaler, autocast
+from caspo.train.update import accumulate_gradients, policy_update
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def adamw_step(model, lr, precision):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    x = torch.randn(16, 8, dtype=next(model.parameters()).dtype)
+    with autocast(precision, torch.device("cpu")):
+        loss = model(x).float().square().mean()
+    loss.backward()
+    opt.step()
+
+
+def test_bf16_master_weights_keep_a_tiny_update_that_pure_bf16_loses():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(8, 8)
+    with torch.no_grad():
+        base.weight.fill_(1.0)  # bf16 spacing at 1.0 is 2**-7; Adam's first step moves by lr = 1e-6
+    master = copy.deepcopy(base)
+    adamw_step(master, 1e-6, "bf16")  # fp32 parameters, bf16 compute
+    moved = (master.weight - base.weight).detach().abs()
+    assert moved.max().item() == pytest.approx(1e-6, rel=0.05)
+    assert (moved > 0).all()
+
+    pure = copy.deepcopy(base).to(torch.bfloat16)
+    before = pure.weight.detach().clone()
+    adamw_step(pure, 1e-6, "fp32")  # bf16 parameters: 1 - 1e-6 rounds back to 1
+    assert torch.equal(pure.weight, before)
+
+
+def first_batch(overrides, tmp_path):
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "method.kl_coef=0", *overrides])
+    tr = loop.build_trainer(cfg)
+    with tr.pool:
+        batch = loop.generate(tr, tr.cursor.take(cfg.rollout.prompts_per_step))
+        batch.rewards = loop.reward(tr, batch)
+    batch.rewards = torch.tensor([1.0, 0.0] * (batch.size // 2))  # non-zero advantages whatever the policy did
+    batch.old_logprobs = loop.score(tr.policy, batch, cfg)
+    batch.advantages = loop.advantages(batch, cfg)
+    return tr, batch
+
+
+def test_fp16_with_loss_scale_matches_fp32(tmp_path):
+    tr32, batch = first_batch([], tmp_path / "a")
+    tr16, _ = first_batch(["train.precision=fp16"], tmp_path / "b")
+    grads = {}
+    for tr in (tr32, tr16):
+        tr.policy.zero_grad(set_to_none=True)
+        accumulate_gradients(tr.policy, batch, torch.arange(batch.size), tr.cfg, tr.scaler, batch.responses.shape[1])
+        assert tr.scaler.unscale_and_check(tr.policy.parameters())
+        grads[tr.cfg.train.precision] = torch.cat([p.grad.flatten() for p in tr.policy.parameters()])
+        assert all(p.grad.dtype == torch.float32 for p in tr.policy.parameters())  # fp32 accumulation
+    g32, g16 = grads["fp32"], grads["fp16"]
+    assert g32.norm() > 0
+    assert (g16 - g32).norm() / g32.norm() < 1e-2
+    assert tr16.scaler.skipped_steps == 0
+
+
+def test_fp16_overflow_step_is_skipped_and_counted(tmp_path):
+    tr, batch = first_batch(["train.precision=fp16", "train.loss_scale=1e38"], tmp_path)
+    before = copy.deepcopy(tr.policy.state_dict())
+    stats = policy_update(tr.policy, tr.optimizer, tr.scheduler, batch, tr.cfg, torch.Generator().manual_seed(0),
+                          tr.scaler)
+    assert stats["skipped_steps"] == tr.cfg.responses_per_step // tr.cfg.train.minibatch_size
+    for name, value in tr.policy.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_loss_scaler_is_identity_outside_fp16():
+    scaler = LossScaler("bf16", 128.0)
+    assert scaler.scale == 1.0
+    assert LossScaler("fp16", 128.0).scale == 128.0
