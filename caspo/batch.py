@@ -37,6 +37,8 @@ class RolloutBatch:
     rewards: Optional[torch.Tensor] = None  # [B]
     old_logprobs: Optional[torch.Tensor] = None  # [B, R]
     ref_logprobs: Optional[torch.Tensor] = None  # [B, R]
+    values: Optional[torch.Tensor] = None  # [B, R] critic values before the update
+    returns: Optional[torch.Tensor] = None  # [B, R] GAE returns
     advantages: Optional[torch.Tensor] = None  # [B, R]
     extras: dict = field(default_factory=dict)
 

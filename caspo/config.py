@@ -82,6 +82,8 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     # Sequences decoded together; 0 = all requests of a step at once.
     max_batch: int = 0
+    # Generate with the policy of `staleness` updates ago, as asynchronous RL does (0 = on-policy).
+    staleness: int = 0
     # The engine's compute dtype; "auto" = the training precision's compute dtype.
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
@@ -101,9 +103,32 @@ class MethodConfig:
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
     loss_agg: str = "token-mean"
+    # group advantages: divide by the group's std (false = Dr. GRPO's s - mean)
     std_normalize: bool = True
+    # ppo (terminal reward): standardise over "batch", "group", or "off"
+    terminal_scope: Literal["batch", "group", "off"] = "batch"
+    # advantage whitening over all valid tokens; "auto" = batch for GAE methods, none otherwise
+    adv_whiten: Literal["auto", "none", "batch"] = "auto"
+    # clip advantages at ±adv_clip (in units of σ after whitening); 0 = off
+    adv_clip: float = 0.0
+    # KL to the reference: a loss term (kl_coef × kl_estimator) and/or k1 folded into the reward
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    kl_reward_coef: float = 0.0
+    # GAE and the critic
+    gamma: float = 1.0
+    lam: float = 1.0
+    critic_lr: float = 1e-5
+    value_clip: float = 0.2
+    # decoupled PPO: bounds of the behaviour importance weight π_prox/μ
+    iw_low: float = 0.5
+    iw_high: float = 2.0
+    # flow_dppo: gate threshold on KL(old‖new) over the vocabulary
+    gate_threshold: float = 0.01
+    # dppo_tv / dppo_kl
+    dppo_delta_low: float = 0.15
+    dppo_delta_high: float = 0.15
+    dppo_ratio_cap: float = 10.0
 
 
 @dataclass
@@ -286,11 +311,13 @@ def coerce(tp, value: Any, path: str):
 
 
 def validate(cfg: Config) -> None:
-    from caspo.methods import METHODS  # the table names the valid methods
+    from caspo.methods import ALIASES, METHODS  # the table names the valid methods
 
     r, t, m = cfg.rollout, cfg.train, cfg.method
+    m.name = ALIASES.get(m.name, m.name)
     if m.name not in METHODS:
         raise ConfigError(f"method.name: unknown method {m.name!r}; methods: {', '.join(METHODS)}")
+    method = METHODS[m.name]
     positive = {
         "rollout.prompts_per_step": r.prompts_per_step,
         "rollout.samples_per_prompt": r.samples_per_prompt,
@@ -314,7 +341,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.micro_batch_size={t.micro_batch_size} does not divide train.minibatch_size={t.minibatch_size}"
         )
-    if METHODS[m.name].group_baseline and r.samples_per_prompt < 2:
+    if method.halves and (t.epochs_per_rollout != 1 or 2 * t.minibatch_size != n):
+        raise ConfigError(
+            f"{m.name} takes two optimizer steps per rollout, each on half the completions, in one epoch: "
+            f"set train.minibatch_size={n // 2} and train.epochs_per_rollout=1 "
+            f"(got {t.minibatch_size} and {t.epochs_per_rollout})"
+        )
+    if r.staleness < 0:
+        raise ConfigError(f"rollout.staleness must be >= 0, got {r.staleness}")
+    if (method.group_baseline or (method.advantage == "terminal" and m.terminal_scope == "group")) \
+            and r.samples_per_prompt < 2:
         raise ConfigError(
             f"method {m.name} compares samples within a prompt group: rollout.samples_per_prompt must be >= 2, "
             f"got {r.samples_per_prompt}"

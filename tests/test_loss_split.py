@@ -5,7 +5,9 @@ import torch
 
 from caspo.algo import AGG_MODES
 from caspo.config import load_config
+from caspo.methods import get_method
 from caspo.train import loop
+from caspo.train.advantages import compute_advantages
 from caspo.train.precision import LossScaler
 from caspo.train.update import accumulate_gradients
 
@@ -22,7 +24,7 @@ def rollout(tmp_path_factory):
     batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
     batch.old_logprobs = loop.score(tr.policy, batch, cfg)
     batch.ref_logprobs = batch.old_logprobs - 0.05  # a non-trivial KL term
-    batch.advantages = loop.advantages(batch, cfg)
+    batch.advantages = compute_advantages(batch, cfg, get_method(cfg.method.name))[0]
     assert len(set(batch.response_lengths.tolist())) > 1  # ragged, so the normaliser matters
     return tr, batch
 

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from caspo.config import load_config
+from caspo.methods import get_method
 from caspo.train import loop
+from caspo.train.advantages import compute_advantages
 from caspo.train.precision import LossScaler, autocast
-from caspo.train.update import accumulate_gradients, policy_update
+from caspo.train.update import accumulate_gradients, update
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,7 +47,7 @@ def first_batch(overrides, tmp_path):
         batch.rewards = loop.reward(tr, batch)
     batch.rewards = torch.tensor([1.0, 0.0] * (batch.size // 2))  # non-zero advantages whatever the policy did
     batch.old_logprobs = loop.score(tr.policy, batch, cfg)
-    batch.advantages = loop.advantages(batch, cfg)
+    batch.advantages = compute_advantages(batch, cfg, get_method(cfg.method.name))[0]
     return tr, batch
 
 
@@ -68,8 +70,7 @@ def test_fp16_with_loss_scale_matches_fp32(tmp_path):
 def test_fp16_overflow_step_is_skipped_and_counted(tmp_path):
     tr, batch = first_batch(["train.precision=fp16", "train.loss_scale=1e38"], tmp_path)
     before = copy.deepcopy(tr.policy.state_dict())
-    stats = policy_update(tr.policy, tr.optimizer, tr.scheduler, batch, tr.cfg, torch.Generator().manual_seed(0),
-                          tr.scaler)
+    stats = update(tr.actor, None, batch, tr.cfg, tr.method, torch.Generator().manual_seed(0), tr.scaler)
     assert stats["skipped_steps"] == tr.cfg.responses_per_step // tr.cfg.train.minibatch_size
     for name, value in tr.policy.state_dict().items():
         assert torch.equal(value, before[name])

@@ -7,7 +7,9 @@ import torch
 from caspo.config import load_config
 from caspo.models.policy import load_policy
 from caspo.models.tokenizer import load_tokenizer
+from caspo.methods import get_method
 from caspo.train import loop
+from caspo.train.advantages import compute_advantages
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,10 +51,11 @@ def test_checkpoint_reloads_identical_logits(tmp_path):
 
 
 def test_grpo_advantages_in_the_step():
+    mask = torch.tensor([[1.0, 1.0, 0.0]] * 4)
     batch = SimpleNamespace(rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), group_ids=torch.tensor([0, 0, 1, 1]),
-                            response_mask=torch.tensor([[1.0, 1.0, 0.0]] * 4))
+                            response_mask=mask, response_lengths=mask.sum(-1).long(), size=4)
     cfg = load_config("tests")
-    adv = loop.advantages(batch, cfg)
+    adv = compute_advantages(batch, cfg, get_method(cfg.method.name))[0]
     # group 0: mean 0.5, unbiased std sqrt(0.5) -> ±0.5/0.7071; group 1 all equal -> 0
     a = 0.5 / 0.5 ** 0.5
     expected = torch.tensor([[a, a, 0.0], [-a, -a, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])

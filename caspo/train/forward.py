@@ -1,4 +1,4 @@
-"""Log-probs of the response tokens under a causal LM, computed from the response columns only."""
+"""Log-probs and logits of the response tokens, computed from the response columns only."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from caspo.algo import token_logprobs
 from caspo.batch import RolloutBatch
 
 
-def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
-    """[B, R] log π(y_t | x, y_<t) with logits divided by the sampling temperature.
+def response_logits(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+    """[B, R, V] logits / temperature at the positions that predict each response token.
 
-    The LM head runs on the R positions that score the response, not on the prompt,
-    so a long prompt costs no [tokens × vocab] logits.
+    The LM head runs on these R positions only, so a long prompt costs no
+    [tokens × vocab] logits.
     """
     hidden = model.get_decoder()(
         input_ids=batch.input_ids,
@@ -21,5 +21,9 @@ def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: 
         use_cache=False,
     ).last_hidden_state
     P, R = batch.prompt_width, batch.responses.shape[1]
-    logits = model.get_output_embeddings()(hidden[:, P - 1:P + R - 1])
-    return token_logprobs(logits, batch.responses, temperature=temperature)
+    return model.get_output_embeddings()(hidden[:, P - 1:P + R - 1]) / temperature
+
+
+def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+    """[B, R] log π(y_t | x, y_<t) under softmax(logits / temperature), via a chunked log-softmax."""
+    return token_logprobs(response_logits(model, batch), batch.responses, temperature=temperature)

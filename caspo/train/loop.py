@@ -12,63 +12,28 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import os
-import random
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from caspo import algo
 from caspo.batch import RolloutBatch
-from caspo.config import Config, to_dict, to_yaml
-from caspo.data.build import TaskData, load_task_data
-from caspo.data.cursor import PromptCursor
+from caspo.config import Config, to_yaml
 from caspo.eval.heldout import greedy_accuracy
-from caspo.models.policy import load_policy, resolve_device, resolve_model_path
-from caspo.models.tokenizer import load_tokenizer
+from caspo.models.critic import critic_values
 from caspo.report.curves import plot_run
-from caspo.reward.pool import RewardPool
-from caspo.rollout.base import Request, SamplingParams, publish
-from caspo.rollout.hf import HFEngine
+from caspo.rollout.base import Request
 from caspo.rollout.sampling import sample_seed
 from caspo.train import checkpoint as ckpt
+from caspo.train.advantages import compute_advantages
 from caspo.train.forward import response_logprobs
-from caspo.train.optim import build_optimizer, build_scheduler
-from caspo.train.precision import LossScaler, autocast, compute_dtype
+from caspo.train.precision import autocast
 from caspo.train.runlog import JsonlWriter, console, progress_bar
 from caspo.train.timers import PhaseTimer
-from caspo.train.update import policy_update
+from caspo.train.trainer import Trainer, build_trainer, publish_current, restore, save
+from caspo.train.update import update
 
-
-@dataclass
-class Trainer:
-    """Everything one run holds between steps."""
-    cfg: Config
-    run_dir: Path
-    device: torch.device
-    tokenizer: object
-    policy: torch.nn.Module
-    ref: torch.nn.Module | None
-    engine: HFEngine
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    cursor: PromptCursor
-    update_rng: torch.Generator
-    data: TaskData
-    pool: RewardPool
-    scaler: LossScaler
-    step: int = 0  # outer steps completed
-    version: int = 0  # policy version served by the engine
-
-    @property
-    def sampling(self) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              stop_token_ids=[self.tokenizer.eos_token_id], stop_strings=list(r.stop))
+__all__ = ["Trainer", "build_trainer", "evaluate", "outer_step", "restore", "save", "train"]
 
 
 # ---------------------------------------------------------------- the outer step
@@ -82,16 +47,22 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
             batch = generate(tr, indices)
         with timer("t_reward"):
             batch.rewards = reward(tr, batch)
-        with timer("t_old"):
-            batch.old_logprobs = score(tr.policy, batch, cfg)
+        with timer("t_old"):  # the proximal policy: recomputed by the trainer, never the engine's scores
+            batch.old_logprobs = no_grad_pass(tr.policy, batch, cfg, response_logprobs, cfg.rollout.temperature)
         with timer("t_ref"):
-            batch.ref_logprobs = score(tr.ref, batch, cfg) if tr.ref is not None else None
-        batch.advantages = advantages(batch, cfg)
+            if tr.ref is not None:
+                batch.ref_logprobs = no_grad_pass(tr.ref, batch, cfg, response_logprobs, cfg.rollout.temperature)
+        with timer("t_value"):
+            if tr.critic is not None:
+                batch.values = no_grad_pass(tr.critic.model, batch, cfg, critic_values)
+        batch.advantages, batch.returns = compute_advantages(batch, cfg, tr.method)
         with timer("t_pol"):
-            stats = policy_update(tr.policy, tr.optimizer, tr.scheduler, batch, cfg, tr.update_rng, tr.scaler)
-        with timer("t_sync"):
-            publish(tr.engine, tr.policy, tr.version + 1)
+            if tr.old is not None:  # flow_dppo: freeze the old policy once per rollout
+                tr.old.load_state_dict(tr.policy.state_dict())
+            stats = update(tr.actor, tr.critic, batch, cfg, tr.method, tr.update_rng, tr.scaler, tr.old)
             tr.version += 1
+        with timer("t_sync"):
+            publish_current(tr)
     tr.step += 1
     return batch, {**stats, **batch_stats(batch), **timer.reset()}
 
@@ -130,22 +101,21 @@ def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score(model: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
-    """Response log-probs under `model`, micro-batch by micro-batch, no grad."""
+def no_grad_pass(model: torch.nn.Module, batch: RolloutBatch, cfg: Config, fn, *args) -> torch.Tensor:
+    """`fn(model, micro_batch, *args)` -> [b, R] over the batch, micro-batch by micro-batch, no grad."""
     out = torch.zeros_like(batch.behaviour_logprobs)
     mb = cfg.train.micro_batch_size
     for start in range(0, batch.size, mb):
         idx = torch.arange(start, min(start + mb, batch.size))
         micro = batch.select(idx)
         with autocast(cfg.train.precision, micro.input_ids.device):
-            out[idx, :micro.responses.shape[1]] = response_logprobs(model, micro, cfg.rollout.temperature)
+            out[idx, :micro.responses.shape[1]] = fn(model, micro, *args).float()
     return out
 
 
-def advantages(batch: RolloutBatch, cfg: Config) -> torch.Tensor:
-    """Group-relative terminal reward, broadcast to every response token."""
-    seq_adv = algo.group_advantages(batch.rewards, batch.group_ids, std_normalize=cfg.method.std_normalize)
-    return seq_adv[:, None] * batch.response_mask
+def score(model: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """Response log-probs under `model` (temperature-scaled), no grad."""
+    return no_grad_pass(model, batch, cfg, response_logprobs, cfg.rollout.temperature)
 
 
 def batch_stats(batch: RolloutBatch) -> dict:
@@ -176,97 +146,7 @@ def sample_records(tr: Trainer, batch: RolloutBatch, step: int) -> list[dict]:
     ]
 
 
-# ---------------------------------------------------------------- setup and the run
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def set_deterministic() -> None:
-    """Deterministic kernels; the environment is inherited by every worker process started later."""
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    os.environ["NCCL_ALGO"] = "Ring"
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-
-
-def engine_dtype(cfg: Config) -> torch.dtype:
-    return compute_dtype(cfg.train.precision if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
-
-
-def build_trainer(cfg: Config) -> Trainer:
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
-    if cfg.train.deterministic:
-        set_deterministic()
-    seed_everything(cfg.train.seed)
-    device = resolve_device(cfg.model.device)
-    path = resolve_model_path(cfg.model.policy)
-    tokenizer = load_tokenizer(path)
-    policy = load_policy(path, device).eval()
-    ref = copy.deepcopy(policy).requires_grad_(False) if cfg.method.kl_coef > 0 else None
-    data = load_task_data(cfg, tokenizer)
-    engine = HFEngine(policy, pad_token_id=tokenizer.pad_token_id, max_batch=cfg.rollout.max_batch,
-                      decode=tokenizer.decode, dtype=engine_dtype(cfg))
-    updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
-    optimizer = build_optimizer(policy.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, warmup=cfg.optim.warmup_steps, total=updates, schedule=cfg.optim.schedule)
-    return Trainer(
-        cfg=cfg, run_dir=Path(cfg.train.output_dir), device=device, tokenizer=tokenizer, policy=policy, ref=ref,
-        engine=engine, optimizer=optimizer, scheduler=scheduler,
-        cursor=PromptCursor(len(data.train), cfg.train.seed),
-        update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
-        pool=RewardPool(cfg.reward.workers, cfg.reward.timeout_s),
-        scaler=LossScaler(cfg.train.precision, cfg.train.loss_scale),
-    )
-
-
-def trainer_state(tr: Trainer) -> dict:
-    """The exact training state; the fp32 master weights travel here unless the HF export is them."""
-    state = {
-        "step": tr.step, "version": tr.version, "config": to_dict(tr.cfg),
-        "optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
-        "loss_scaler": tr.scaler.state_dict(), "cursor": tr.cursor.state_dict(),
-        "update_rng": tr.update_rng.get_state(), "rng": ckpt.rng_state(),
-    }
-    if tr.cfg.train.precision != "fp32":
-        state["master_weights"] = {"policy": tr.policy.state_dict()}
-    return state
-
-
-def export(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """The model as it is published: in the compute dtype."""
-    return model if precision == "fp32" else copy.deepcopy(model).to(compute_dtype(precision))
-
-
-def save(tr: Trainer) -> Path:
-    return ckpt.save_checkpoint(
-        tr.run_dir, tr.step, models={"policy": export(tr.policy, tr.cfg.train.precision)}, tokenizer=tr.tokenizer,
-        trainer_state=trainer_state(tr), config_yaml=to_yaml(tr.cfg),
-        counters={"step": tr.step, "version": tr.version, "skipped_steps": tr.scaler.skipped_steps},
-    )
-
-
-def restore(tr: Trainer, checkpoint: Path) -> None:
-    """Load weights and state, then publish the restored weights before anything generates."""
-    from safetensors.torch import load_model
-
-    state = ckpt.load_trainer_state(checkpoint)
-    if "master_weights" in state:
-        tr.policy.load_state_dict(state["master_weights"]["policy"])
-    else:
-        load_model(tr.policy, str(checkpoint / "policy" / "model.safetensors"), device=str(tr.device))
-    tr.optimizer.load_state_dict(state["optimizer"])
-    tr.scheduler.load_state_dict(state["scheduler"])
-    tr.scaler.load_state_dict(state["loss_scaler"])
-    tr.cursor.load_state_dict(state["cursor"])
-    tr.update_rng.set_state(state["update_rng"])
-    ckpt.set_rng_state(state["rng"])
-    tr.step, tr.version = state["step"], state["version"]
-    publish(tr.engine, tr.policy, tr.version)
+# ---------------------------------------------------------------- the run
 
 
 def evaluate(tr: Trainer) -> dict:

@@ -82,7 +82,7 @@ def state_hashes(run_dir: Path) -> dict[str, str]:
     out = {f"{name} weights": digest(w) for name, w in weights.items()}
     if "master_weights" in state:
         out["master weights"] = digest(state["master_weights"])
-    for key in ("optimizer", "scheduler", "loss_scaler", "cursor", "update_rng", "rng"):
+    for key in ("optimizers", "schedulers", "loss_scaler", "cursor", "update_rng", "rng", "snapshots"):
         out[key.replace("_", " ")] = digest(state[key])
     out["step / version"] = f"{state['step']} / {state['version']}"
     return out

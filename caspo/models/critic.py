@@ -1,0 +1,39 @@
+"""The critic: a copy of the policy's backbone with a scalar head, as an HF token classifier.
+
+`AutoModelForTokenClassification` with one label is exactly "backbone + Linear(hidden, 1)"
+and saves as an ordinary `save_pretrained` folder. The head starts at zero, so the
+first advantages are the plain returns; dropout is off, so values are deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForTokenClassification
+
+from caspo.batch import RolloutBatch
+from caspo.models.policy import resolve_model_path
+
+
+def load_critic(spec: str, device: str | torch.device = "cpu", init_head: bool = True) -> torch.nn.Module:
+    """A critic from a policy checkpoint (new zero head) or from a saved critic (init_head=False)."""
+    path = resolve_model_path(spec)
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    config.hidden_dropout = 0.0
+    critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    if init_head:
+        with torch.no_grad():
+            critic.score.weight.zero_()
+            if critic.score.bias is not None:
+                critic.score.bias.zero_()
+    return critic.to(device)
+
+
+def critic_values(critic: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """[B, R] V(s_t): the value of the state from which response token t is generated."""
+    hidden = critic.base_model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+        use_cache=False,
+    ).last_hidden_state
+    P, R = batch.prompt_width, batch.responses.shape[1]
+    return critic.score(hidden[:, P - 1:P + R - 1]).squeeze(-1).float()
