@@ -2,7 +2,8 @@
 
 Importing this module registers the model with the `transformers` Auto classes, so a saved
 checkpoint (`model_type: "caspo_looped"`) loads through `AutoModelForCausalLM.from_pretrained`,
-e.g. through `caspo.models.policy.load_policy`, once `caspo.models.looped` has been imported.
+e.g. through `caspo.models.policy.load_policy`, once `caspo.models.looped` has been imported;
+`AutoModelForTokenClassification` (one label) gives its critic, `LoopedForValue`.
 
 Forward pass, for tokens x_1..x_n with the same RoPE positions in every loop:
 
@@ -21,19 +22,23 @@ Two block layouts (`config.layout`):
     "nanbeige"  pre-norm Llama:  z ← z + Attn(N1 z);      z ← z + MLP(N3 z)
                 (Nanbeige4.2; GQA, and q/o may be non-square: heads·head_dim ≠ hidden)
 
-MLP(z) = W_down(silu(W_gate z) ⊙ W_up z). Attention is causal softmax(q kᵀ/√d) v with RoPE.
+MLP(z) = W_down(act(W_gate z) ⊙ W_up z) with act = silu in both checkpoints; attention is causal
+softmax(q kᵀ/√d) v with RoPE. The token embedding has no padding row (Ouro uses id 0 as bos, eos
+and pad), so every row trains.
 
 Ouro's exit gate λ_t = σ(w·h_t + b) defines an exit distribution over loops
 (p_t = λ_t ∏_{j<t}(1−λ_j) for t<T, p_T = ∏_{j<T}(1−λ_j)). At fixed depth with exit
 threshold 1.0 the logits come from the last loop, so the gate is built (its weights load and
-save) but frozen (requires_grad False) and never evaluated.
+save) but frozen (requires_grad False) and never evaluated. With `labels`, the loss also uses
+the last loop's logits (upstream Ouro's HF code trains on exit-weighted logits instead).
 
 KV cache ("recurrence planes"): each (loop t, layer l) has its own keys/values in plane
 t·L + l, and loop t attends only to loop-t keys/values of earlier tokens. `LoopedCache` holds
 the T·L planes; a lazily growing `transformers.DynamicCache()` works as well.
 
-Recompute: with `config.recompute` or `model.gradient_checkpointing_enable()`, every block
-call in every loop runs under non-reentrant `torch.utils.checkpoint` while gradients are on.
+Recompute: with `config.recompute` or `model.activation_checkpointing_enable()` (formerly
+`gradient_checkpointing_enable()`), every block call in every loop runs under non-reentrant
+`torch.utils.checkpoint` while gradients are on.
 
 The parameter names follow the upstream HF remote code of Ouro and the Llama-style names of
 Nanbeige4.2, so upstream state dicts map onto this model one-to-one (see
@@ -46,15 +51,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationMixin, PreTrainedConfig
-from transformers.activations import ACT2FN
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, DynamicCache,
+                          GenerationMixin, PreTrainedConfig)
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils import ModelOutput
+
+from caspo.models.looped_layers import Block, RMSNorm, causal_mask, rope
 
 LAYOUTS = ("ouro", "nanbeige")
 
@@ -90,6 +96,8 @@ class LoopedConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        if self.id2label is None:
+            kwargs.setdefault("num_labels", 1)  # the only non-LM head is the scalar value head
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -146,114 +154,6 @@ def check_cache(cache: Cache, config: LoopedConfig) -> None:
                          f"{config.num_planes} recurrence planes; pass LoopedCache(config) or DynamicCache()")
 
 
-# ---------------------------------------------------------------------------- layers
-
-
-class RMSNorm(nn.Module):
-    """y = w ⊙ x / sqrt(mean(x²) + ε), computed in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin of angle p·θ^(−2i/d) for i < d/2, each repeated to [B, T, d] (rotate-half layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float) / head_dim)
-    angles = position_ids[..., None].float() * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ⊙ cos + rotate_half(x) ⊙ sin, with x of shape [B, heads, T, d]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
-
-
-class Attention(nn.Module):
-    """Causal GQA attention; kv head j serves query heads j·G .. j·G+G−1 (G = heads / kv_heads)."""
-
-    def __init__(self, cfg: LoopedConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
-
-    def forward(self, x, cos, sin, mask, cache: Cache | None, plane: int):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v, plane)  # this plane's keys/values of all tokens so far
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """W_down(act(W_gate x) ⊙ W_up x)."""
-
-    def __init__(self, cfg: LoopedConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = ACT2FN[cfg.hidden_act]
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    """ouro:     z ← z + N2(Attn(N1 z));  z ← z + N4(MLP(N3 z))
-    nanbeige: z ← z + Attn(N1 z);      z ← z + MLP(N3 z)"""
-
-    def __init__(self, cfg: LoopedConfig):
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # N1
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # N3
-        self.sandwich = cfg.layout == "ouro"
-        if self.sandwich:
-            self.input_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # N2
-            self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # N4
-
-    def forward(self, z, cos, sin, mask, cache: Cache | None, plane: int):
-        a = self.self_attn(self.input_layernorm(z), cos, sin, mask, cache, plane)
-        z = z + (self.input_layernorm_2(a) if self.sandwich else a)
-        m = self.mlp(self.post_attention_layernorm(z))
-        return z + (self.post_attention_layernorm_2(m) if self.sandwich else m)
-
-
-def causal_mask(attention_mask: torch.Tensor | None, B: int, T: int, past: int, dtype, device) -> torch.Tensor:
-    """Additive [B, 1, T, past+T] mask: query i (absolute index past+i) sees key j iff j ≤ past+i and
-    attention_mask[b, j] = 1. Blocked entries get the dtype's most negative value (not −inf), so a
-    fully padded query row yields finite, ignorable outputs instead of NaN."""
-    S = past + T
-    keys = torch.arange(S, device=device)
-    allowed = (keys[None, :] <= past + torch.arange(T, device=device)[:, None])[None, None]
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.shape != (B, S):
-            raise ValueError(f"attention_mask must be [batch, past+new] = [{B}, {S}], got {tuple(attention_mask.shape)}")
-        allowed = allowed & attention_mask[:, None, None, :].bool()
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min).expand(B, 1, T, S)
-
-
 # ---------------------------------------------------------------------------- models
 
 
@@ -263,14 +163,22 @@ class LoopedPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
-    _supports_sdpa = True
-    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+    _supports_sdpa = True  # attention always runs through torch SDPA ("eager" is the same computation)
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=checkpoint,
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Loading replaces parameters (and their requires_grad), so the exit gate is frozen again."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded).base_model.freeze_exit_gate()
+        return loaded
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
                                     every_n_layers: int = 1):
-        """Only non-reentrant checkpointing of every block is implemented; anything else raises."""
+        """Called by `activation_checkpointing_enable()` / `gradient_checkpointing_enable()`. Only
+        non-reentrant checkpointing of every block is implemented; other options raise."""
         options = getattr(gradient_checkpointing_func, "keywords", {})
-        plain = getattr(gradient_checkpointing_func, "func", gradient_checkpointing_func) is checkpoint
+        func = getattr(gradient_checkpointing_func, "func", gradient_checkpointing_func)
+        plain = func in (None, torch.utils.checkpoint.checkpoint)
         if enable and (every_n_layers != 1 or not plain or options.get("use_reentrant", False)
                        or set(options) - {"use_reentrant"}):
             raise NotImplementedError("looped models checkpoint every block, non-reentrant, without offload "
@@ -379,20 +287,26 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
 
 @dataclass
 class LoopedValueOutput(ModelOutput):
-    values: torch.Tensor | None = None  # [B, T]: V(prefix up to and including token t)
+    values: torch.Tensor | None = None  # [B, T]: V_t, the value after reading tokens 1..t
+    logits: torch.Tensor | None = None  # [B, T, 1]: the same, shaped like a one-label token classifier's
     cache: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 class LoopedForValue(LoopedPreTrainedModel):
-    """The critic of a looped policy: the same trunk, with the LM head replaced by
-    value_head = Linear(hidden, 1, bias=False), so V_t = w·h_T(t). Loading a policy checkpoint
-    into it drops `lm_head` and initialises `value_head` fresh."""
+    """The critic of a looped policy: the same trunk with the LM head replaced by
+    score = Linear(hidden, 1, bias=False), so V_t = w·h_T(t).
+
+    It is registered as the looped `AutoModelForTokenClassification` (one label, head named
+    `score`), so critic code written for HF token classifiers loads it from a policy checkpoint:
+    `lm_head` is dropped and `score` starts fresh."""
 
     def __init__(self, config: LoopedConfig):
+        if config.num_labels != 1:
+            raise ValueError(f"a looped value model has one output; got num_labels={config.num_labels}")
         super().__init__(config)
         self.model = LoopedModel(config)
-        self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
+        self.score = nn.Linear(config.hidden_size, 1, bias=False)
         self.post_init()
         self.model.freeze_exit_gate()
 
@@ -402,8 +316,9 @@ class LoopedForValue(LoopedPreTrainedModel):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=pick_cache(cache, past_key_values), inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, **kwargs)
-        values = self.value_head(out.last_hidden_state).squeeze(-1)
-        return LoopedValueOutput(values=values, cache=out.cache, hidden_states=out.hidden_states)
+        logits = self.score(out.last_hidden_state)
+        return LoopedValueOutput(values=logits.squeeze(-1), logits=logits, cache=out.cache,
+                                 hidden_states=out.hidden_states)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -425,6 +340,7 @@ def pick_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | No
 
 AutoConfig.register(LoopedConfig.model_type, LoopedConfig, exist_ok=True)
 AutoModelForCausalLM.register(LoopedConfig, LoopedForCausalLM, exist_ok=True)
+AutoModelForTokenClassification.register(LoopedConfig, LoopedForValue, exist_ok=True)
 
 from caspo.models.looped_upstream import from_upstream_config, load_upstream, map_upstream_state_dict  # noqa: E402
 

@@ -35,11 +35,12 @@ Parameter names. Our modules carry the upstream names, so the mapping is the ide
 `map_upstream_state_dict` drops the `rotary_emb.inv_freq` buffers some exports carry, supplies a
 tied head, and checks that the remaining tensors are exactly this model's, with its shapes.
 
-Status: the Ouro names and config keys above are those of Ouro's published HF remote code; the
-Nanbeige4.2 names are the Llama names its model card and third-party ports use, and its
-`model_type` string is not pinned here (layout detection uses `num_loops`). Neither released
-checkpoint was available, so loading released weights is unverified; the tests load small
-fixtures written under these names.
+Status: the Ouro names and config keys above are those of a public copy of Ouro's HF remote code
+(modeling_ouro.py / configuration_ouro.py), not checked against the pinned checkpoint revision.
+The Nanbeige4.2 names are the Llama names that third-party ports (mlx-lm, llama.cpp) load it
+with; its `model_type` string is not pinned here (layout detection uses `num_loops`). Neither
+released checkpoint was available, so loading released weights is unverified; the tests load
+small fixtures written under these names.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedConfig
 
 from caspo.models.looped import LoopedConfig, LoopedForCausalLM
 
@@ -62,7 +64,7 @@ HANDLED_KEYS = {"rope_theta", "rope_parameters", "rope_scaling", "use_sliding_wi
                 "max_window_layers", "layer_types", "attention_dropout", "pretraining_tp", "total_ut_steps",
                 "early_exit_threshold", "early_exit_step", "num_loops", "skip_loop_final_norm", "loop_loss_weights",
                 "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
-                "use_cache", "_name_or_path"}
+                "use_cache", "_name_or_path"} | set(PreTrainedConfig().to_dict())  # generic HF config fields
 NANBEIGE_OFF = ("qk_layernorm", "emb_neighbor_num", "insert_ngram_layer_idx", "ngram_insert_all_layers",
                 "enable_double_loop_split", "loop_middle_layers", "loop_share_kv", "enable_hyper_connection",
                 "enable_mhc", "enable_h_res_identity", "enable_depth_attention")

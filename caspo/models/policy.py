@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+import caspo.models.looped  # noqa: F401  registers the looped LM with the Auto classes
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED = "embedded:"
 

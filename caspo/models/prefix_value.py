@@ -1,0 +1,330 @@
+"""CASPO's prefix value model (IPVRM-style): a value read off a log-likelihood ratio.
+
+A trainable copy φ of a causal LM and a frozen reference give every response prefix
+a value
+
+    V(x, y_{<j}) = β · Σ_{i<j} log( π_φ(y_i | x, y_{<i}) / π_ref(y_i | x, y_{<i}) ),
+
+with both log-probs from temperature-1 logits and β = 10 by default. One forward over
+a whole response gives the value of every prefix of it (the model is causal), and
+every response token carries its own term, so training against per-prefix targets
+gives each token a gradient. V of the empty response prefix is 0; at φ = ref every V
+is 0, i.e. σ(V/β) = 1/2.
+
+Indexing (the off-by-one to avoid): ``cumulative_values`` is inclusive,
+C[t] = β·Σ_{i≤t} d_i, the value of the prefix that *ends with* token t. The value of
+the prefix holding the first j response tokens is therefore C[j−1] (0 for j = 0):
+the state after step k includes every token of steps ≤ k and none after.
+
+A value model is saved as a folder: φ in Hugging Face format (it loads in
+``transformers`` as it is) plus ``value_config.json`` holding β, where the reference
+can be loaded from, and the provenance of the labels it was trained on.
+``load_prefix_value`` refuses a model whose provenance differs from what the caller
+expects, listing every differing field, because a value model trained on other
+prompts, tokens, verifier or sampler still loads and runs, and is silently wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from caspo.train.forward import response_logprobs
+
+FORMAT = "caspo-prefix-value/1"
+CONFIG_FILE = "value_config.json"
+DEFAULT_BETA = 10.0
+TRANSFORMS = ("value", "prob", "logprob")
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- provenance
+
+
+class ProvenanceError(ValueError):
+    """A value model or label set made under other conditions than the caller's."""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What defines the values a model was trained on; any change makes it stale."""
+
+    prompt_template: str  # the template text, with its {query} placeholder
+    add_bos: bool
+    tokenizer_hash: str
+    verifier_version: str  # caspo.reward.VERIFIER_VERSION
+    temperature: float  # the sampler whose success probability the values estimate
+    top_p: float
+    top_k: int
+    stop_strings: tuple[str, ...]
+    max_new_tokens: int  # response budget: continuations that hit it score 0
+    label_policy: str  # model_identity of the policy whose rollouts made the labels
+    reference: Optional[str] = None  # model_identity of the value model's frozen reference; None for a label set
+
+    def with_reference(self, reference: str) -> "Provenance":
+        return dataclasses.replace(self, reference=reference)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["stop_strings"] = list(self.stop_strings)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Provenance":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(names - set(raw) - {"reference"})
+        unknown = sorted(set(raw) - names)
+        if missing or unknown:
+            raise ProvenanceError(f"provenance record has missing fields {missing} and unknown fields {unknown}")
+        return cls(**{**raw, "stop_strings": tuple(raw["stop_strings"])})
+
+
+def provenance_mismatches(expected: Provenance, found: Provenance, ignore: Sequence[str] = ()) -> list[str]:
+    """One line per field that differs: 'field: expected X, found Y'."""
+    want, have = expected.to_dict(), found.to_dict()
+    return [f"{name}: expected {want[name]!r}, found {have[name]!r}"
+            for name in want if name not in ignore and want[name] != have[name]]
+
+
+def check_provenance(expected: Provenance, found: Provenance, what: str, allow_mismatch: bool = False,
+                     ignore: Sequence[str] = ()) -> None:
+    """Raise ProvenanceError listing every differing field, or only log them when allowed."""
+    lines = provenance_mismatches(expected, found, ignore)
+    if not lines:
+        return
+    message = f"{what} was made under other conditions:\n  " + "\n  ".join(lines)
+    if not allow_mismatch:
+        raise ProvenanceError(message + "\nre-collect and retrain it, or pass allow_mismatch to use it anyway")
+    log.warning("%s (used anyway: allow_mismatch)", message)
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """A fingerprint of a model's weights: sha256 over (name, shape, Σw, Σw²) of every parameter.
+
+    Computed in float64 from the stored values, so the same weights give the same
+    identity on any device; weights rounded to another dtype are other weights.
+    """
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            x = p.detach().double()
+            stats = torch.stack([x.sum(), x.square().sum()]).cpu().tolist()
+            h.update(f"{name}:{tuple(p.shape)}:{stats[0]!r}:{stats[1]!r};".encode())
+    return "w:" + h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+def cumulative_values(log_ratios: torch.Tensor, response_mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """Value of the prefix ending with each token, ``[B, R]``:
+
+        C[b, t] = β · Σ_{i ≤ t} m[b, i] · d[b, i],   d = log π_φ − log π_ref
+
+    Padding (m = 0) adds nothing, whatever it holds.
+    """
+    terms = torch.where(response_mask.bool(), log_ratios, torch.zeros_like(log_ratios))
+    return beta * terms.cumsum(-1)
+
+
+def prefix_values(cumulative: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    """Values of the prefixes holding the first ``boundaries[b, n]`` response tokens, ``[B, N]``:
+
+        V(y_{<j}) = C[j − 1]   (j ≥ 1),     V(y_{<0}) = 0
+
+    ``boundaries`` are token counts in [0, R].
+    """
+    if boundaries.numel() and (int(boundaries.min()) < 0 or int(boundaries.max()) > cumulative.shape[1]):
+        raise ValueError(f"boundaries must lie in [0, {cumulative.shape[1]}], got "
+                         f"[{int(boundaries.min())}, {int(boundaries.max())}]")
+    padded = F.pad(cumulative, (1, 0))  # padded[:, j] = C[j - 1], padded[:, 0] = 0
+    return padded.gather(1, boundaries.long())
+
+
+def step_values(cumulative: torch.Tensor, token_step_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Value of the state before each step, ``[B, S]``, and the step mask ``[B, S]``.
+
+    ``token_step_ids`` ``[B, R]`` holds each token's step (−1 on padding), as from
+    ``caspo.segment.pad_step_ids``. Step k starts at its first token s_k, so
+
+        V(s_k) = V(y_{<s_k}) = C[s_k − 1],  V(s_0) = 0:
+
+    the state before step k (= after step k − 1) includes every token of steps < k and
+    none of step k. The value after the last step is terminal and not returned, as
+    ``caspo.algo.step_td`` expects.
+    """
+    B, R = token_step_ids.shape
+    counts = token_step_ids.max(-1).values.clamp(min=-1) + 1
+    S = max(int(counts.max()), 1) if B else 1
+    steps = torch.arange(S, device=token_step_ids.device)
+    is_start = token_step_ids[:, :, None] == steps[None, None, :]  # [B, R, S]
+    positions = torch.arange(R, device=token_step_ids.device)[None, :, None].expand(B, R, S)
+    starts = torch.where(is_start, positions, torch.full_like(positions, R)).min(1).values  # [B, S]
+    mask = steps[None, :] < counts[:, None]
+    values = prefix_values(cumulative, torch.where(mask, starts, torch.zeros_like(starts)))
+    return values * mask, mask.float()
+
+
+def transform_values(values: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
+    """The value scale CASPO's step TD uses:
+
+        value:   V
+        prob:    σ(V/β)          (the success probability the model was trained to predict)
+        logprob: log σ(V/β)
+    """
+    if kind == "value":
+        return values
+    if kind == "prob":
+        return torch.sigmoid(values / beta)
+    if kind == "logprob":
+        return F.logsigmoid(values / beta)
+    raise ValueError(f"unknown value transform {kind!r}; choose from {TRANSFORMS}")
+
+
+# ---------------------------------------------------------------- batches
+
+
+@dataclass
+class ResponseBatch:
+    """Prompts left-padded to width P, responses right-padded to R (RolloutBatch's layout)."""
+
+    input_ids: torch.Tensor  # [B, P+R]
+    attention_mask: torch.Tensor  # [B, P+R]
+    position_ids: torch.Tensor  # [B, P+R]
+    prompt_width: int
+    responses: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R] float 0/1
+
+    def to(self, device) -> "ResponseBatch":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
+                                            for f in dataclasses.fields(self) if f.name != "prompt_width"})
+
+
+def pack_responses(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                   pad_token_id: int) -> ResponseBatch:
+    if len(prompts) != len(responses) or not prompts:
+        raise ValueError(f"need equally many prompts and responses, at least one; got {len(prompts)}, {len(responses)}")
+    B, P, R = len(prompts), max(len(p) for p in prompts), max(1, max(len(r) for r in responses))
+    ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((B, P + R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        attention[i, P - len(p):P + len(r)] = 1
+    response_mask = attention[:, P:].float()
+    return ResponseBatch(ids, attention, (attention.cumsum(-1) - 1).clamp(min=0), P, ids[:, P:], response_mask)
+
+
+# ---------------------------------------------------------------- the model
+
+
+@dataclass
+class PrefixValueModel:
+    """φ (trained) and the frozen reference; the batch is a ResponseBatch or a RolloutBatch."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module
+    beta: float = DEFAULT_BETA
+    provenance: Optional[Provenance] = None
+    reference_source: str = ""  # where `reference` can be loaded from (a folder, hub id or embedded: spec)
+
+    def __post_init__(self):
+        self.reference.eval().requires_grad_(False)
+        if self.beta <= 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+
+    @classmethod
+    def from_reference(cls, reference: torch.nn.Module, beta: float = DEFAULT_BETA,
+                       provenance: Optional[Provenance] = None, reference_source: str = "") -> "PrefixValueModel":
+        """A fresh value model: φ starts as a copy of the reference, so every V starts at 0."""
+        return cls(copy.deepcopy(reference).train().requires_grad_(True), reference, beta, provenance, reference_source)
+
+    def log_ratios(self, batch, ref_logprobs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """d[b, t] = log π_φ(y_t) − log π_ref(y_t) at temperature 1, ``[B, R]``, 0 on padding.
+
+        ``ref_logprobs`` may be passed in to save the reference forward, but only when it
+        is the same quantity: log-probs of these response tokens under this model's
+        frozen reference, from temperature-1 logits. A trainer's reference scores qualify
+        when its reference model is this reference and its rollout temperature is 1;
+        scores at the sampling temperature of a T ≠ 1 run do not.
+        """
+        logp = response_logprobs(self.policy, batch, temperature=1.0)
+        if ref_logprobs is None:
+            with torch.no_grad():
+                ref_logprobs = response_logprobs(self.reference, batch, temperature=1.0)
+        elif ref_logprobs.shape != logp.shape:
+            raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, the batch needs {tuple(logp.shape)}")
+        diff = logp - ref_logprobs.to(logp.dtype)
+        return torch.where(batch.response_mask.bool(), diff, torch.zeros_like(diff))
+
+    def cumulative(self, batch, ref_logprobs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``cumulative_values`` of the batch: C[b, t] is V of the prefix ending with token t."""
+        return cumulative_values(self.log_ratios(batch, ref_logprobs), batch.response_mask, self.beta)
+
+    def to(self, device) -> "PrefixValueModel":
+        self.policy.to(device)
+        self.reference.to(device)
+        return self
+
+    def save(self, path: str | Path, tokenizer=None) -> Path:
+        """φ as a save_pretrained folder (with the tokenizer, if given) plus value_config.json."""
+        from caspo.models.tokenizer import save_tokenizer
+
+        if self.provenance is None or self.provenance.reference is None:
+            raise ProvenanceError("a value model needs a provenance with its reference identity before it is saved")
+        path = Path(path)
+        self.policy.save_pretrained(path, safe_serialization=True)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, path)
+        config = {"format": FORMAT, "beta": self.beta, "reference_source": self.reference_source,
+                  "provenance": self.provenance.to_dict()}
+        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        return path
+
+
+def read_value_config(path: str | Path) -> dict:
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: {path} is not a prefix value model folder")
+    config = json.loads(file.read_text())
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{file}: format {config.get('format')!r}, this code reads {FORMAT!r}")
+    return config
+
+
+def load_prefix_value(path: str | Path, expected_provenance: Optional[Provenance], allow_mismatch: bool = False,
+                      reference: Optional[torch.nn.Module] = None,
+                      device: str | torch.device = "cpu") -> PrefixValueModel:
+    """Load a value model folder and check that it fits the caller's conditions.
+
+    Every provenance field that differs from ``expected_provenance`` is listed in one
+    ProvenanceError, unless ``allow_mismatch`` (then they are logged). Pass
+    ``expected_provenance=None`` only to inspect a model. The reference is loaded from
+    the recorded ``reference_source`` unless given; either way its weights must have the
+    recorded identity, or the values would be log-ratios against another model.
+    """
+    from caspo.models.policy import load_policy
+
+    config = read_value_config(path)
+    provenance = Provenance.from_dict(config["provenance"])
+    if expected_provenance is not None:
+        check_provenance(expected_provenance, provenance, f"prefix value model {path}", allow_mismatch)
+    if reference is None:
+        if not config["reference_source"]:
+            raise ValueError(f"{path} records no reference_source; pass the reference model")
+        reference = load_policy(config["reference_source"], device)
+    identity = model_identity(reference)
+    if identity != provenance.reference:
+        raise ProvenanceError(f"the reference model has identity {identity}, but {path} was trained against "
+                              f"{provenance.reference}; pass the reference it was trained with")
+    policy = load_policy(str(path), device)
+    return PrefixValueModel(policy, reference.to(device), config["beta"], provenance, config["reference_source"])
