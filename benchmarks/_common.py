@@ -1,0 +1,96 @@
+"""Shared pieces of the rollout benchmarks: the model shape flags, a random-init model, timing, result lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import datetime, timezone
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the model shape (defaults: Qwen2.5-1.5B), device and dtype."""
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=8960)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.3, help="KV cache share of the GPU (CUDA)")
+    parser.add_argument("--commit", default="", help="the code's commit, recorded with the figures")
+    parser.add_argument("--out", default="", help="append one JSON line of results to this file")
+
+
+def build_model(args) -> torch.nn.Module:
+    """A random-init Qwen2 causal LM with tied embeddings, in `args.dtype` on `args.device`."""
+    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, tie_word_embeddings=True, rope_theta=1e6,
+                         max_position_embeddings=32768)
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype])
+    return model.eval().requires_grad_(False)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=generator).tolist()
+
+
+def kv_sizing(args, max_seq_len: int, sequences: int) -> dict:
+    """NativeEngine cache arguments: a GPU share on CUDA, exactly the sequences' tokens elsewhere."""
+    if torch.device(args.device).type == "cuda":
+        return {"gpu_memory_fraction": args.gpu_memory_fraction}
+    return {"capacity_tokens": sequences * max_seq_len}
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: str, fn):
+    """(result, seconds, peak device bytes or None) of fn()."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return result, seconds, torch.cuda.max_memory_allocated(device) if cuda else None
+
+
+def environment(args) -> dict:
+    device = torch.device(args.device)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(device), "card": card,
+            "torch": torch.__version__, "commit": args.commit, "dtype": args.dtype,
+            "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
+                      "intermediate": args.intermediate, "vocab": args.vocab}}
+
+
+def append_result(path: str, record: dict) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def print_table(header: list[str], rows: list[list]) -> None:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for i, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))

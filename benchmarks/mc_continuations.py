@@ -1,0 +1,94 @@
+"""Monte Carlo continuations with and without prefix sharing (the VinePPO value phase).
+
+64 responses, each cut at 8 step boundaries (prefix lengths 128 + 64·j), K = 9 continuations
+of 128 tokens from every prefix: 4608 requests whose prompts share long prefixes. Reports
+the prompt tokens computed and the wall time of the native engine with and without prefix
+sharing, and appends one JSON line to --out.
+
+    python benchmarks/mc_continuations.py --out benchmarks/results.jsonl --commit $COMMIT
+    python benchmarks/mc_continuations.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 \
+        --kv-heads 2 --intermediate 128 --vocab 1000 --prompts 4 --boundaries 3 --first-prefix 32 --stride 16 \
+        --k 3 --new-tokens 8   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from functools import partial
+
+import torch
+
+from _common import (add_model_args, append_result, build_model, environment, kv_sizing, print_table,
+                     random_prompts, timed)
+from caspo.rollout.base import Request, SamplingParams
+from caspo.rollout.native import NativeEngine
+from caspo.rollout.sampling import sample_seed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--prompts", type=int, default=64, help="responses whose prefixes are continued")
+    parser.add_argument("--boundaries", type=int, default=8, help="step boundaries per response")
+    parser.add_argument("--first-prefix", type=int, default=128, help="length of the shortest prefix")
+    parser.add_argument("--stride", type=int, default=64, help="tokens between successive boundaries")
+    parser.add_argument("--k", type=int, default=9, help="continuations per prefix")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--cuda-graphs", action="store_true")
+    args = parser.parse_args()
+
+    model = build_model(args)
+    longest = args.first_prefix + args.stride * (args.boundaries - 1)
+    responses = random_prompts(args.prompts, longest, args.vocab, args.seed)
+    requests = [Request(response[:args.first_prefix + args.stride * j],
+                        seed=sample_seed(args.seed, 0, p * args.boundaries + j, k), max_new_tokens=args.new_tokens)
+                for p, response in enumerate(responses) for j in range(args.boundaries) for k in range(args.k)]
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, stop_token_ids=[])
+    max_seq_len = longest + args.new_tokens
+    cuda = torch.device(args.device).type == "cuda"
+
+    rows, results, outputs = [], {}, {}
+    for sharing in (True, False):
+        engine = NativeEngine(model, max_seq_len=max_seq_len, max_running=args.max_running, prefix_sharing=sharing,
+                              cuda_graphs=args.cuda_graphs, **kv_sizing(args, max_seq_len, args.max_running))
+        engine.generate([Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]], sampling)  # warm-up
+        before = engine.stats.prefill_tokens, engine.stats.shared_tokens
+        completions, seconds, peak = timed(args.device, partial(engine.generate, requests, sampling))
+        computed = engine.stats.prefill_tokens - before[0]
+        shared = engine.stats.shared_tokens - before[1]
+        generated = sum(len(c.tokens) for c in completions)
+        mode = "shared" if sharing else "unshared"
+        outputs[mode] = [c.tokens for c in completions]
+        results[mode] = {"prefill_tokens": computed, "shared_tokens": shared, "seconds": round(seconds, 3),
+                         "generated_tokens": generated, "peak_bytes": peak}
+        rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{seconds:.2f}",
+                     f"{generated / seconds:,.0f}", f"{peak / 2**30:.1f}" if peak else "-"])
+        del engine, completions
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    same = sum(a == b for a, b in zip(outputs["shared"], outputs["unshared"]))
+    cut = 1 - results["shared"]["prefill_tokens"] / results["unshared"]["prefill_tokens"]
+    speedup = results["unshared"]["seconds"] / results["shared"]["seconds"]
+    print(f"{args.prompts} responses x {args.boundaries} boundaries (prefixes {args.first_prefix}"
+          f" + {args.stride}·j) x K={args.k} continuations of {args.new_tokens} tokens, {args.dtype} on {args.device}")
+    print_table(["prefixes", "requests", "prefill computed", "prefill shared", "seconds", "tokens/s", "peak GiB"],
+                rows)
+    print(f"prefill tokens cut by {cut:.1%}; wall time x{speedup:.2f}; "
+          f"identical completions {same}/{len(requests)} (differences come only from summation order)")
+    append_result(args.out, {"benchmark": "mc_continuations", **environment(args),
+                             "shape": {"prompts": args.prompts, "boundaries": args.boundaries,
+                                       "first_prefix": args.first_prefix, "stride": args.stride, "k": args.k,
+                                       "new_tokens": args.new_tokens, "max_running": args.max_running,
+                                       "cuda_graphs": args.cuda_graphs},
+                             "modes": results, "prefill_cut": round(cut, 4), "speedup": round(speedup, 3),
+                             "identical_completions": same})
+
+
+if __name__ == "__main__":
+    main()

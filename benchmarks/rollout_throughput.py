@@ -1,0 +1,92 @@
+"""Rollout throughput: native eager, native with CUDA graphs, and the transformers engine.
+
+A random-init Qwen2.5-1.5B-shaped model (tied embeddings), 256 prompts of 128 tokens, 512
+new tokens each with EOS disabled, the full sampler (temperature, top-p, behaviour and
+untruncated log-probs). Prints a table and appends one JSON line to --out.
+
+    python benchmarks/rollout_throughput.py --out benchmarks/results.jsonl --commit $COMMIT
+    python benchmarks/rollout_throughput.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 \
+        --kv-heads 2 --intermediate 128 --vocab 1000 --prompts 8 --prompt-len 16 --new-tokens 16   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from functools import partial
+
+import torch
+
+from _common import (add_model_args, append_result, build_model, environment, kv_sizing, print_table,
+                     random_prompts, timed)
+from caspo.rollout.base import Request, SamplingParams
+from caspo.rollout.hf import HFEngine
+from caspo.rollout.native import NativeEngine
+from caspo.rollout.sampling import sample_seed
+
+ENGINES = ("native", "native-graphs", "hf")
+
+
+def make_engine(name: str, model, args, max_seq_len: int):
+    if name == "hf":
+        return HFEngine(model, pad_token_id=0)
+    return NativeEngine(model, max_seq_len=max_seq_len, max_running=args.prompts,
+                        cuda_graphs=name == "native-graphs", **kv_sizing(args, max_seq_len, args.prompts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--top-logprobs", type=int, default=0, help="top-K log-probs per position (native only)")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    args = parser.parse_args()
+
+    model = build_model(args)
+    prompts = random_prompts(args.prompts, args.prompt_len, args.vocab, args.seed)
+    requests = [Request(p, seed=sample_seed(args.seed, 0, i, 0), max_new_tokens=args.new_tokens)
+                for i, p in enumerate(prompts)]
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, stop_token_ids=[])  # EOS disabled
+    warm_up = [Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]]
+    max_seq_len = args.prompt_len + args.new_tokens
+    cuda = torch.device(args.device).type == "cuda"
+
+    rows, results = [], {}
+    for name in args.engines.split(","):
+        if name not in ENGINES:
+            raise SystemExit(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+        if name == "native-graphs" and not cuda:
+            rows.append([name, "skipped: CUDA graphs need a CUDA device", "", "", "", ""])
+            continue
+        engine, setup_s, _ = timed(args.device, partial(make_engine, name, model, args, max_seq_len))
+        extra = {"top_logprobs": args.top_logprobs} if name != "hf" else {}
+        engine.generate(warm_up, sampling, **extra)
+        completions, seconds, peak = timed(args.device, partial(engine.generate, requests, sampling, **extra))
+        tokens = sum(len(c.tokens) for c in completions)
+        if tokens != args.prompts * args.new_tokens:
+            raise SystemExit(f"{name}: {tokens} tokens generated, expected {args.prompts * args.new_tokens}")
+        results[name] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                         "setup_s": round(setup_s, 2), "peak_bytes": peak}
+        rows.append([name, f"{tokens / seconds:,.0f}", tokens, f"{seconds:.2f}", f"{setup_s:.1f}",
+                     f"{peak / 2**30:.1f}" if peak else "-"])
+        del engine, completions
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+          f"T={args.temperature} top-p={args.top_p}, {args.dtype} on {args.device}")
+    print_table(["engine", "tokens/s", "tokens", "seconds", "setup s", "peak GiB"], rows)
+    append_result(args.out, {"benchmark": "rollout_throughput", **environment(args),
+                             "shape": {"prompts": args.prompts, "prompt_len": args.prompt_len,
+                                       "new_tokens": args.new_tokens, "temperature": args.temperature,
+                                       "top_p": args.top_p, "top_logprobs": args.top_logprobs},
+                             "engines": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""A plain-PyTorch decoder of the Qwen2/Qwen2.5 and Llama families over an engine-owned KV cache.
+
+Modules carry the Hugging Face parameter names (`model.layers.3.self_attn.q_proj.weight`, ...),
+so checkpoints load by name and a publication of the trainer's `named_parameters()` maps one
+to one. The numerics follow `transformers`: RMSNorm in float32, RoPE tables computed in
+float32 on the model's device and cast to the compute dtype, logits in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from caspo.rollout.native.kv_cache import KVCache
+from caspo.rollout.native.spec import DecoderSpec
+
+
+@dataclass
+class Batch:
+    """Where the query tokens of one forward live in the cache, and which keys each of them sees."""
+
+    slots: torch.Tensor  # [B] cache slot of each row
+    positions: torch.Tensor  # [B, T] cache position (= RoPE position) of each query token
+    mask: torch.Tensor  # [B, 1, groups·T, key_len] bool, laid out for grouped_attention
+    key_len: int  # keys [0, key_len) of each slot are read
+    rows_are_slots: bool  # slots == arange(B): the keys are a view of the cache, no gather
+
+    @classmethod
+    def build(cls, slots: torch.Tensor, positions: torch.Tensor, key_len: int, groups: int,
+              rows_are_slots: bool = False) -> "Batch":
+        keys = torch.arange(key_len, device=positions.device)
+        causal = keys[None, None, :] <= positions[:, :, None]  # [B, T, L]
+        return cls(slots, positions, causal.repeat(1, groups, 1)[:, None], key_len, rows_are_slots)
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        if self.rows_are_slots:
+            return cache[: self.slots.shape[0], :, : self.key_len]
+        return cache[self.slots, :, : self.key_len]
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA for grouped-query attention without repeating K/V.
+
+    q [B, T, H, D]; k, v [B, Hkv, L, D]; mask [B, 1, g·T, L]. The g = H / Hkv query heads of one
+    KV head are folded into the query length, so each KV head is read once, by any SDPA backend.
+    Returns [B, T, H·D].
+    """
+    B, T, H, D = q.shape
+    kv_heads = k.shape[1]
+    groups = H // kv_heads
+    q = q.view(B, T, kv_heads, groups, D).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, groups * T, D)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(B, kv_heads, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim = spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=spec.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: Batch,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        cos, sin = rope
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache_k, cache_v = kv
+        # Write first, then read: a token attends to itself and to every earlier position of its slot.
+        cache_k[batch.slots[:, None], :, batch.positions] = k
+        cache_v[batch.slots[:, None], :, batch.positions] = v
+        return self.o_proj(grouped_attention(q, batch.read(cache_k), batch.read(cache_v), batch.mask))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = Attention(spec, dtype)
+        self.mlp = MLP(spec, dtype)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+    def forward(self, x, rope, batch: Batch, kv) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    """The decoder. Build it with `build_runner`, which allocates it on its device and fills the RoPE tables."""
+
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec, dtype)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.rope_cos = self.rope_sin = None
+
+    def init_rope(self, max_seq_len: int) -> None:
+        """cos/sin of every cache position, computed the way transformers computes them per forward."""
+        inv_freq = self.spec.rope_inv_freq.to(self.model.norm.weight.device)
+        freqs = torch.arange(max_seq_len, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.model.norm.weight.dtype
+        self.rope_cos = (angles.cos() * self.spec.rope_attention_scaling).to(dtype)
+        self.rope_sin = (angles.sin() * self.spec.rope_attention_scaling).to(dtype)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache, plane: int = 0) -> torch.Tensor:
+        """Final-norm hidden states [B, T, hidden] of `tokens` [B, T]; writes their K/V into `cache`."""
+        x = self.model.embed_tokens(tokens)
+        rope = self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, rope, batch, cache.layer(plane, index))
+        return self.model.norm(x)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, key_len: int) -> torch.Tensor:
+        """One token for each of the first B slots (row i is slot i): hidden states [B, hidden]."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        batch = Batch.build(rows, positions[:, None], key_len, self.spec.kv_groups, rows_are_slots=True)
+        return self(tokens[:, None], batch, cache)[:, 0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.output_weight)
+
+
+# ---------------------------------------------------------------- loading by name
+def read_checkpoint(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files of a `save_pretrained` folder (sharded or not)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {folder}; save the model with save_pretrained()")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    return tensors
+
+
+def weights_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) != 1:
+        raise ValueError(f"the weights come in dtypes {sorted(map(str, dtypes))}; pass dtype= to choose one")
+    return dtypes.pop()
+
+
+def build_runner(spec: DecoderSpec, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
+                 device: torch.device, max_seq_len: int) -> CausalLM:
+    """A runner on `device` in `dtype`, with every parameter loaded by name from `tensors`."""
+    with torch.device("meta"):
+        runner = CausalLM(spec, dtype)
+    runner.to_empty(device=device).requires_grad_(False).eval()
+    load_weights(runner, tensors)
+    runner.init_rope(max_seq_len)
+    return runner
+
+
+def load_weights(runner: CausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the runner's parameters by name; any missing, unknown or misshapen name raises."""
+    params = dict(runner.named_parameters())
+    # Not weights of the computation: RoPE buffers some old checkpoints saved, and the head of a tied
+    # model (transformers ties it to the embedding and ignores a stored copy too).
+    ignored = {n for n in tensors if n.endswith("rotary_emb.inv_freq")}
+    if runner.spec.tie_word_embeddings:
+        ignored.add("lm_head.weight")
+    unknown = sorted(set(tensors) - set(params) - ignored)
+    missing = sorted(set(params) - set(tensors))
+    if unknown or missing:
+        raise ValueError(f"weights do not match the {runner.spec.family} runner: "
+                         f"unknown {unknown[:5]}{'…' if len(unknown) > 5 else ''}, "
+                         f"missing {missing[:5]}{'…' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for name, param in params.items():
+            tensor = tensors[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, "
+                                 f"the runner expects {tuple(param.shape)}")
+            param.copy_(tensor.detach())

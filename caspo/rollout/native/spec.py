@@ -1,0 +1,127 @@
+"""What the native runner implements of a Hugging Face config, checked once at load.
+
+The runner implements the Qwen2/Qwen2.5 and Llama decoder families. Every config key that
+changes the computation is read here, and a value the runner does not implement raises
+`UnsupportedModelError` naming the key: a model never runs with a silent difference from
+`transformers`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+FAMILIES = ("qwen2", "llama")
+# RoPE variants of these families whose frequencies are fixed at load. "dynamic" and
+# "longrope" change the frequencies with the length of the sequences in the batch, which
+# would make a completion depend on what it is batched with.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint asks for something the native runner does not compute."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 has biases on q/k/v (not on o); Llama has none
+    rope_type: str
+    rope_inv_freq: torch.Tensor  # [head_dim // 2] float32 inverse frequencies
+    rope_attention_scaling: float  # factor on cos/sin (yarn's attention temperature; 1 otherwise)
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _unsupported(family: str, key: str, value, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{family} config: {key}={value!r} is not supported by the native runner ({why}); "
+        "serve this model with the transformers backend (HFEngine)"
+    )
+
+
+def decoder_spec(config) -> DecoderSpec:
+    """Validate a `transformers` config of a Qwen2/Llama causal LM and extract what the runner needs."""
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        raise UnsupportedModelError(
+            f"config: model_type={family!r} is not supported by the native runner (supported: {', '.join(FAMILIES)}); "
+            "serve this model with the transformers backend (HFEngine)"
+        )
+    if getattr(config, "quantization_config", None):
+        raise _unsupported(family, "quantization_config", config.quantization_config, "quantized weights")
+    if config.hidden_act != "silu":
+        raise _unsupported(family, "hidden_act", config.hidden_act, "the MLP is SwiGLU with silu")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv_heads:
+        raise _unsupported(family, "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
+
+    if family == "qwen2":
+        if config.use_sliding_window:
+            raise _unsupported(family, "use_sliding_window", True, "sliding-window attention")
+        qkv_bias = True
+    else:
+        if config.attention_bias:
+            raise _unsupported(family, "attention_bias", True, "Llama attention projections without bias only")
+        if config.mlp_bias:
+            raise _unsupported(family, "mlp_bias", True, "MLP projections without bias only")
+        qkv_bias = False
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise _unsupported(family, "layer_types", layer_types, "full causal attention in every layer only")
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    inv_freq, attention_scaling, rope_type = _rope(config, family, head_dim)
+    return DecoderSpec(
+        family=family,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        qkv_bias=qkv_bias,
+        rope_type=rope_type,
+        rope_inv_freq=inv_freq,
+        rope_attention_scaling=float(attention_scaling),
+    )
+
+
+def _rope(config, family: str, head_dim: int) -> tuple[torch.Tensor, float, str]:
+    """RoPE inverse frequencies and cos/sin scaling, exactly as `transformers` computes them."""
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        raise _unsupported(family, "rope_parameters", params, "RoPE parameters are required")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise _unsupported(family, "rope_parameters", params, "one RoPE for all layers only")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise _unsupported(family, "rope_parameters.rope_type", rope_type,
+                           f"supported: {', '.join(ROPE_TYPES)}; dynamic and longrope rescale with the batch's length")
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1.0):
+        raise _unsupported(family, "rope_parameters.partial_rotary_factor", partial, "rotary on the full head only")
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0, rope_type
+    # The scaled variants come from transformers' own functions, so frequencies match the oracle
+    # bit for bit. They standardize the config in place, hence the copy.
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](copy.deepcopy(config), device=torch.device("cpu"))
+    return inv_freq.float(), attention_scaling, rope_type

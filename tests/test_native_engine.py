@@ -1,0 +1,356 @@
+"""The native engine against the transformers oracle, on tiny random Qwen2 and Llama models (CPU)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from caspo.rollout.base import Request, SamplingParams, publish
+from caspo.rollout.hf import HFEngine
+from caspo.rollout.native import NativeCompletion, NativeEngine, UnsupportedModelError, decoder_spec
+from caspo.rollout.publication import PublicationError
+from caspo.rollout.sampling import sample_seed, truncate_logits, uniform_noise
+
+VOCAB = 100
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)  # wide logits: few near-ties
+
+
+def qwen2_untied(**overrides):
+    return Qwen2Config(**{**SHAPE, "tie_word_embeddings": False, **overrides})
+
+
+def llama_tied(**overrides):
+    return LlamaConfig(**{**SHAPE, "tie_word_embeddings": True, **overrides})
+
+
+def build(config, seed=0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(params=["qwen2_untied", "llama_tied"])
+def model(request):
+    return build({"qwen2_untied": qwen2_untied, "llama_tied": llama_tied}[request.param]())
+
+
+def engine(model, **kw):
+    kw.setdefault("max_seq_len", 64)
+    kw.setdefault("capacity_tokens", 64 * 16)
+    return NativeEngine(model, **kw)
+
+
+def requests(n, max_new=12, seed=0):
+    """Prompts of 1-3 tokens; max_new_tokens varies so sequences leave at different steps."""
+    return [Request([5 + i % 7, 9, 11 + i % 3][: 1 + i % 3], seed=sample_seed(seed, 0, i, 0),
+                    max_new_tokens=max_new - i % 4) for i in range(n)]
+
+
+def hf_logits(model, sequence):
+    with torch.no_grad():
+        return model(torch.tensor([sequence])).logits[0].float()
+
+
+def first_near_tie(scores, tol=1e-2):
+    """Index of the first row whose two best scores are within `tol` (len(scores) if none)."""
+    top2 = scores.topk(2, dim=-1).values
+    close = ((top2[:, 0] - top2[:, 1]) < tol).nonzero()
+    return int(close[0]) if len(close) else len(scores)
+
+
+def decision_scores(model, request, tokens, sp):
+    """The scores whose argmax picked each token of `tokens` (the oracle's logits, the request's noise)."""
+    logits = hf_logits(model, request.prompt_ids + tokens)[len(request.prompt_ids) - 1:-1]
+    if sp.temperature == 0:
+        return logits
+    n = len(tokens)
+    noise = uniform_noise(torch.full((n,), request.seed), torch.arange(n), logits.shape[-1])
+    return truncate_logits(logits / sp.temperature, sp.top_k, sp.top_p).double() - torch.log(-torch.log(noise))
+
+
+def assert_equal_up_to_near_tie(model, reqs, native, oracle, sp):
+    compared = total = 0
+    for request, a, b in zip(reqs, native, oracle):
+        j = first_near_tie(decision_scores(model, request, b.tokens, sp))
+        assert a.tokens[:j] == b.tokens[:j]
+        if j == len(b.tokens):
+            assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+        compared, total = compared + j, total + len(b.tokens)
+    assert compared >= 0.6 * total  # the check is not vacuous
+
+
+# ---------------------------------------------------------------- numerics
+SEQUENCES = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 70))]
+
+
+def test_teacher_forced_logprobs_match_transformers_fp32(model):
+    for sequence, logits in zip(SEQUENCES, engine(model).teacher_forced_logits(SEQUENCES)):
+        diff = torch.log_softmax(logits, -1) - torch.log_softmax(hf_logits(model, sequence), -1)
+        assert diff.abs().max() <= 1e-4
+
+
+def test_teacher_forced_logprobs_match_transformers_bf16(model):
+    model = model.to(torch.bfloat16)
+    native = engine(model)
+    assert native.dtype == torch.bfloat16
+    for sequence, logits in zip(SEQUENCES, native.teacher_forced_logits(SEQUENCES)):
+        diff = torch.log_softmax(logits, -1) - torch.log_softmax(hf_logits(model, sequence), -1)
+        assert diff.abs().mean() <= 1e-2
+
+
+@pytest.mark.parametrize("make, rope", [
+    (qwen2_untied, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
+    (llama_tied, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    (llama_tied, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+])
+def test_scaled_rope_variants_match_transformers(make, rope):
+    model = build(make(rope_parameters=rope))
+    assert decoder_spec(model.config).rope_type == rope["rope_type"]
+    for sequence, logits in zip(SEQUENCES, engine(model).teacher_forced_logits(SEQUENCES)):
+        diff = torch.log_softmax(logits, -1) - torch.log_softmax(hf_logits(model, sequence), -1)
+        assert diff.abs().max() <= 1e-4
+
+
+def test_behaviour_logprobs_of_the_decode_path_match_a_full_forward(model):
+    sp = SamplingParams(temperature=1.0)
+    for request, completion in zip(requests(4), engine(model).generate(requests(4), sp)):
+        logits = hf_logits(model, request.prompt_ids + completion.tokens)[len(request.prompt_ids) - 1:-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion.tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+        assert completion.logprobs_full == completion.logprobs  # nothing truncated
+
+
+def test_decode_as_cuda_graphs_run_it_changes_no_row(model):
+    """Graphs decode every row of their batch size over all max_seq_len positions: same hidden states."""
+    native = engine(model)
+    sequences = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
+    native.teacher_forced_logits(sequences)  # their K/V into slots 0, 1, 2
+    tokens, positions = torch.tensor([12, 13, 14]), torch.tensor([len(s) for s in sequences])
+    tight = native.runner.decode(tokens, positions, native.cache, key_len=int(positions.max()) + 1)
+    idle = torch.zeros(5, dtype=torch.long)  # free slots ride along with token 0 at position 0
+    padded = native.runner.decode(torch.cat([tokens, idle]), torch.cat([positions, idle]), native.cache,
+                                  key_len=native.max_seq_len)
+    assert torch.allclose(padded[:3], tight, atol=1e-5)
+    for sequence, token, hidden in zip(sequences, tokens.tolist(), tight):
+        expected = hf_logits(model, sequence + [token])[-1]
+        assert torch.allclose(native.runner.logits(hidden), expected, atol=1e-4)
+
+
+# ---------------------------------------------------------------- against HFEngine
+def test_greedy_tokens_match_hf_engine(model):
+    sp = SamplingParams(temperature=0.0)
+    reqs = requests(8, max_new=16)
+    assert_equal_up_to_near_tie(model, reqs, engine(model).generate(reqs, sp),
+                                HFEngine(model, pad_token_id=0).generate(reqs, sp), sp)
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.8, stop_token_ids=[1]),
+                                SamplingParams(temperature=1.0, top_k=20, top_p=0.9)])
+def test_sampled_tokens_match_hf_engine_for_the_same_seeds(model, sp):
+    reqs = requests(8, max_new=16)
+    native = engine(model).generate(reqs, sp)
+    assert_equal_up_to_near_tie(model, reqs, native, HFEngine(model, pad_token_id=0).generate(reqs, sp), sp)
+
+
+def test_same_seed_same_tokens_whatever_the_batch_or_schedule(model):
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    reqs = requests(12)
+    full = engine(model).generate(reqs, sp)
+    assert len({len(c.tokens) for c in full}) > 1  # sequences leave at different steps
+    for subset in ([3], [7, 2, 11], list(range(12))[::-1]):
+        part = engine(model).generate([reqs[i] for i in subset], sp)
+        for i, completion in zip(subset, part):
+            assert completion.tokens == full[i].tokens
+            assert completion.logprobs == pytest.approx(full[i].logprobs, abs=1e-5)
+    for max_running in (1, 3, 16):
+        scheduled = engine(model, max_running=max_running).generate(reqs, sp)
+        assert [c.tokens for c in scheduled] == [c.tokens for c in full]
+
+
+# ---------------------------------------------------------------- stopping
+def test_stop_tokens_stop_strings_and_per_request_budgets(model):
+    native = engine(model, decode=lambda ids: "".join(chr(65 + i % 26) for i in ids))
+    reqs = requests(6, max_new=8)
+    free = native.generate(reqs, SamplingParams(temperature=1.0))
+    assert all(c.finish_reason == "length" and len(c.tokens) == r.max_new_tokens for c, r in zip(free, reqs))
+    stop_id = free[0].tokens[2]
+    by_id = native.generate(reqs[:1], SamplingParams(temperature=1.0, stop_token_ids=[stop_id]))[0]
+    cut = free[0].tokens.index(stop_id) + 1
+    assert (by_id.tokens, by_id.finish_reason) == (free[0].tokens[:cut], "stop")
+    stop = chr(65 + free[0].tokens[2] % 26)  # appears at the third token at the latest
+    by_string = native.generate(reqs[:1], SamplingParams(temperature=1.0, stop_strings=[stop]))[0]
+    assert by_string.finish_reason == "stop" and len(by_string.tokens) <= 3
+    assert by_string.tokens == free[0].tokens[:len(by_string.tokens)]
+    with pytest.raises(ValueError, match="decode function"):
+        engine(model).generate(reqs, SamplingParams(stop_strings=["x"]))
+
+
+def test_full_and_top_logprobs_under_truncation(model):
+    sp = SamplingParams(temperature=0.7, top_k=5)
+    request = requests(3)[2]
+    completion = engine(model).generate([request], sp, top_logprobs=4)[0]
+    assert isinstance(completion, NativeCompletion)
+    logits = hf_logits(model, request.prompt_ids + completion.tokens)[len(request.prompt_ids) - 1:-1]
+    full = torch.log_softmax(logits / 0.7, -1)
+    tokens = torch.tensor(completion.tokens)
+    assert torch.allclose(torch.tensor(completion.logprobs_full), full.gather(-1, tokens[:, None])[:, 0], atol=1e-4)
+    assert all(t > f for t, f in zip(completion.logprobs, completion.logprobs_full))  # renormalized over 5 tokens
+    for position, top in enumerate(completion.top_logprobs):
+        assert [t for t, _ in top] == full[position].topk(4).indices.tolist()
+        assert [lp for _, lp in top] == pytest.approx(full[position].topk(4).values.tolist(), abs=1e-4)
+    assert engine(model).generate([request], sp)[0].top_logprobs is None
+
+
+# ---------------------------------------------------------------- prefix sharing
+def test_prefix_sharing_cuts_prefill_and_changes_no_token(model):
+    sp = SamplingParams(temperature=1.0)
+    prompt = list(range(10, 40))
+    k = 4
+    reqs = [Request(prompt, seed=sample_seed(0, 0, 0, j), max_new_tokens=6) for j in range(k)]
+    shared, alone = engine(model), engine(model, prefix_sharing=False)
+    with_sharing, without = shared.generate(reqs, sp), alone.generate(reqs, sp)
+    assert [c.tokens for c in with_sharing] == [c.tokens for c in without]
+    assert alone.stats.prefill_tokens == k * len(prompt)
+    assert shared.stats.prefill_tokens == len(prompt)  # a drop of (K - 1) / K
+    assert shared.stats.shared_tokens == (k - 1) * len(prompt)
+
+
+def test_prefix_sharing_of_step_prefixes_under_continuous_batching(model):
+    """Continuations from successive prefixes of one response: each copies the longest resident prefix."""
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    response = list(range(10, 90))
+    reqs = [Request(response[:length], seed=sample_seed(0, 1, length, j), max_new_tokens=5)
+            for length in (20, 40, 60, 80) for j in range(3)]
+    for max_running in (2, 12):
+        shared = engine(model, max_seq_len=96, capacity_tokens=96 * 12, max_running=max_running)
+        alone = engine(model, max_seq_len=96, capacity_tokens=96 * 12, max_running=max_running,
+                       prefix_sharing=False)
+        assert [c.tokens for c in shared.generate(reqs, sp)] == [c.tokens for c in alone.generate(reqs, sp)]
+        assert alone.stats.prefill_tokens == 3 * (20 + 40 + 60 + 80)
+        assert shared.stats.prefill_tokens + shared.stats.shared_tokens == alone.stats.prefill_tokens
+        assert shared.stats.prefill_tokens < alone.stats.prefill_tokens  # donors must be resident: fewer with 2
+    assert shared.stats.prefill_tokens == 80  # all admitted at once: each prompt computes what extends the last
+
+
+def test_chunked_prefill_gives_the_same_tokens(model):
+    sp = SamplingParams(temperature=1.0)
+    reqs = [Request(list(range(3, 3 + n)), seed=n, max_new_tokens=6) for n in (5, 23, 41)]
+    whole = engine(model).generate(reqs, sp)
+    chunked = engine(model, max_prefill_tokens=8, prefix_sharing=False)
+    assert [c.tokens for c in chunked.generate(reqs, sp)] == [c.tokens for c in whole]
+    assert chunked.stats.prefill_tokens == 5 + 23 + 41
+
+
+# ---------------------------------------------------------------- publication
+def perturbed(model, scale=0.05):
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return new
+
+
+def test_publication_changes_outputs_exactly_as_a_fresh_load(model):
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    native = engine(model)
+    before = native.generate(requests(8), sp)
+    updated = perturbed(model)
+    digest = publish(native, updated, version=1)
+    after = native.generate(requests(8), sp)
+    fresh = engine(updated).generate(requests(8), sp)
+    assert [c.tokens for c in after] == [c.tokens for c in fresh]
+    assert [c.logprobs for c in after] == [c.logprobs for c in fresh]
+    assert [c.tokens for c in after] != [c.tokens for c in before]
+    assert all(c.policy_version == 1 for c in after)
+    assert digest == native.digest() == HFEngine(updated, pad_token_id=0).digest()  # same names, same values
+
+
+def test_incomplete_or_mismatched_publication_keeps_old_weights(model):
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    native = engine(model)
+    before = native.generate(requests(8), sp)
+    named = dict(perturbed(model).named_parameters())
+    native.begin(1)
+    native.load({k: v for k, v in list(named.items())[:-1]})
+    with pytest.raises(PublicationError, match="incomplete"):
+        native.commit()
+    native.begin(1)
+    name = next(iter(named))
+    with pytest.raises(PublicationError, match="shape"):
+        native.load({name: named[name][:-1]})
+    with pytest.raises(PublicationError, match="unknown tensor"):
+        native.load({"not.a.weight": named[name]})
+    assert native.version == 0
+    assert [c.tokens for c in native.generate(requests(8), sp)] == [c.tokens for c in before]
+
+
+# ---------------------------------------------------------------- cache and memory
+def test_capacity_report_matches_the_arithmetic():
+    native = engine(build(qwen2_untied()), max_seq_len=48, capacity_tokens=1000)
+    per_token = 2 * 2 * 2 * 16 * 4  # layers × (k, v) × kv heads × head_dim × float32 bytes
+    report = native.capacity_report()
+    assert report.bytes_per_token == per_token
+    assert (report.blocks, report.block_tokens, report.tokens) == (1000 // 48, 48, 1000 // 48 * 48)
+    assert report.bytes == report.tokens * per_token == native.cache.kv.numel() * 4
+    assert native.max_running == 20
+
+
+def test_cache_sizing_errors():
+    model = build(qwen2_untied())
+    with pytest.raises(ValueError, match="exactly one"):
+        NativeEngine(model, max_seq_len=64)
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        NativeEngine(model, max_seq_len=64, gpu_memory_fraction=0.5)
+    with pytest.raises(ValueError, match="max_running"):
+        NativeEngine(model, max_seq_len=64, capacity_tokens=128, max_running=3)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        NativeEngine(model, max_seq_len=64, capacity_tokens=128, cuda_graphs=True)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine(model).generate([Request(list(range(60)), seed=0, max_new_tokens=5)], SamplingParams())
+
+
+def test_sleep_and_wake_round_trip(model):
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    native = engine(model)
+    before = native.generate(requests(8), sp)
+    native.sleep()
+    assert native.asleep and native.cache.kv is None
+    with pytest.raises(RuntimeError, match="asleep"):
+        native.generate(requests(2), sp)
+    native.wake()
+    assert [c.tokens for c in native.generate(requests(8), sp)] == [c.tokens for c in before]
+
+
+# ---------------------------------------------------------------- loading
+def test_checkpoint_folder_loads_like_the_live_module(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    from_folder, from_module = engine(str(tmp_path)), engine(model)
+    assert from_folder.digest() == from_module.digest()
+    assert from_folder.dtype == torch.float32 and from_folder.device == torch.device("cpu")
+    assert [c.tokens for c in from_folder.generate(requests(6), sp)] == [
+        c.tokens for c in from_module.generate(requests(6), sp)]
+
+
+@pytest.mark.parametrize("config, key", [
+    (qwen2_untied(use_sliding_window=True, sliding_window=16, max_window_layers=0), "use_sliding_window"),
+    (llama_tied(attention_bias=True), "attention_bias"),
+    (llama_tied(mlp_bias=True), "mlp_bias"),
+    (llama_tied(hidden_act="gelu"), "hidden_act"),
+    (llama_tied(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "rope_type"),
+])
+def test_unsupported_config_features_raise_naming_the_key(config, key, tmp_path):
+    with pytest.raises(UnsupportedModelError, match=key):
+        decoder_spec(config)
+    build(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=key):
+        NativeEngine(str(tmp_path), max_seq_len=64, capacity_tokens=640)
+
+
+def test_an_unsupported_family_raises():
+    from transformers import GPT2Config
+
+    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'"):
+        decoder_spec(GPT2Config())

@@ -1,0 +1,139 @@
+"""The native engine on CUDA (run with `pytest -m gpu`): bf16 parity with transformers, CUDA graphs on and off."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from caspo.rollout.base import Request, SamplingParams, publish
+from caspo.rollout.hf import HFEngine
+from caspo.rollout.native import NativeEngine
+from caspo.rollout.sampling import sample_seed, truncate_logits, uniform_noise
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CUDA = torch.device("cuda")
+SHAPE = dict(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+TIE_TOLERANCE = {torch.bfloat16: 5e-2, torch.float32: 1e-2}  # bf16 logits carry rounding of about 1e-2
+
+
+def build(family, dtype=torch.bfloat16):
+    config = Qwen2Config(**SHAPE, tie_word_embeddings=False) if family == "qwen2" else LlamaConfig(
+        **SHAPE, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(CUDA, dtype).eval()
+
+
+@pytest.fixture(params=["qwen2", "llama"])
+def family(request):
+    return request.param
+
+
+def native(model, **kw):
+    return NativeEngine(model, max_seq_len=96, capacity_tokens=96 * 16, **kw)
+
+
+def requests(n, max_new=16):
+    return [Request([5 + i % 7, 9, 11 + i % 3, 20 + i][: 1 + i % 4], seed=sample_seed(0, 0, i, 0),
+                    max_new_tokens=max_new - i % 4) for i in range(n)]
+
+
+def hf_logits(model, sequence):
+    with torch.no_grad():
+        return model(torch.tensor([sequence], device=CUDA)).logits[0].float()
+
+
+def decision_scores(model, request, tokens, sp):
+    logits = hf_logits(model, request.prompt_ids + tokens)[len(request.prompt_ids) - 1:-1]
+    if sp.temperature == 0:
+        return logits
+    n = len(tokens)
+    noise = uniform_noise(torch.full((n,), request.seed, device=CUDA), torch.arange(n, device=CUDA), logits.shape[-1])
+    return truncate_logits(logits / sp.temperature, sp.top_k, sp.top_p).double() - torch.log(-torch.log(noise))
+
+
+def assert_equal_up_to_near_tie(model, reqs, got, expected, sp, tol):
+    compared = total = 0
+    for request, a, b in zip(reqs, got, expected):
+        top2 = decision_scores(model, request, b.tokens, sp).topk(2, dim=-1).values
+        close = ((top2[:, 0] - top2[:, 1]) < tol).nonzero()
+        j = int(close[0]) if len(close) else len(b.tokens)
+        assert a.tokens[:j] == b.tokens[:j]
+        compared, total = compared + j, total + len(b.tokens)
+    assert compared >= 0.3 * total  # the check is not vacuous
+
+
+def test_teacher_forced_logprobs_match_transformers_bf16(family):
+    model = build(family)
+    sequences = [[3, 4, 5, 6, 7, 8, 9], list(range(20, 90))]
+    for sequence, logits in zip(sequences, native(model).teacher_forced_logits(sequences)):
+        diff = torch.log_softmax(logits, -1) - torch.log_softmax(hf_logits(model, sequence), -1)
+        assert diff.abs().mean() <= 1e-2
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9)])
+def test_tokens_match_hf_engine_bf16(family, cuda_graphs, sp):
+    model = build(family)
+    reqs = requests(12)
+    got = native(model, cuda_graphs=cuda_graphs).generate(reqs, sp)
+    expected = HFEngine(model, pad_token_id=0).generate(reqs, sp)
+    assert_equal_up_to_near_tie(model, reqs, got, expected, sp, TIE_TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_behaviour_logprobs_match_a_full_forward_bf16(family, cuda_graphs):
+    model = build(family)
+    reqs = requests(6)
+    for request, completion in zip(reqs, native(model, cuda_graphs=cuda_graphs).generate(reqs, SamplingParams())):
+        logits = hf_logits(model, request.prompt_ids + completion.tokens)[len(request.prompt_ids) - 1:-1]
+        tokens = torch.tensor(completion.tokens, device=CUDA)
+        expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+        assert (torch.tensor(completion.logprobs, device=CUDA) - expected).abs().mean() <= 1e-2
+
+
+def test_graphs_and_eager_agree_bf16(family):
+    model = build(family)
+    sp = SamplingParams(temperature=1.0)
+    reqs = requests(12)
+    eager = native(model).generate(reqs, sp)
+    graphed = native(model, cuda_graphs=True).generate(reqs, sp)
+    assert_equal_up_to_near_tie(model, reqs, graphed, eager, sp, TIE_TOLERANCE[torch.bfloat16])
+
+
+def test_schedules_agree_with_graphs_fp32(family):
+    model = build(family, torch.float32)
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    reqs = requests(16)
+    reference = native(model, max_running=16, cuda_graphs=True).generate(reqs, sp)
+    for max_running in (3, 7):
+        scheduled = native(model, max_running=max_running, cuda_graphs=True).generate(reqs, sp)
+        assert_equal_up_to_near_tie(model, reqs, scheduled, reference, sp, TIE_TOLERANCE[torch.float32])
+
+
+def test_publication_and_sleep_keep_graphs_valid(family):
+    model = build(family)
+    sp = SamplingParams(temperature=1.0)
+    engine = native(model, cuda_graphs=True)
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    publish(engine, updated, version=1)
+    after = engine.generate(requests(8), sp)
+    assert [c.tokens for c in after] == [c.tokens for c in native(updated, cuda_graphs=True).generate(requests(8), sp)]
+    allocated = torch.cuda.memory_allocated()
+    engine.sleep()
+    assert torch.cuda.memory_allocated() <= allocated - engine.capacity_report().bytes
+    engine.wake()
+    assert [c.tokens for c in engine.generate(requests(8), sp)] == [c.tokens for c in after]
+
+
+def test_cache_sized_from_the_gpu_memory_fraction():
+    engine = NativeEngine(build("qwen2"), max_seq_len=1024, gpu_memory_fraction=0.01)
+    report = engine.capacity_report()
+    budget = int(torch.cuda.get_device_properties(CUDA).total_memory * 0.01)
+    assert budget - report.block_tokens * report.bytes_per_token < report.bytes <= budget
+    assert report.bytes_per_token == 2 * 2 * 2 * 32 * 2  # layers × (k, v) × kv heads × head_dim × bf16 bytes
