@@ -72,7 +72,12 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["hf"] = "hf"
+    # "hf": transformers models (any architecture); "native": caspo's engine (Qwen2/Llama families)
+    backend: Literal["hf", "native"] = "hf"
+    # native engine: KV cache share of device memory (CUDA), or its size in tokens (0 = one step's requests)
+    gpu_memory_fraction: float = 0.3
+    capacity_tokens: int = 0
+    cuda_graphs: bool = False
     prompts_per_step: int = 32
     samples_per_prompt: int = 4
     max_new_tokens: int = 64
@@ -133,8 +138,9 @@ class MethodConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw"] = "adamw"
+    name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-4
+    momentum: float = 0.0  # sgd only
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -155,6 +161,8 @@ class TrainConfig:
     # fp32 | bf16 (bf16 compute, fp32 master weights) | fp16 (fp32 master weights, fixed loss scale)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scale: float = 128.0
+    # Recompute activations: checkpoint each block (in every loop of a looped model).
+    recompute: bool = False
     save_every: int = 0
     # Stop cleanly (checkpoint written) after this many outer steps of this process; 0 = run to train.steps.
     stop_after: int = 0
@@ -174,6 +182,13 @@ class EvalConfig:
 
 @dataclass
 class SftConfig:
+    # The tiny policy built from scratch: a Qwen2 causal LM, or a looped LM in either layout.
+    architecture: Literal["qwen2", "looped-ouro", "looped-nanbeige"] = "qwen2"
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    intermediate: int = 256
+    depth: int = 4  # loops of a looped architecture
     steps: int = 1200
     batch_size: int = 32
     lr: float = 2e-3
@@ -347,6 +362,8 @@ def validate(cfg: Config) -> None:
             f"set train.minibatch_size={n // 2} and train.epochs_per_rollout=1 "
             f"(got {t.minibatch_size} and {t.epochs_per_rollout})"
         )
+    if r.cuda_graphs and r.backend != "native":
+        raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
     if r.staleness < 0:
         raise ConfigError(f"rollout.staleness must be >= 0, got {r.staleness}")
     if (method.group_baseline or (method.advantage == "terminal" and m.terminal_scope == "group")) \

@@ -58,6 +58,24 @@ def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 4, he
     )
 
 
+def enable_recompute(model: torch.nn.Module) -> None:
+    """Checkpoint every block (every block of every loop, for a looped model), non-reentrant."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support train.recompute=true")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def tiny_looped_config(vocab_size: int, *, layout: str, depth: int, hidden: int = 128, layers: int = 2,
+                       heads: int = 4, intermediate: int = 256, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None):
+    from caspo.models.looped import LoopedConfig
+
+    return LoopedConfig(layout=layout, depth=depth, vocab_size=vocab_size, hidden_size=hidden,
+                        intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=heads, max_position_embeddings=512, tie_word_embeddings=True,
+                        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -229,7 +229,11 @@ def pack_responses(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
 
 @dataclass
 class PrefixValueModel:
-    """φ (trained) and the frozen reference; the batch is a ResponseBatch or a RolloutBatch."""
+    """φ (trained) and the frozen reference; batches are ResponseBatch or RolloutBatch.
+
+    The reference is frozen in place (eval mode, no gradients), so pass a model that
+    nothing else trains, never the live policy.
+    """
 
     policy: torch.nn.Module
     reference: torch.nn.Module

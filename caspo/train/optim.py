@@ -10,11 +10,15 @@ from caspo.config import OptimConfig
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        [p for p in params if p.requires_grad],
-        lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        foreach=False,  # the same kernels on every device and split, for exact resume
-    )
+    params = [p for p in params if p.requires_grad]
+    # foreach=False: the same kernels on every device and split, for exact resume
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay, foreach=False)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                               foreach=False)
+    raise ValueError(f"optim.name={cfg.name!r}; use adamw or sgd")
 
 
 def lr_multiplier(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:

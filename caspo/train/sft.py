@@ -19,7 +19,7 @@ from caspo.config import Config
 from caspo.data.build import arith_task
 from caspo.data.templates import render_prompt
 from caspo.eval.heldout import greedy_accuracy
-from caspo.models.policy import load_policy, resolve_device, tiny_qwen2_config
+from caspo.models.policy import load_policy, resolve_device, tiny_looped_config, tiny_qwen2_config
 from caspo.models.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer
 from caspo.reward.pool import RewardPool
 from caspo.rollout.hf import HFEngine
@@ -46,6 +46,16 @@ def sft_batch(tokenizer, pairs: list[tuple[str, str]], device) -> tuple[torch.Te
     return ids.to(device), mask.to(device), lab.to(device)
 
 
+def tiny_config(s, tokenizer):
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    shape = dict(hidden=s.hidden, layers=s.layers, heads=s.heads, intermediate=s.intermediate)
+    if s.architecture == "qwen2":
+        return tiny_qwen2_config(len(tokenizer), kv_heads=s.heads, **shape, **ids)
+    layout = s.architecture.removeprefix("looped-")
+    return tiny_looped_config(len(tokenizer), layout=layout, depth=s.depth, **shape, **ids)
+
+
 def evaluate(model, tokenizer, task, cfg: Config, pool: RewardPool, device) -> dict:
     problems = task.heldout[: cfg.eval.heldout_size]
     prompts = [tokenizer.encode(render_prompt(cfg.data.template, p.question), add_special_tokens=False)
@@ -67,9 +77,7 @@ def run_sft(cfg: Config, output: str | Path, init: str | None = None) -> dict:
         model = load_policy(init, device)
     else:
         tokenizer = build_char_tokenizer()
-        model = AutoModelForCausalLM.from_config(tiny_qwen2_config(
-            len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id)).to(device)
+        model = AutoModelForCausalLM.from_config(tiny_config(s, tokenizer)).to(device)
     task = arith_task(cfg)
     rng = random.Random(s.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))

@@ -17,11 +17,11 @@ from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
 from caspo.methods import Method, get_method
 from caspo.models.critic import load_critic
-from caspo.models.policy import load_policy, resolve_device, resolve_model_path
+from caspo.models.policy import enable_recompute, load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import SamplingParams, publish
-from caspo.rollout.hf import HFEngine
+from caspo.rollout.factory import build_engine
 from caspo.train import checkpoint as ckpt
 from caspo.train.optim import build_optimizer, build_scheduler
 from caspo.train.precision import LossScaler, compute_dtype
@@ -39,7 +39,7 @@ class Trainer:
     critic: Learner | None
     ref: torch.nn.Module | None  # frozen original base: the KL anchor, never the resumed weights
     old: torch.nn.Module | None  # flow_dppo's frozen old policy, refreshed before each update
-    engine: HFEngine
+    engine: object  # an Engine (caspo.rollout.base)
     cursor: PromptCursor
     update_rng: torch.Generator
     data: TaskData
@@ -75,10 +75,6 @@ def set_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def engine_dtype(cfg: Config) -> torch.dtype:
-    return compute_dtype(cfg.train.precision if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
-
-
 def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None) -> Learner:
     """Optimizer and schedule, built after the model is final (ready for FSDP2 wrapping first)."""
     optim = cfg.optim if lr is None else dataclasses.replace(cfg.optim, lr=lr)
@@ -99,8 +95,12 @@ def build_trainer(cfg: Config) -> Trainer:
     path = resolve_model_path(cfg.model.policy)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, device).eval()
+    if cfg.train.recompute:
+        enable_recompute(policy)
     needs_ref = cfg.method.kl_coef > 0 or cfg.method.kl_reward_coef > 0
     critic = load_critic(path, device).eval() if method.needs_critic else None
+    if critic is not None and cfg.train.recompute:
+        enable_recompute(critic)
     data = load_task_data(cfg, tokenizer)
     tr = Trainer(
         cfg=cfg, method=method, run_dir=Path(cfg.train.output_dir), device=device, tokenizer=tokenizer,
@@ -108,8 +108,9 @@ def build_trainer(cfg: Config) -> Trainer:
         critic=learner(critic, cfg, lr=cfg.method.critic_lr) if critic is not None else None,
         ref=copy.deepcopy(policy).requires_grad_(False) if needs_ref else None,
         old=copy.deepcopy(policy).requires_grad_(False) if method.loss == "divergence_gate" else None,
-        engine=HFEngine(policy, pad_token_id=tokenizer.pad_token_id, max_batch=cfg.rollout.max_batch,
-                        decode=tokenizer.decode, dtype=engine_dtype(cfg)),
+        engine=build_engine(cfg, policy, tokenizer,
+                            max_seq_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens,
+                                                                         cfg.eval.max_new_tokens)),
         cursor=PromptCursor(len(data.train), cfg.train.seed),
         update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
         pool=RewardPool(cfg.reward.workers, cfg.reward.timeout_s),

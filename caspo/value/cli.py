@@ -1,0 +1,135 @@
+"""Phase 1 of CASPO: Monte Carlo prefix labels, prefix value training, probes.
+
+    caspo value collect arith-tiny rollout.max_batch=128 --out labels.jsonl [--shard 0/4]
+    caspo value merge labels.jsonl shard0.jsonl shard1.jsonl ...
+    caspo value train labels.jsonl --policy embedded:tiny-arith --out value/ --val-split prompt
+    caspo value probe value/ labels.jsonl
+    caspo value check-mc arith-tiny --prompts 200
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+value_app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+PRESET = typer.Argument(..., help="preset name (e.g. arith-tiny) or path to a YAML file")
+OVERRIDES = typer.Argument(None, help="dotted overrides, e.g. rollout.max_batch=128 model.threads=1")
+THREADS_HELP = "CPU threads for torch (0: torch's default); more than the free cores makes small models far slower"
+
+
+def _config(preset: str, overrides: Optional[List[str]]):
+    from caspo.config import ConfigError, load_config
+
+    try:
+        return load_config(preset, overrides or [])
+    except ConfigError as err:
+        typer.secho(f"config error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+
+
+@value_app.command()
+def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
+            out: Path = typer.Option(..., help="label file to write (JSONL)"),
+            shard: str = typer.Option("0/1", help="i/n: this process takes prompts i, i+n, i+2n, ..."),
+            recipe: str = typer.Option("cpu", help="sizes: cpu (embedded policy, minutes) or gpu (K=16, J=16, S=5)"),
+            prompts: Optional[int] = typer.Option(None, help="training prompts over all shards (recipe's if unset)"),
+            k: Optional[int] = typer.Option(None, help="base rollouts per prompt"),
+            j: Optional[int] = typer.Option(None, help="continuations per labelled prefix"),
+            boundaries: Optional[int] = typer.Option(None, help="labelled step boundaries per rollout (S)"),
+            splitter: Optional[str] = typer.Option(None, help="newline | latex (default: newline for arith)")):
+    """Label response prefixes with Monte Carlo success rates of the preset's policy."""
+    from caspo.value.collect import RECIPES, collect as run_collect, parse_shard
+
+    if recipe not in RECIPES:
+        raise typer.BadParameter(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries}
+    spec = dataclasses.replace(RECIPES[recipe], **{key: v for key, v in sizes.items() if v is not None})
+    header = run_collect(_config(preset, overrides), spec, out, parse_shard(shard), splitter)
+    typer.echo(json.dumps({key: v for key, v in header.items() if key != "provenance"}, indent=2))
+
+
+@value_app.command()
+def merge(out: Path = typer.Argument(..., help="merged label file to write"),
+          shards: List[Path] = typer.Argument(..., help="the shard files 0/n ... n-1/n")):
+    """Concatenate the shards of one collection (all of them, each once)."""
+    from caspo.value.labels import merge_label_files
+
+    merged = merge_label_files(shards, out)
+    typer.echo(f"{len(merged.rows)} rows from {len(shards)} shards -> {out}")
+
+
+@value_app.command()
+def train(labels: Path = typer.Argument(..., help="label file from `caspo value collect` / `merge`"),
+          policy: str = typer.Option(..., help="model that φ starts from and the frozen reference"),
+          out: Path = typer.Option(..., help="folder for the best value model, metrics.json, calibration.png"),
+          val_split: str = typer.Option("prompt", help="row | prompt | file:PATH (a held-out label file)"),
+          val_fraction: float = typer.Option(0.1, help="share of rows or prompts held out (row / prompt split)"),
+          beta: float = typer.Option(10.0, help="V = β Σ log(π_φ/π_ref)"),
+          lr: float = typer.Option(1e-4), epochs: int = typer.Option(3),
+          batch_size: int = typer.Option(16, help="rollouts per optimizer step"),
+          micro_batch_size: int = typer.Option(16, help="rollouts per forward"),
+          eval_every: int = typer.Option(0, help="optimizer steps between validations (0: once per epoch)"),
+          seed: int = typer.Option(0), device: str = typer.Option("cpu"),
+          threads: int = typer.Option(1, help=THREADS_HELP)):
+    """Fit a prefix value model: BCE of σ(V/β) against p̂; keeps the best validation ρ."""
+    import torch
+
+    from caspo.value.train import TrainSpec, train_value
+
+    if threads:
+        torch.set_num_threads(threads)
+    spec = TrainSpec(beta=beta, lr=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch_size,
+                     val_split=val_split, val_fraction=val_fraction, eval_every=eval_every, seed=seed)
+    typer.echo(json.dumps(train_value(labels, policy, out, spec, device), indent=2))
+
+
+@value_app.command()
+def probe(checkpoint: Path = typer.Argument(..., help="prefix value model folder"),
+          labels: Path = typer.Argument(..., help="label file to judge it on"),
+          out: Optional[Path] = typer.Option(None, help="folder for metrics.json and calibration.png"),
+          allow_mismatch: bool = typer.Option(False, help="probe even if the labels' provenance differs"),
+          batch_size: int = typer.Option(32, help="rollouts per forward"),
+          device: str = typer.Option("cpu"), threads: int = typer.Option(1, help=THREADS_HELP)):
+    """Spearman ρ, within-response ρ, AUC and accuracy of a value model on a label file."""
+    import torch
+
+    from caspo.models.prefix_value import check_provenance, load_prefix_value
+    from caspo.models.tokenizer import load_tokenizer
+    from caspo.value.labels import read_label_file
+    from caspo.value.probe import evaluate, write_report
+
+    if threads:
+        torch.set_num_threads(threads)
+    label_file = read_label_file(labels)
+    model = load_prefix_value(checkpoint, None, device=device)
+    check_provenance(model.provenance, label_file.provenance, f"label file {labels}", allow_mismatch,
+                     ignore=("reference",))  # label sets have no reference
+    pad = load_tokenizer(checkpoint).pad_token_id
+    metrics, values = evaluate(model, label_file.rows, pad, batch_size, device)
+    if out is not None:
+        write_report(out, metrics, values, label_file.rows, model.beta, f"probe {checkpoint.name} on {labels.name}",
+                     extra={"checkpoint": str(checkpoint), "labels": str(labels)})
+    typer.echo(json.dumps(metrics, indent=2))
+
+
+@value_app.command("check-mc")
+def check_mc(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
+             prompts: int = typer.Option(200, help="held-out prompts"),
+             k: int = typer.Option(9, help="continuations per V(prompt)"),
+             m: int = typer.Option(64, help="independent samples per prompt for the reference rate"),
+             planted: int = typer.Option(50, help="prompts that also get a planted wrong first line"),
+             out: Optional[Path] = typer.Option(None, help="JSON report to write")):
+    """Check MC values: z-scores of V(prompt) against independent samples; a planted wrong line."""
+    from caspo.value.mc_check import run_check
+
+    report = run_check(_config(preset, overrides), prompts, k, m, planted)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    if not report["calibration_passed"]:
+        raise typer.Exit(1)

@@ -1,0 +1,157 @@
+"""Phase 1, part one: Monte Carlo labels of response prefixes from the current policy.
+
+For each training prompt of the shard:
+
+1. sample K base rollouts with the run's rollout sampler and score them;
+2. keep the prompt only if its outcomes are mixed (some right, some wrong): a prompt
+   the policy always or never solves teaches a prefix value nothing;
+3. split each rollout into steps (newline splitter for the arithmetic task, LaTeX
+   splitter otherwise) and pick S of its interior step boundaries, evenly spaced;
+4. label each picked prefix with p̂, the mean reward of J continuations
+   (``caspo.value.mc.estimate_prefixes``: same sampler, remaining budget, a
+   continuation that hits the budget scores 0, identical prefixes estimated once).
+
+The empty prefix is never labelled: a log-ratio value model gives it V = 0 whatever
+it learns. Seeds derive from (run seed, prompt index, sample) and from the prefix
+content, so shard i/n writes exactly the rows of an unsharded run that belong to its
+prompts (indices i, i+n, i+2n, …) and ``caspo value merge`` rebuilds that run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+from caspo.config import Config
+from caspo.data.build import load_task_data
+from caspo.reward.pool import RewardPool
+from caspo.rollout.base import Request
+from caspo.rollout.sampling import sample_seed
+from caspo.segment import SPLITTERS, segment_response
+from caspo.train.runlog import console, progress_bar
+from caspo.value.labels import LabelRow, write_label_file
+from caspo.value.mc import Prefix, continuation_seed, estimate_prefixes, step_start_indices
+from caspo.value.provenance import label_provenance
+from caspo.value.rollout import rollout_setup
+
+COLLECT_STEP = -1  # the `step` of phase-1 seeds: no outer RL step has run
+
+
+@dataclass(frozen=True)
+class CollectSpec:
+    prompts: int  # training prompts considered: the first `prompts` of the split, over all shards
+    k: int  # base rollouts per prompt
+    j: int  # continuations per labelled prefix
+    boundaries: int  # S: labelled step boundaries per rollout
+    chunk: int = 32  # prompts per round of generation (the progress bar's unit)
+
+
+RECIPES = {
+    # a few minutes on 2 CPU cores with the embedded policy
+    "cpu": CollectSpec(prompts=320, k=8, j=8, boundaries=3),
+    # the 1.5B recipe: K=16 base rollouts, J=16 continuations, S=5 boundaries
+    "gpu": CollectSpec(prompts=300, k=16, j=16, boundaries=5, chunk=64),
+}
+
+
+def choose_boundaries(step_starts: list[int], s: int) -> list[int]:
+    """S of a rollout's interior step starts (all but the first), evenly spaced, first and last included.
+
+    With n interior starts and n > S, pick indices round(i·(n−1)/(S−1)), i = 0 … S−1
+    (S = 1 picks the middle one); with n ≤ S, all of them.
+    """
+    interior = step_starts[1:]
+    n = len(interior)
+    if s < 1:
+        raise ValueError(f"boundaries per rollout must be >= 1, got {s}")
+    if n <= s:
+        return list(interior)
+    if s == 1:
+        return [interior[(n - 1) // 2]]
+    return [interior[round(i * (n - 1) / (s - 1))] for i in range(s)]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'i/n' -> (i, n), 0 <= i < n."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shard must look like i/n (e.g. 0/4), got {text!r}") from None
+    if not 0 <= i < n:
+        raise ValueError(f"shard {text}: need 0 <= i < n")
+    return i, n
+
+
+def default_splitter(cfg: Config) -> str:
+    """One computation per line for the arithmetic task; LaTeX-aware steps for anything else."""
+    return "newline" if cfg.data.source == "arith" else "latex"
+
+
+def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, int] = (0, 1),
+            splitter: Optional[str] = None) -> dict:
+    """Write the label file of one shard; returns its header."""
+    splitter = splitter or default_splitter(cfg)
+    if splitter not in SPLITTERS:
+        raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
+    setup = rollout_setup(cfg)
+    data = load_task_data(cfg, setup.tokenizer)
+    if spec.prompts > len(data.train):
+        raise ValueError(f"{spec.prompts} prompts asked for, the training split has {len(data.train)}")
+    provenance = label_provenance(cfg, setup.tokenizer, setup.policy).to_dict()
+    indices = list(range(shard[0], spec.prompts, shard[1]))
+    rows: list[LabelRow] = []
+    stats = {"prompts": len(indices), "base_rollouts": 0, "mixed_prompts": 0, "mc_requests": 0,
+             "mc_unique_prefixes": 0, "mc_tokens": 0}
+
+    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool, progress_bar() as progress:
+        scorer = setup.scorer(pool)
+        task = progress.add_task(f"collect {shard[0]}/{shard[1]}", total=len(indices), status="")
+        for start in range(0, len(indices), spec.chunk):
+            chunk = indices[start:start + spec.chunk]
+            rollouts, rewards = base_rollouts(cfg, setup, data, chunk, spec.k, scorer)
+            stats["base_rollouts"] += len(rollouts)
+            pending = []  # (row fields, prefix) of every prefix to label in this chunk
+            for n, i in enumerate(chunk):
+                outcomes = rewards[n * spec.k:(n + 1) * spec.k]
+                if not 0 < sum(outcomes) < spec.k:
+                    continue
+                stats["mixed_prompts"] += 1
+                example, prompt = data.train[i], data.train_prompts[i]
+                for s, tokens in enumerate(rollouts[n * spec.k:(n + 1) * spec.k]):
+                    starts = step_start_indices(segment_response(setup.decode, tokens, splitter).token_step_ids)
+                    for boundary in choose_boundaries(starts, spec.boundaries):
+                        fields = dict(prompt_id=example.id, prompt_index=i, sample=s, prompt_tokens=list(prompt),
+                                      response_tokens=list(tokens), boundary=boundary, step=starts.index(boundary),
+                                      j=spec.j, base_reward=outcomes[s], label=example.label, provenance=provenance)
+                        pending.append((fields, Prefix(tuple(prompt), tuple(tokens[:boundary]), example.label)))
+            if pending:
+                est = estimate_prefixes(setup.engine, [p for _, p in pending], k=spec.j, sampling=setup.sampling,
+                                        max_new_tokens=cfg.rollout.max_new_tokens,
+                                        seed_fn=partial(continuation_seed, cfg.train.seed, COLLECT_STEP),
+                                        scorer=scorer, decode=setup.decode)
+                rows += [LabelRow(**fields, p_hat=p) for (fields, _), p in zip(pending, est.means)]
+                stats["mc_requests"] += est.requests
+                stats["mc_unique_prefixes"] += est.unique
+                stats["mc_tokens"] += est.tokens
+            progress.update(task, advance=len(chunk),
+                            status=f"mixed {stats['mixed_prompts']}  rows {len(rows)}  mc tokens {stats['mc_tokens']}")
+
+    header = {"shard": f"{shard[0]}/{shard[1]}", **asdict(spec), "splitter": splitter, "seed": cfg.train.seed,
+              "policy_source": cfg.model.policy, "provenance": provenance, "stats": stats}
+    header.pop("chunk")
+    write_label_file(out, header, rows)
+    console.print(f"{len(rows)} labelled prefixes from {stats['mixed_prompts']} mixed-outcome prompts "
+                  f"of {len(indices)} -> {out}")
+    return header
+
+
+def base_rollouts(cfg: Config, setup, data, chunk: list[int], k: int, scorer) -> tuple[list[list[int]], list[float]]:
+    """K rollouts of each prompt of ``chunk`` (prompt-major) and their rewards; seeds from (run seed, prompt, sample)."""
+    requests = [Request(data.train_prompts[i], sample_seed(cfg.train.seed, COLLECT_STEP, i, s),
+                        cfg.rollout.max_new_tokens) for i in chunk for s in range(k)]
+    completions = setup.engine.generate(requests, setup.sampling)
+    rewards = scorer([setup.decode(c.tokens) for c in completions], [data.train[i].label for i in chunk for _ in range(k)],
+                     [c.finish_reason == "stop" for c in completions])
+    return [c.tokens for c in completions], rewards

@@ -1,0 +1,98 @@
+"""Read a prefix value model's values at labelled prefixes, and judge them against the labels.
+
+One forward per base rollout reads the values of all its labelled prefixes (the model
+is causal): V(y_{<b}) = C[b − 1] of the rollout's cumulative values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values
+from caspo.value.labels import LabelRow, ResponseLabels, group_responses
+from caspo.value.metrics import calibration_bins, value_metrics
+
+
+def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels], pad_token_id: int,
+                    device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """V at every labelled boundary of each rollout, ``[B, N]``, and the mask of real boundaries."""
+    batch = pack_responses([r.prompt_tokens for r in responses], [r.response_tokens for r in responses],
+                           pad_token_id).to(device)
+    N = max(len(r.boundaries) for r in responses)
+    boundaries = torch.zeros(len(responses), N, dtype=torch.long)
+    mask = torch.zeros(len(responses), N)
+    for i, r in enumerate(responses):
+        boundaries[i, :len(r.boundaries)] = torch.tensor(r.boundaries)
+        mask[i, :len(r.boundaries)] = 1.0
+    values = prefix_values(model.cumulative(batch), boundaries.to(device))
+    return values, mask.to(device)
+
+
+@torch.no_grad()
+def predict(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
+            device: str | torch.device = "cpu") -> np.ndarray:
+    """V of every row's prefix, in row order."""
+    out = np.full(len(rows), math.nan)
+    responses = group_responses(rows)
+    for start in range(0, len(responses), batch_size):
+        chunk = responses[start:start + batch_size]
+        values, _ = boundary_values(model, chunk, pad_token_id, device)
+        for i, r in enumerate(chunk):
+            out[r.rows] = values[i, :len(r.rows)].double().cpu().numpy()
+    return out
+
+
+def evaluate(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
+             device: str | torch.device = "cpu") -> tuple[dict, np.ndarray]:
+    """``value_metrics`` of the model on ``rows``, and the values themselves."""
+    if not rows:
+        raise ValueError("no labelled prefixes to evaluate on")
+    values = predict(model, rows, pad_token_id, batch_size, device)
+    groups = [rollout_id(r) for r in rows]
+    metrics = value_metrics(values, [r.p_hat for r in rows], [r.base_reward for r in rows], groups,
+                            [r.boundary for r in rows], model.beta)
+    return metrics, values
+
+
+def rollout_id(row: LabelRow) -> int:
+    """One integer per base rollout, ordered like (prompt index, sample)."""
+    return row.prompt_index * 1_000_003 + row.sample
+
+
+def write_report(out_dir: str | Path, metrics: dict, values: np.ndarray, rows: Sequence[LabelRow], beta: float,
+                 title: str, extra: dict | None = None) -> tuple[Path, Path]:
+    """metrics.json and calibration.png (binned σ(V/β) against MC p̂) in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    predicted = 1.0 / (1.0 + np.exp(-np.asarray(values) / beta))
+    bins = calibration_bins(predicted, [r.p_hat for r in rows])
+    metrics_path = out_dir / "metrics.json"
+    metrics_path.write_text(json.dumps({**metrics, "calibration": bins, **(extra or {})}, indent=2) + "\n")
+
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.plot([0, 1], [0, 1], color="grey", lw=1, ls="--", label="calibrated")
+    if bins:
+        sizes = np.array([b["n"] for b in bins], dtype=float)
+        ax.scatter([b["predicted"] for b in bins], [b["target"] for b in bins], s=20 + 200 * sizes / sizes.max(),
+                   zorder=3, label="bins (area ∝ count)")
+        ax.plot([b["predicted"] for b in bins], [b["target"] for b in bins], lw=1)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted σ(V/β)", ylabel="Monte Carlo p̂",
+           title=f"{title}\nρ={metrics['spearman']:.3f}  within ρ={metrics['within_response_spearman']:.3f}  "
+                 f"n={metrics['n']}")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    plot_path = out_dir / "calibration.png"
+    fig.savefig(plot_path, dpi=120)
+    plt.close(fig)
+    return metrics_path, plot_path

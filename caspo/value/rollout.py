@@ -1,0 +1,48 @@
+"""The rollout setup of a preset, as the trainer samples: policy, engine, sampler, decode, verifier.
+
+Phase-1 labels and MC checks must estimate the success rate of exactly the sampler
+the trainer uses, so they build it from the same config fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from caspo.config import Config
+from caspo.models.policy import load_policy, resolve_device, resolve_model_path
+from caspo.models.tokenizer import load_tokenizer
+from caspo.reward.pool import RewardPool
+from caspo.rollout.base import SamplingParams
+from caspo.rollout.hf import HFEngine
+from caspo.train.precision import compute_dtype
+
+
+@dataclass
+class RolloutSetup:
+    tokenizer: object
+    policy: torch.nn.Module
+    engine: HFEngine
+    sampling: SamplingParams
+    decode: Callable[[list[int]], str]  # response text as the verifier reads it
+
+    def scorer(self, pool: RewardPool) -> Callable[[list[str], list[str], list[bool]], list[float]]:
+        return lambda texts, labels, finished: pool.score(texts, labels, finished).rewards
+
+
+def rollout_setup(cfg: Config) -> RolloutSetup:
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    path = resolve_model_path(cfg.model.policy)
+    tokenizer = load_tokenizer(path)
+    policy = load_policy(path, resolve_device(cfg.model.device)).eval()
+    r = cfg.rollout
+    dtype = compute_dtype(cfg.train.precision if r.dtype == "auto" else r.dtype)
+    engine = HFEngine(policy, pad_token_id=tokenizer.pad_token_id, max_batch=r.max_batch, decode=tokenizer.decode,
+                      dtype=dtype)
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              stop_token_ids=[tokenizer.eos_token_id], stop_strings=list(r.stop))
+    return RolloutSetup(tokenizer, policy, engine, sampling, partial(tokenizer.decode, skip_special_tokens=True))

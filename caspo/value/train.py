@@ -1,0 +1,169 @@
+"""Phase 1, part two: fit a prefix value model to Monte Carlo labels.
+
+The loss is the binary cross-entropy of σ(V/β) against p̂ for every labelled prefix,
+
+    L = −(1/N) Σ_n [ p̂_n · log σ(z_n) + (1 − p̂_n) · log(1 − σ(z_n)) ],   z_n = V_n / β = Σ_{i<b_n} d_i,
+
+so β only sets the scale of V, not what is learned. φ starts as a copy of the
+reference (every V = 0). Validation prefixes are held out by row, by prompt (all
+prefixes of a prompt on one side, chosen by a hash of its id) or from a separate
+label file; the checkpoint with the best validation Spearman ρ is kept.
+
+IPVRM's online-update options named ``use_adb`` and ``use_dlw`` are not implemented:
+their definitions are in the IPVRM paper and code, which were not available to check,
+and guessing them would make a method that only shares their names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from caspo.models.policy import load_policy, resolve_model_path
+from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel, ProvenanceError, check_provenance, model_identity
+from caspo.models.tokenizer import load_tokenizer
+from caspo.train.runlog import console, progress_bar
+from caspo.value.labels import LabelRow, group_responses, read_label_file
+from caspo.value.probe import boundary_values, evaluate, write_report
+from caspo.value.provenance import tokenizer_hash
+
+
+@dataclass
+class TrainSpec:
+    beta: float = DEFAULT_BETA
+    lr: float = 1e-4  # the embedded policy; the seed's 1.5B full fine-tune used 5e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    epochs: int = 3
+    batch_size: int = 16  # rollouts per optimizer step (each brings all its labelled prefixes)
+    micro_batch_size: int = 16
+    val_split: str = "prompt"  # "row" | "prompt" | "file:PATH"
+    val_fraction: float = 0.1
+    eval_every: int = 0  # optimizer steps between validations; 0 = at the end of each epoch only
+    seed: int = 0
+
+
+def hash_unit(seed: int, key: str) -> float:
+    """A uniform number in [0, 1) from (seed, key): a reproducible coin, the same in every process."""
+    digest = hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def split_rows(rows: list[LabelRow], mode: str, fraction: float, seed: int) -> tuple[list[LabelRow], list[LabelRow]]:
+    """(train, validation) rows. "row": each row by its own coin (prefixes of one prompt land on
+    both sides, so validation flatters); "prompt": each prompt's rows together."""
+    if mode not in ("row", "prompt"):
+        raise ValueError(f"val split {mode!r}: choose row, prompt or file:PATH")
+    if not 0 < fraction < 1:
+        raise ValueError(f"validation fraction must be in (0, 1), got {fraction}")
+    key = (lambda r: f"prompt/{r.prompt_id}") if mode == "prompt" else (
+        lambda r: f"row/{r.prompt_index}/{r.sample}/{r.boundary}")
+    held = [hash_unit(seed, key(r)) < fraction for r in rows]
+    train = [r for r, h in zip(rows, held) if not h]
+    val = [r for r, h in zip(rows, held) if h]
+    if not train or not val:
+        raise ValueError(f"the {mode} split at fraction {fraction} leaves {len(train)} training and {len(val)} "
+                         "validation rows; collect more prompts or change --val-fraction")
+    return train, val
+
+
+def load_split(labels_path: str | Path, spec: TrainSpec):
+    """Training and validation rows and the label provenance, checked to agree."""
+    labels = read_label_file(labels_path)
+    if spec.val_split.startswith("file:"):
+        held_out = read_label_file(spec.val_split[len("file:"):])
+        check_provenance(labels.provenance, held_out.provenance, f"validation file {spec.val_split[5:]}")
+        return labels.rows, held_out.rows, labels.provenance
+    train, val = split_rows(labels.rows, spec.val_split, spec.val_fraction, spec.seed)
+    return train, val, labels.provenance
+
+
+def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec: TrainSpec,
+                device: str = "cpu") -> dict:
+    """Train φ from ``policy`` on the labels; the best checkpoint (by validation ρ) goes to ``out_dir``."""
+    out_dir = Path(out_dir)
+    train_rows, val_rows, provenance = load_split(labels_path, spec)
+    path = resolve_model_path(policy)
+    tokenizer = load_tokenizer(path)
+    if tokenizer_hash(tokenizer) != provenance.tokenizer_hash:
+        raise ProvenanceError(f"{policy} has tokenizer {tokenizer_hash(tokenizer)}, the labels were tokenized by "
+                              f"{provenance.tokenizer_hash}: their token ids mean other text to this model")
+    reference = load_policy(path, device)
+    model = PrefixValueModel.from_reference(reference, spec.beta, provenance.with_reference(model_identity(reference)),
+                                            reference_source=policy)
+    optimizer = torch.optim.AdamW(model.policy.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    responses = group_responses(train_rows)
+    steps_per_epoch = math.ceil(len(responses) / spec.batch_size)
+    generator = torch.Generator().manual_seed(spec.seed)
+    pad = tokenizer.pad_token_id
+    history, best, best_values, step, t0 = [], None, None, 0, time.monotonic()
+
+    def validate(epoch: float) -> None:
+        nonlocal best, best_values
+        model.policy.eval()
+        metrics, values = evaluate(model, val_rows, pad, spec.micro_batch_size, device)
+        model.policy.train()
+        record = {"step": step, "epoch": round(epoch, 3), "seconds": round(time.monotonic() - t0, 1), **metrics}
+        history.append(record)
+        rho = metrics["spearman"]
+        if not math.isnan(rho) and (best is None or rho > best["spearman"]):
+            best, best_values = record, values
+            model.save(out_dir, tokenizer)
+        console.print(f"step {step}: val ρ {rho:.3f}  within-response ρ {metrics['within_response_spearman']:.3f}  "
+                      f"AUC {metrics['auc_outcome']:.3f}  bce {metrics['bce']:.4f}")
+
+    model.policy.train()
+    with progress_bar() as progress:
+        task = progress.add_task("train value", total=spec.epochs * steps_per_epoch, status="")
+        for epoch in range(spec.epochs):
+            order = torch.randperm(len(responses), generator=generator).tolist()
+            for start in range(0, len(order), spec.batch_size):
+                batch = [responses[i] for i in order[start:start + spec.batch_size]]
+                loss = train_step(model, optimizer, batch, pad, spec, device)
+                step += 1
+                progress.update(task, advance=1, status=f"loss {loss:.4f}")
+                if spec.eval_every and step % spec.eval_every == 0 and step % steps_per_epoch:
+                    validate(step / steps_per_epoch)
+            validate(epoch + 1)
+    if best is None:
+        raise RuntimeError("validation ρ was undefined at every evaluation (constant values or labels); "
+                           "nothing was saved")
+    summary = {"best": best, "out": str(out_dir), "train_rows": len(train_rows), "val_rows": len(val_rows),
+               "seconds": round(time.monotonic() - t0, 1)}
+    best_metrics = {k: v for k, v in best.items() if k not in ("step", "epoch", "seconds")}
+    write_report(out_dir, best_metrics, best_values, val_rows, spec.beta,
+                 f"validation ({spec.val_split}), best step {best['step']}",
+                 extra={"best_step": best["step"], "history": history, "spec": asdict(spec),
+                        "train_rows": len(train_rows), "labels": str(labels_path)})
+    return summary
+
+
+def train_step(model: PrefixValueModel, optimizer: torch.optim.Optimizer, batch, pad_token_id: int,
+               spec: TrainSpec, device) -> float:
+    """One optimizer step over the rollouts of ``batch``, micro-batch by micro-batch.
+
+    Each micro-batch's summed BCE is divided by the prefixes of the whole batch, so the
+    gradient does not depend on the micro-batch size.
+    """
+    total = sum(len(r.boundaries) for r in batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for start in range(0, len(batch), spec.micro_batch_size):
+        micro = batch[start:start + spec.micro_batch_size]
+        values, mask = boundary_values(model, micro, pad_token_id, device)
+        targets = torch.zeros_like(values)
+        for i, r in enumerate(micro):
+            targets[i, :len(r.p_hats)] = torch.tensor(r.p_hats)
+        bce = F.binary_cross_entropy_with_logits(values / model.beta, targets, reduction="none")
+        loss = (bce * mask).sum() / total
+        loss.backward()
+        loss_sum += loss.detach().item()
+    torch.nn.utils.clip_grad_norm_(model.policy.parameters(), spec.grad_clip)
+    optimizer.step()
+    return loss_sum

@@ -1,0 +1,135 @@
+"""Monte Carlo step values: dedup, budgets, length hits, shapes, seeds (hand-computed with a scripted engine)."""
+
+import pytest
+import torch
+
+from caspo.rollout.base import Completion, SamplingParams
+from caspo.value.mc import (
+    Prefix,
+    continuation_seed,
+    estimate_prefixes,
+    mc_step_values,
+    prefix_key,
+    step_start_indices,
+)
+
+SAMPLING = SamplingParams(temperature=1.0, stop_token_ids=[1])
+WIN, LOSE = 9, 8  # a continuation ending in WIN is correct
+
+
+class ScriptedEngine:
+    """Continuation k of a request is script(prompt_ids, k): (tokens, finish_reason); seeds are k."""
+
+    def __init__(self, script=None):
+        self.script = script or (lambda ids, k: ([WIN] if k % 2 == 0 else [LOSE], "stop"))
+        self.requests = []
+
+    def generate(self, requests, sampling):
+        self.requests += list(requests)
+        out = []
+        for r in requests:
+            tokens, finish = self.script(r.prompt_ids, r.seed)
+            out.append(Completion(tokens, [0.0] * len(tokens), finish, 0))
+        return out
+
+
+def decode(ids):
+    return " ".join(map(str, ids))
+
+
+def scorer(texts, labels, finished):
+    return [1.0 if t.endswith(str(WIN)) else 0.0 for t in texts]
+
+
+def run(engine, prompts, responses, starts, labels, k=4, budget=10):
+    return mc_step_values(engine, prompts, responses, starts, labels, k=k, sampling=SAMPLING, max_new_tokens=budget,
+                          seed_fn=lambda key, j: j, scorer=scorer, decode=decode)
+
+
+def test_identical_prefixes_are_estimated_once():
+    # prompt [50, 51] has two responses sharing step 0; prompt [60] repeats response A's tokens
+    prompts = [[50, 51], [50, 51], [60]]
+    responses = [[2, 3, 4, 5], [2, 3, 6], [2, 3, 4, 5]]
+    starts = [[0, 2], [0, 2], [0, 2]]
+    engine = ScriptedEngine()
+    out = run(engine, prompts, responses, starts, ["a", "a", "b"], k=4)
+    # distinct prefixes: ([50,51], ()), ([50,51], (2,3)), ([60], ()), ([60], (2,3)) -> 4 of 6
+    assert out.unique_prefixes == 4
+    assert out.mc_requests == len(engine.requests) == 4 * 4
+    assert sorted({tuple(r.prompt_ids) for r in engine.requests}) == [(50, 51), (50, 51, 2, 3), (60,), (60, 2, 3)]
+    assert out.mc_tokens == 16  # one token per scripted continuation
+    # k = 0, 2 win and k = 1, 3 lose: every V is 2/4
+    assert torch.equal(out.values, torch.full((3, 2), 0.5))
+
+
+def test_values_follow_the_script_and_v_prompt_is_shared():
+    # continuations of the bare prompt win for k < 3; after step 0 they win only for k = 0
+    script = lambda ids, k: ([WIN] if k < (3 if len(ids) == 2 else 1) else [LOSE], "stop")  # noqa: E731
+    out = run(ScriptedEngine(script), [[50, 51]] * 2, [[2, 3, 4], [2, 7, 4]], [[0, 2], [0, 1]], ["a", "a"], k=4)
+    assert out.values.tolist() == [[0.75, 0.25], [0.75, 0.25]]
+    assert out.unique_prefixes == 3  # V(prompt) once, then (2, 3) and (2,)
+
+
+def test_budget_is_what_the_response_had_left_and_length_hits_score_zero():
+    # every continuation "wins" by text, but odd k hit the budget
+    script = lambda ids, k: ([WIN], "stop" if k % 2 == 0 else "length")  # noqa: E731
+    engine = ScriptedEngine(script)
+    seen = []
+
+    def recording_scorer(texts, labels, finished):
+        seen.extend(finished)
+        return [1.0] * len(texts)  # a scorer that ignores `finished` must not leak through
+
+    out = mc_step_values(engine, [[50]], [[2, 3, 4, 5, 6]], [[0, 3]], ["a"], k=4, sampling=SAMPLING,
+                         max_new_tokens=12, seed_fn=lambda key, j: j, scorer=recording_scorer, decode=decode)
+    assert sorted({r.max_new_tokens for r in engine.requests}) == [9, 12]  # 12 - 3 after step 0, 12 at the prompt
+    assert seen == [True, False] * 4
+    assert out.values.tolist() == [[0.5, 0.5]]
+
+
+def test_shape_mask_and_no_value_after_the_last_step():
+    engine = ScriptedEngine()
+    out = run(engine, [[50], [51], [52]], [[2, 3, 4, 5], [2], []], [[0, 1, 3], [0], []], ["a", "b", "c"], k=2)
+    assert out.values.shape == out.step_mask.shape == (3, 3)
+    assert out.step_mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    assert out.values[out.step_mask == 0].eq(0).all()
+    # one prefix per step, never the full response: 3 + 1 prefixes of 2 continuations
+    assert len(engine.requests) == 8
+    assert max(len(r.prompt_ids) for r in engine.requests) == 1 + 3
+
+
+def test_estimates_do_not_depend_on_the_rest_of_the_batch():
+    # a seed-dependent script, with content-derived seeds as in training
+    script = lambda ids, k: ([WIN] if k % 3 == 0 else [LOSE], "stop")  # noqa: E731
+    seed_fn = lambda key, j: continuation_seed(7, 3, key, j)  # noqa: E731
+    common = dict(k=6, sampling=SAMPLING, max_new_tokens=10, seed_fn=seed_fn, scorer=scorer, decode=decode)
+    alone = mc_step_values(ScriptedEngine(script), [[50]], [[2, 3]], [[0, 1]], ["a"], **common)
+    batch = mc_step_values(ScriptedEngine(script), [[40], [50]], [[5, 5], [2, 3]], [[0, 1], [0, 1]], ["b", "a"], **common)
+    assert torch.equal(alone.values[0], batch.values[1])
+
+
+def test_continuation_seeds_are_stable_and_distinct():
+    key = prefix_key([1, 2], [3])
+    assert key == prefix_key((1, 2), (3,)) != prefix_key([1], [2, 3])  # the prompt/response cut is part of it
+    assert continuation_seed(0, 1, key, 2) == continuation_seed(0, 1, key, 2)
+    seeds = {continuation_seed(r, s, key, k) for r in range(2) for s in range(2) for k in range(3)}
+    assert len(seeds) == 12 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_step_start_indices():
+    assert step_start_indices([0, 0, 1, 1, 1, 2]) == [0, 2, 5]
+    assert step_start_indices([]) == []
+    with pytest.raises(ValueError, match="without gaps"):
+        step_start_indices([0, 2])
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="first step must start at token 0"):
+        run(ScriptedEngine(), [[50]], [[2, 3]], [[1]], ["a"])
+    with pytest.raises(ValueError, match="increase and lie inside"):
+        run(ScriptedEngine(), [[50]], [[2, 3]], [[0, 2]], ["a"])
+    with pytest.raises(ValueError, match="two labels"):
+        run(ScriptedEngine(), [[50], [50]], [[2], [2]], [[0], [0]], ["a", "b"])
+    with pytest.raises(ValueError, match="leaves no room"):
+        estimate_prefixes(ScriptedEngine(), [Prefix((50,), (2, 3), "a")], k=1, sampling=SAMPLING, max_new_tokens=2,
+                          seed_fn=lambda key, j: j, scorer=scorer, decode=decode)

@@ -1,0 +1,37 @@
+"""Label provenance read off a config: what it records, and that it notices a changed tokenizer."""
+
+import copy
+
+import torch
+
+from caspo.config import load_config
+from caspo.models.policy import resolve_model_path
+from caspo.models.prefix_value import model_identity
+from caspo.models.tokenizer import load_tokenizer
+from caspo.reward import VERIFIER_VERSION
+from caspo.value.provenance import label_provenance, tokenizer_hash
+
+
+def test_label_provenance_records_the_sampler_prompt_and_verifier(tiny_model):
+    cfg = load_config("tests", ["rollout.temperature=0.6", "data.add_bos=true"])
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
+    p = label_provenance(cfg, tokenizer, tiny_model)
+    assert p.prompt_template == "{query}\nSolution:\n" and p.add_bos
+    assert p.verifier_version == VERIFIER_VERSION
+    assert (p.temperature, p.max_new_tokens) == (0.6, cfg.rollout.max_new_tokens)
+    assert p.label_policy == model_identity(tiny_model) and p.reference is None
+
+
+def test_tokenizer_hash_changes_with_the_vocabulary():
+    tokenizer = load_tokenizer(resolve_model_path("embedded:tiny-arith"))
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<step>"])
+    assert tokenizer_hash(tokenizer) == tokenizer_hash(copy.deepcopy(tokenizer)) != tokenizer_hash(other)
+
+
+def test_model_identity_follows_the_weights(tiny_model):
+    twin = copy.deepcopy(tiny_model)
+    assert model_identity(twin) == model_identity(tiny_model)
+    with torch.no_grad():
+        next(twin.parameters())[0, 0] += 1e-3
+    assert model_identity(twin) != model_identity(tiny_model)
