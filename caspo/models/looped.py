@@ -57,12 +57,19 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenCla
                           GenerationMixin, PreTrainedConfig)
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from caspo.models.looped_layers import Block, RMSNorm, causal_mask, rope
 
 LAYOUTS = ("ouro", "nanbeige")
+
+
+def keep_last(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions the LM head runs on: the last `n` (0 = all), or the given indices."""
+    if isinstance(logits_to_keep, int):
+        return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+    return hidden[:, logits_to_keep]
 
 
 class LoopedConfig(PreTrainedConfig):
@@ -269,7 +276,7 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=pick_cache(cache, past_key_values), inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, **kwargs)
-        logits = self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
+        logits = self.lm_head(keep_last(out.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
