@@ -1,4 +1,4 @@
-"""The `caspo` command line: train, sft, eval, config."""
+"""The `caspo` command line: train, sft, eval, config, verify-resume, value."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import List, Optional
 import typer
 
 from caspo.config import ConfigError, load_config, to_yaml
+from caspo.value.cli import value_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app.add_typer(value_app, name="value", help="phase 1: Monte Carlo step labels, prefix-value training, probes")
 
 PRESET = typer.Argument(..., help="preset name (e.g. arith-tiny) or path to a YAML file")
 OVERRIDES = typer.Argument(None, help="dotted overrides, e.g. train.steps=50 method.name=grpo")

@@ -6,7 +6,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForTokenClassification,
                           LlamaForCausalLM)
 
 import caspo.models.looped as looped
-from caspo.models.looped import (LoopedCache, LoopedConfig, LoopedForCausalLM, LoopedForValue, from_upstream_config,
+from caspo.models.looped import (CACHE_FIELD, LoopedCache, LoopedConfig, LoopedForCausalLM, LoopedForValue, from_upstream_config,
                                  map_upstream_state_dict)
 from caspo.models.policy import load_policy
 
@@ -41,7 +41,7 @@ def test_cached_decode_equals_full_forward(layout, depth):
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :5], use_cache=True)
         steps = [out.logits]
-        cache = out.cache
+        cache = getattr(out, CACHE_FIELD)
         assert isinstance(cache, LoopedCache) and len(cache.layers) == depth * 2
         for i in range(5, 9):
             out = model(ids[:, i:i + 1], cache=cache)
@@ -55,7 +55,7 @@ def test_planes_are_separate_per_loop():
     """Loop t attends to loop-t keys: plane t·L + l holds different keys for different loops."""
     model = tiny_model("ouro", depth=3)
     with torch.no_grad():
-        cache = model(torch.tensor([[3, 5, 7]]), use_cache=True).cache
+        cache = getattr(model(torch.tensor([[3, 5, 7]]), use_cache=True), CACHE_FIELD)
     assert cache.plane(2, 1) == 5
     k = [cache.layers[cache.plane(t, 0)].keys for t in range(3)]
     assert not torch.allclose(k[0], k[1]) and not torch.allclose(k[1], k[2])
@@ -123,7 +123,7 @@ def test_recompute_gives_the_same_gradients(layout, monkeypatch):
     for switch in ("hf", "config"):
         model = tiny_model(layout, depth=3).train()
         if switch == "hf":
-            model.activation_checkpointing_enable()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.config.recompute = True
         calls.clear()
@@ -137,8 +137,8 @@ def test_recompute_gives_the_same_gradients(layout, monkeypatch):
 def test_recompute_refuses_what_it_does_not_implement():
     model = tiny_model("ouro").train()
     with pytest.raises(NotImplementedError):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-    model.activation_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with pytest.raises(ValueError, match="use_cache=False"):
         model(torch.tensor([[1, 2]]), use_cache=True)
 
@@ -230,7 +230,7 @@ def test_greedy_generate_equals_argmax_loop(layout):
         for _ in range(6):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt], 1)
-            out = model(nxt, past_key_values=out.cache)
+            out = model(nxt, past_key_values=getattr(out, CACHE_FIELD))
     assert torch.equal(ids, expected)
 
 

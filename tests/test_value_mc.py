@@ -133,3 +133,13 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="leaves no room"):
         estimate_prefixes(ScriptedEngine(), [Prefix((50,), (2, 3), "a")], k=1, sampling=SAMPLING, max_new_tokens=2,
                           seed_fn=lambda key, j: j, scorer=scorer, decode=decode)
+
+
+def test_check_z_scores_and_planted_line():
+    from caspo.value.mc_check import planted_line, z_scores
+
+    # V = 3/9, q = 5/16: pooled (3 + 5)/25 = 0.32, var = 0.32·0.68·(1/9 + 1/16)
+    z = z_scores([3 / 9, 1.0], [5 / 16, 1.0], k=9, m=16)
+    assert z[0] == pytest.approx((3 / 9 - 5 / 16) / (0.32 * 0.68 * (1 / 9 + 1 / 16)) ** 0.5)
+    assert z[1] is None  # every outcome agrees: no z
+    assert planted_line("9 * 2 = 18\n18 - 4 = 14\n\\boxed{14}") == "9 * 2 = 19"

@@ -65,6 +65,10 @@ from caspo.models.looped_layers import Block, RMSNorm, causal_mask, rope
 LAYOUTS = ("ouro", "nanbeige")
 
 
+# transformers renamed the cache field of model outputs from `past_key_values` to `cache`
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 def keep_last(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions the LM head runs on: the last `n` (0 = all), or the given indices."""
     if isinstance(logits_to_keep, int):
@@ -253,7 +257,7 @@ class LoopedModel(LoopedPreTrainedModel):
             x = self.norm(x)  # h_t: feeds the next loop, the gate and the head
             if states is not None:
                 states.append(x)
-        return BaseModelOutputWithPast(last_hidden_state=x, cache=cache,
+        return BaseModelOutputWithPast(last_hidden_state=x, **{CACHE_FIELD: cache},
                                        hidden_states=tuple(states) if states is not None else None)
 
 
@@ -280,7 +284,8 @@ class LoopedForCausalLM(LoopedPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                      **{CACHE_FIELD: getattr(out, CACHE_FIELD)})
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """`generate()` decodes with a LoopedCache; other cache implementations are refused."""
@@ -324,7 +329,7 @@ class LoopedForValue(LoopedPreTrainedModel):
                          cache=pick_cache(cache, past_key_values), inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, **kwargs)
         logits = self.score(out.last_hidden_state)
-        return LoopedValueOutput(values=logits.squeeze(-1), logits=logits, cache=out.cache,
+        return LoopedValueOutput(values=logits.squeeze(-1), logits=logits, cache=getattr(out, CACHE_FIELD),
                                  hidden_states=out.hidden_states)
 
 

@@ -212,6 +212,7 @@ class ResponseBatch:
 
 def pack_responses(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                    pad_token_id: int) -> ResponseBatch:
+    """Token lists to the batch layout the log-prob forward reads."""
     if len(prompts) != len(responses) or not prompts:
         raise ValueError(f"need equally many prompts and responses, at least one; got {len(prompts)}, {len(responses)}")
     B, P, R = len(prompts), max(len(p) for p in prompts), max(1, max(len(r) for r in responses))
