@@ -102,6 +102,21 @@ class RewardConfig:
 
 
 @dataclass
+class CaspoConfig:
+    # the prefix value model folder (from `caspo value train`)
+    value_model: str = ""
+    transform: Literal["value", "prob", "logprob"] = "prob"
+    # online: one AdamW step of the value model per batch on BCE(σ(V(s_k)/β), R)
+    online: bool = False
+    online_value_lr: float = 1e-6
+    # periodic refresh (stop, collect labels, retrain, resume): not available yet
+    refresh_every: int = 0
+    # clip whitened step advantages at ±adv_clip σ
+    adv_clip: float = 3.0
+    allow_provenance_mismatch: bool = False
+
+
+@dataclass
 class MethodConfig:
     name: str = "grpo"
     clip_low: float = 0.2
@@ -130,6 +145,12 @@ class MethodConfig:
     iw_high: float = 2.0
     # flow_dppo: gate threshold on KL(old‖new) over the vocabulary
     gate_threshold: float = 0.01
+    # step-level methods (vineppo, caspo): how responses split into steps
+    step_splitter: Literal["auto", "newline", "latex"] = "auto"  # auto: newline for arith, latex otherwise
+    max_steps: int = 0  # 0 = no cap
+    after_final_box: Literal["keep", "merge"] = "keep"
+    vineppo_k: int = 9  # Monte Carlo continuations per step boundary
+    caspo: CaspoConfig = field(default_factory=CaspoConfig)
     # dppo_tv / dppo_kl
     dppo_delta_low: float = 0.15
     dppo_delta_high: float = 0.15
@@ -362,6 +383,12 @@ def validate(cfg: Config) -> None:
             f"set train.minibatch_size={n // 2} and train.epochs_per_rollout=1 "
             f"(got {t.minibatch_size} and {t.epochs_per_rollout})"
         )
+    if m.name == "caspo":
+        if not m.caspo.value_model:
+            raise ConfigError("method caspo needs method.caspo.value_model=PATH (a folder from `caspo value train`)")
+        if m.caspo.refresh_every:
+            raise ConfigError("method.caspo.refresh_every is not available yet; run the refresh pipeline by hand: "
+                              "stop, `caspo value collect` + `caspo value train`, then resume with the new value_model")
     if r.cuda_graphs and r.backend != "native":
         raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
     if r.staleness < 0:

@@ -7,6 +7,7 @@ of `caspo.algo` turn rewards into advantages and advantages into a loss.
     advantage  group     group-relative terminal reward (s - mean_g) / std_g
                terminal  terminal reward standardised over batch | group | off
                gae       GAE on a learned critic's values
+               step_td   A_k = r_k + V(s_{k+1}) − V(s_k) on step values (Monte Carlo or learned)
     loss       ppo_clip        clipped surrogate on trainer-recomputed old log-probs
                decoupled       clipped surrogate on r = π/π_prox, weighted by clamp(π_prox/μ)
                divergence_gate full-vocabulary KL(old‖new) gate, frozen old policy
@@ -26,7 +27,8 @@ class Method:
     group_baseline: bool = False  # needs G >= 2 samples per prompt
     needs_critic: bool = False
     divergence: str = ""  # dppo_binary: "tv" | "kl"
-    halves: bool = False  # two optimizer steps per rollout, each on half the completions
+    halves: bool = False
+    step_values: str = ""  # step_td: "mc" (VinePPO) | "prefix" (CASPO's learned prefix values)  # two optimizer steps per rollout, each on half the completions
     doc: str = ""
 
 
@@ -43,6 +45,10 @@ METHODS: dict[str, Method] = {
                doc="decoupled PPO: behaviour log-probs from the engine, proximal ones recomputed, bounded weight"),
         Method("flow_dppo", "gae", "divergence_gate", needs_critic=True, halves=True,
                doc="categorical divergence gate against frozen old-policy distributions; two steps on halves"),
+        Method("vineppo", "step_td", "ppo_clip", step_values="mc",
+               doc="VinePPO: step values = mean reward of K Monte Carlo continuations from each step boundary"),
+        Method("caspo", "step_td", "ppo_clip", step_values="prefix",
+               doc="step TD on values from a learned prefix value model (IPVRM-style), frozen or online"),
         Method("dppo_tv", "group", "dppo_binary", group_baseline=True, divergence="tv",
                doc="Divergence-PPO binary total-variation mask, group-relative advantages"),
         Method("dppo_kl", "group", "dppo_binary", group_baseline=True, divergence="kl",

@@ -69,3 +69,50 @@ def test_flow_dppo_needs_two_half_batches():
     with pytest.raises(ConfigError, match="two optimizer steps per rollout"):
         load_config("tests", ["method.name=flow_dppo", "train.minibatch_size=8"])
     assert load_config("tests", ["method.name=flow-dppo"]).method.name == "flow_dppo"
+
+
+@pytest.fixture(scope="module")
+def value_model_folder(tmp_path_factory):
+    """A fresh prefix value model for the tests preset (φ = reference, so every V starts at 0)."""
+    from caspo.models.policy import load_policy, resolve_model_path
+    from caspo.models.prefix_value import PrefixValueModel, model_identity
+    from caspo.models.tokenizer import load_tokenizer
+    from caspo.value.provenance import label_provenance
+
+    cfg = load_config("tests")
+    base = load_policy(cfg.model.policy)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
+    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
+    model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=cfg.model.policy)
+    return model.save(tmp_path_factory.mktemp("value") / "v", tokenizer=tokenizer)
+
+
+def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
+    cfg, rows = run(tmp_path, "method.name=vineppo", "method.vineppo_k=2", steps=2)
+    assert all(r["mc_tokens"] > 0 and r["mc_unique_prefixes"] > 0 for r in rows)
+    assert all(r["t_value"] > 0 for r in rows)
+    assert all(r["steps_mean"] >= 1 for r in rows)
+
+
+@pytest.mark.parametrize("transform", ["value", "prob", "logprob"])
+@pytest.mark.parametrize("online", [False, True])
+def test_caspo_runs_each_transform_frozen_and_online(tmp_path, value_model_folder, transform, online):
+    cfg, rows = run(tmp_path, "method.name=caspo", f"method.caspo.value_model={value_model_folder}",
+                    f"method.caspo.transform={transform}", f"method.caspo.online={str(online).lower()}",
+                    "method.caspo.online_value_lr=1e-3", steps=3)
+    assert len(rows) == 3 and all("step_value_mean" in r for r in rows)
+    if online:
+        assert all("value_bce" in r for r in rows)
+        assert rows[-1]["step_value_mean"] != 0.0  # φ moved away from the reference
+        saved = {p.name for p in (tmp_path / "checkpoints" / "step_000003").iterdir() if p.is_dir()}
+        assert saved == {"policy", "value"}
+    else:
+        assert all(r["step_value_mean"] == 0.0 for r in rows)  # frozen φ = reference: V = 0
+
+
+def test_caspo_refuses_a_value_model_from_other_conditions(tmp_path, value_model_folder):
+    from caspo.models.prefix_value import ProvenanceError
+
+    with pytest.raises(ProvenanceError, match="temperature"):
+        run(tmp_path, "method.name=caspo", f"method.caspo.value_model={value_model_folder}",
+            "rollout.temperature=0.7", steps=1)

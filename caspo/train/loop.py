@@ -28,7 +28,9 @@ from caspo.train import checkpoint as ckpt
 from caspo.train.advantages import compute_advantages
 from caspo.train.forward import response_logprobs
 from caspo.train.precision import autocast
+from caspo.train import step_values
 from caspo.train.runlog import JsonlWriter, console, progress_bar
+from caspo.train.step_values import online_value_step
 from caspo.train.timers import PhaseTimer
 from caspo.train.trainer import Trainer, build_trainer, publish_current, restore, save
 from caspo.train.update import update
@@ -53,9 +55,11 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
             if tr.ref is not None:
                 batch.ref_logprobs = no_grad_pass(tr.ref, batch, cfg, response_logprobs, cfg.rollout.temperature)
         with timer("t_value"):
-            if tr.critic is not None:
-                batch.values = no_grad_pass(tr.critic.model, batch, cfg, critic_values)
+            value_stats = values(tr, batch)
         batch.advantages, batch.returns = compute_advantages(batch, cfg, tr.method)
+        if tr.value is not None:  # caspo online: after this batch's advantages, one value-model step
+            with timer("t_value_update"):
+                value_stats.update(online_value_step(tr, batch, batch.extras["step_ids"]))
         with timer("t_pol"):
             if tr.old is not None:  # flow_dppo: freeze the old policy once per rollout
                 tr.old.load_state_dict(tr.policy.state_dict())
@@ -64,7 +68,22 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
         with timer("t_sync"):
             publish_current(tr)
     tr.step += 1
-    return batch, {**stats, **batch_stats(batch), **timer.reset()}
+    return batch, {**stats, **value_stats, **batch_stats(batch), **timer.reset()}
+
+
+def values(tr: Trainer, batch: RolloutBatch) -> dict:
+    """The method's value source: a critic's token values, or step values (Monte Carlo / prefix model)."""
+    if tr.critic is not None:
+        batch.values = no_grad_pass(tr.critic.model, batch, tr.cfg, critic_values)
+    if not tr.method.step_values:
+        return {}
+    step_ids = step_values.segment(tr, batch)
+    source = step_values.monte_carlo_values if tr.method.step_values == "mc" else step_values.prefix_model_values
+    values, mask, stats = source(tr, batch, step_ids)
+    batch.extras.update(step_ids=step_ids, step_values=values, step_mask=mask,
+                        beta=tr.value_model.beta if tr.value_model is not None else None)
+    return {**stats, "steps_mean": float(mask.sum(-1).mean()),
+            "step_value_mean": float(algo.masked_mean(values, mask))}
 
 
 def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
@@ -85,6 +104,7 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
     batch = RolloutBatch.from_completions(prompts, completions, group_ids=groups, example_ids=ids,
                                           sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id)
     batch = batch.to(tr.device)
+    batch.extras["prompts"] = prompts
     batch.extras["labels"] = [tr.data.train[item].label for item in indices for _ in range(G)]
     return batch
 

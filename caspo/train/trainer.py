@@ -39,6 +39,8 @@ class Trainer:
     critic: Learner | None
     ref: torch.nn.Module | None  # frozen original base: the KL anchor, never the resumed weights
     old: torch.nn.Module | None  # flow_dppo's frozen old policy, refreshed before each update
+    value_model: object | None  # caspo: the prefix value model (PrefixValueModel)
+    value: Learner | None  # caspo online: its φ with its optimizer
     engine: object  # an Engine (caspo.rollout.base)
     cursor: PromptCursor
     update_rng: torch.Generator
@@ -75,9 +77,22 @@ def set_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None) -> Learner:
+def load_value_model(cfg: Config, tokenizer, base: torch.nn.Module, device):
+    """CASPO's prefix value model, refused if it was trained under other conditions than this run's."""
+    from caspo.models.prefix_value import load_prefix_value
+    from caspo.value.provenance import label_provenance
+
+    c = cfg.method.caspo
+    model = load_prefix_value(c.value_model, label_provenance(cfg, tokenizer, base),
+                              allow_mismatch=c.allow_provenance_mismatch, device=device)
+    model.policy.requires_grad_(c.online).train(False)
+    return model
+
+
+def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None, schedule: str | None = None) -> Learner:
     """Optimizer and schedule, built after the model is final (ready for FSDP2 wrapping first)."""
     optim = cfg.optim if lr is None else dataclasses.replace(cfg.optim, lr=lr)
+    optim = optim if schedule is None else dataclasses.replace(optim, schedule=schedule, warmup_steps=0)
     updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
     optimizer = build_optimizer(model.parameters(), optim)
     return Learner(model, optimizer, build_scheduler(optimizer, warmup=optim.warmup_steps, total=updates,
@@ -102,12 +117,16 @@ def build_trainer(cfg: Config) -> Trainer:
     if critic is not None and cfg.train.recompute:
         enable_recompute(critic)
     data = load_task_data(cfg, tokenizer)
+    value_model = load_value_model(cfg, tokenizer, policy, device) if method.step_values == "prefix" else None
     tr = Trainer(
         cfg=cfg, method=method, run_dir=Path(cfg.train.output_dir), device=device, tokenizer=tokenizer,
         actor=learner(policy, cfg),
         critic=learner(critic, cfg, lr=cfg.method.critic_lr) if critic is not None else None,
         ref=copy.deepcopy(policy).requires_grad_(False) if needs_ref else None,
         old=copy.deepcopy(policy).requires_grad_(False) if method.loss == "divergence_gate" else None,
+        value_model=value_model,
+        value=learner(value_model.policy, cfg, lr=cfg.method.caspo.online_value_lr, schedule="constant")
+        if value_model is not None and cfg.method.caspo.online else None,
         engine=build_engine(cfg, policy, tokenizer,
                             max_seq_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens,
                                                                          cfg.eval.max_new_tokens)),
@@ -146,7 +165,8 @@ def export(model: torch.nn.Module, precision: str) -> torch.nn.Module:
 
 def learners(tr: Trainer) -> dict[str, Learner]:
     """The trained models, each saved in its own folder; GRPO-like methods save only the actor."""
-    return {"policy": tr.actor, **({"critic": tr.critic} if tr.critic is not None else {})}
+    return {"policy": tr.actor, **({"critic": tr.critic} if tr.critic is not None else {}),
+            **({"value": tr.value} if tr.value is not None else {})}
 
 
 def trainer_state(tr: Trainer) -> dict:
