@@ -62,7 +62,11 @@ def enable_recompute(model: torch.nn.Module) -> None:
     """Checkpoint every block (every block of every loop, for a looped model), non-reentrant."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support train.recompute=true")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(model, "activation_checkpointing_enable", None)  # the newer transformers name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def tiny_looped_config(vocab_size: int, *, layout: str, depth: int, hidden: int = 128, layers: int = 2,
