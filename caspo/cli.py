@@ -7,28 +7,17 @@ from typing import List, Optional
 
 import typer
 
-from caspo.config import ConfigError, load_config, to_yaml
+from caspo.cli_args import OVERRIDES, PRESET, config_or_exit
+from caspo.config import to_yaml
 from caspo.value.cli import value_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 app.add_typer(value_app, name="value", help="phase 1: Monte Carlo step labels, prefix-value training, probes")
 
-PRESET = typer.Argument(..., help="preset name (e.g. arith-tiny) or path to a YAML file")
-OVERRIDES = typer.Argument(None, help="dotted overrides, e.g. train.steps=50 method.name=grpo")
-
-
-def _config(preset: str, overrides: Optional[List[str]]):
-    try:
-        return load_config(preset, overrides or [])
-    except ConfigError as err:
-        typer.secho(f"config error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
-
-
 @app.command()
 def config(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
     """Print the resolved configuration."""
-    typer.echo(to_yaml(_config(preset, overrides)))
+    typer.echo(to_yaml(config_or_exit(preset, overrides)))
 
 
 @app.command()
@@ -37,7 +26,7 @@ def train(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     """Train a policy with the configured method."""
     from caspo.train.loop import train as run_train
 
-    summary = run_train(_config(preset, overrides), resume=resume)
+    summary = run_train(config_or_exit(preset, overrides), resume=resume)
     typer.echo(json.dumps(summary, indent=2))
 
 
@@ -48,7 +37,7 @@ def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     """Supervised fine-tuning of a tiny policy on the arithmetic task."""
     from caspo.train.sft import run_sft
 
-    typer.echo(json.dumps(run_sft(_config(preset, overrides), output, init=init), indent=2))
+    typer.echo(json.dumps(run_sft(config_or_exit(preset, overrides), output, init=init), indent=2))
 
 
 @app.command("eval")
@@ -56,7 +45,7 @@ def evaluate(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
     """Greedy held-out accuracy of `model.policy`."""
     from caspo.train.loop import build_trainer, evaluate as run_eval
 
-    tr = build_trainer(_config(preset, overrides))
+    tr = build_trainer(config_or_exit(preset, overrides))
     with tr.pool:
         typer.echo(json.dumps(run_eval(tr), indent=2))
 
@@ -67,7 +56,7 @@ def verify_resume(preset: str = PRESET, overrides: Optional[List[str]] = OVERRID
     """Check that 2 steps + a resumed third equal 3 uninterrupted steps, bit for bit."""
     from caspo.train.verify_resume import verify_resume as run_verify
 
-    _config(preset, overrides)  # fail fast on a bad config
+    config_or_exit(preset, overrides)  # fail fast on a bad config
     if not run_verify(preset, overrides or [], workdir):
         raise typer.Exit(1)
 

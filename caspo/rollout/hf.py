@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from caspo.rollout.base import Completion, Request, SamplingParams
-from caspo.rollout.publication import Publication, PublicationError, weights_digest
+from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
 
 
@@ -24,7 +24,7 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class HFEngine:
+class HFEngine(PublishedWeights):
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch: int = 0, decode=None,
                  dtype: torch.dtype | None = None):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -40,25 +40,6 @@ class HFEngine:
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
-
-    def begin(self, version: int) -> None:
-        self._publication = Publication(self._params(), version)
-
-    def load(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        if self._publication is None:
-            raise PublicationError("load() before begin()")
-        self._publication.load(named_tensors)
-
-    def commit(self) -> str:
-        if self._publication is None:
-            raise PublicationError("commit() before begin()")
-        publication, self._publication = self._publication, None
-        digest = publication.commit()
-        self.version = publication.version
-        return digest
-
-    def digest(self) -> str:
-        return weights_digest(self._params())
 
     # ------------------------------------------------------------ generation
     def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:

@@ -63,3 +63,37 @@ class Publication:
                 self.target[name].copy_(tensor)
         self.staged.clear()
         return digest
+
+
+class PublishedWeights:
+    """The publication side of an engine: `begin(version)`, `load(chunk)`..., `commit() -> digest`.
+
+    An engine sets `self.version = 0` and `self._publication = None` and implements
+    `_params()`, the tensors it serves, by name.
+    """
+
+    version: int
+    _publication: Publication | None
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def begin(self, version: int) -> None:
+        self._publication = Publication(self._params(), version)
+
+    def load(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        if self._publication is None:
+            raise PublicationError("load() before begin()")
+        self._publication.load(named_tensors)
+
+    def commit(self) -> str:
+        """Check and swap in the staged tensors (copied in place, so captured graphs stay valid)."""
+        if self._publication is None:
+            raise PublicationError("commit() before begin()")
+        publication, self._publication = self._publication, None
+        digest = publication.commit()
+        self.version = publication.version
+        return digest
+
+    def digest(self) -> str:
+        return weights_digest(self._params())

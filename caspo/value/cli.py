@@ -20,21 +20,11 @@ from typing import List, Optional
 
 import typer
 
+from caspo.cli_args import OVERRIDES, PRESET, config_or_exit
+
 value_app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
-PRESET = typer.Argument(..., help="preset name (e.g. arith-tiny) or path to a YAML file")
-OVERRIDES = typer.Argument(None, help="dotted overrides, e.g. rollout.max_batch=128 model.threads=1")
 THREADS_HELP = "CPU threads for torch (0: torch's default); more than the free cores makes small models far slower"
-
-
-def _config(preset: str, overrides: Optional[List[str]]):
-    from caspo.config import ConfigError, load_config
-
-    try:
-        return load_config(preset, overrides or [])
-    except ConfigError as err:
-        typer.secho(f"config error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
 
 
 @value_app.command()
@@ -54,7 +44,7 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         raise typer.BadParameter(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
     sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries}
     spec = dataclasses.replace(RECIPES[recipe], **{key: v for key, v in sizes.items() if v is not None})
-    header = run_collect(_config(preset, overrides), spec, out, parse_shard(shard), splitter)
+    header = run_collect(config_or_exit(preset, overrides), spec, out, parse_shard(shard), splitter)
     typer.echo(json.dumps({key: v for key, v in header.items() if key != "provenance"}, indent=2))
 
 
@@ -133,7 +123,7 @@ def check_mc(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     """Check MC values: z-scores of V(prompt) against independent samples; a planted wrong line."""
     from caspo.value.mc_check import run_check
 
-    report = run_check(_config(preset, overrides), prompts, k, m, planted)
+    report = run_check(config_or_exit(preset, overrides), prompts, k, m, planted)
     if out is not None:
         out.write_text(json.dumps(report, indent=2) + "\n")
     if not report["calibration_passed"]:

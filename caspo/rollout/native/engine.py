@@ -33,7 +33,7 @@ from caspo.rollout.native.kv_cache import CapacityReport, KVCache
 from caspo.rollout.native.prefix import PrefixIndex, SharedPrefix
 from caspo.rollout.native.runner import Batch, build_runner, read_checkpoint, weights_dtype
 from caspo.rollout.native.spec import decoder_spec
-from caspo.rollout.publication import Publication, PublicationError, weights_digest
+from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
 
 STOP_STRING_WINDOW = 32  # tokens decoded to look for a stop string, as HFEngine does
@@ -79,7 +79,7 @@ class _Sequence:
         self.prompt = list(self.request.prompt_ids)
 
 
-class NativeEngine:
+class NativeEngine(PublishedWeights):
     """Rollout engine over a native Qwen2/Llama runner.
 
     model: a live `transformers` Qwen2/Llama causal LM (weights read from `named_parameters()`),
@@ -143,25 +143,6 @@ class NativeEngine:
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.runner.named_parameters())
-
-    def begin(self, version: int) -> None:
-        self._publication = Publication(self._params(), version)
-
-    def load(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        if self._publication is None:
-            raise PublicationError("load() before begin()")
-        self._publication.load(named_tensors)
-
-    def commit(self) -> str:
-        if self._publication is None:
-            raise PublicationError("commit() before begin()")
-        publication, self._publication = self._publication, None
-        digest = publication.commit()  # copies in place: captured graphs stay valid
-        self.version = publication.version
-        return digest
-
-    def digest(self) -> str:
-        return weights_digest(self._params())
 
     # ------------------------------------------------------------ memory
     def capacity_report(self) -> CapacityReport:
