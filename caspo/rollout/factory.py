@@ -5,11 +5,23 @@ from __future__ import annotations
 import torch
 
 from caspo.config import Config
+from caspo.rollout.base import SamplingParams
 from caspo.train.precision import compute_dtype
 
 
 def engine_dtype(cfg: Config) -> torch.dtype:
     return compute_dtype(cfg.train.precision if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
+
+
+def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
+    """The training sampler: every consumer (rollouts, Monte Carlo values, labels) uses this one."""
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          stop_token_ids=[tokenizer.eos_token_id], stop_strings=list(r.stop))
+
+
+def max_seq_len(cfg: Config) -> int:
+    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
 
 
 def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: int):

@@ -21,7 +21,7 @@ from caspo.models.policy import enable_recompute, load_policy, resolve_device, r
 from caspo.models.tokenizer import load_tokenizer
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import SamplingParams, publish
-from caspo.rollout.factory import build_engine
+from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
 from caspo.train import checkpoint as ckpt
 from caspo.train.optim import build_optimizer, build_scheduler
 from caspo.train.precision import LossScaler, compute_dtype
@@ -58,9 +58,7 @@ class Trainer:
 
     @property
     def sampling(self) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              stop_token_ids=[self.tokenizer.eos_token_id], stop_strings=list(r.stop))
+        return sampling_params(self.cfg, self.tokenizer)
 
 
 def seed_everything(seed: int) -> None:
@@ -127,9 +125,7 @@ def build_trainer(cfg: Config) -> Trainer:
         value_model=value_model,
         value=learner(value_model.policy, cfg, lr=cfg.method.caspo.online_value_lr, schedule="constant")
         if value_model is not None and cfg.method.caspo.online else None,
-        engine=build_engine(cfg, policy, tokenizer,
-                            max_seq_len=cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens,
-                                                                         cfg.eval.max_new_tokens)),
+        engine=build_engine(cfg, policy, tokenizer, max_seq_len(cfg)),
         cursor=PromptCursor(len(data.train), cfg.train.seed),
         update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
         pool=RewardPool(cfg.reward.workers, cfg.reward.timeout_s),

@@ -17,15 +17,14 @@ from caspo.models.policy import load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import SamplingParams
-from caspo.rollout.hf import HFEngine
-from caspo.train.precision import compute_dtype
+from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
 
 
 @dataclass
 class RolloutSetup:
     tokenizer: object
     policy: torch.nn.Module
-    engine: HFEngine
+    engine: object  # an Engine (caspo.rollout.base), as rollout.backend says
     sampling: SamplingParams
     decode: Callable[[list[int]], str]  # response text as the verifier reads it
 
@@ -39,10 +38,6 @@ def rollout_setup(cfg: Config) -> RolloutSetup:
     path = resolve_model_path(cfg.model.policy)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, resolve_device(cfg.model.device)).eval()
-    r = cfg.rollout
-    dtype = compute_dtype(cfg.train.precision if r.dtype == "auto" else r.dtype)
-    engine = HFEngine(policy, pad_token_id=tokenizer.pad_token_id, max_batch=r.max_batch, decode=tokenizer.decode,
-                      dtype=dtype)
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              stop_token_ids=[tokenizer.eos_token_id], stop_strings=list(r.stop))
-    return RolloutSetup(tokenizer, policy, engine, sampling, partial(tokenizer.decode, skip_special_tokens=True))
+    engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg))
+    return RolloutSetup(tokenizer, policy, engine, sampling_params(cfg, tokenizer),
+                        partial(tokenizer.decode, skip_special_tokens=True))
