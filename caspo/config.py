@@ -114,6 +114,8 @@ class CaspoConfig:
     # clip whitened step advantages at ±adv_clip σ
     adv_clip: float = 3.0
     allow_provenance_mismatch: bool = False
+    # the control: the value model's step values shuffled over all valid steps of each batch
+    shuffle_values: bool = False
 
 
 @dataclass

@@ -116,3 +116,24 @@ def test_caspo_refuses_a_value_model_from_other_conditions(tmp_path, value_model
     with pytest.raises(ProvenanceError, match="temperature"):
         run(tmp_path, "method.name=caspo", f"method.caspo.value_model={value_model_folder}",
             "rollout.temperature=0.7", steps=1)
+
+
+def test_compare_caspo_and_vineppo_step_advantages(tmp_path, value_model_folder):
+    from caspo.value.compare import compare_step_advantages
+
+    cfg = load_config("tests", ["method.name=caspo", f"method.caspo.value_model={value_model_folder}",
+                                "method.vineppo_k=2", f"train.output_dir={tmp_path}"])
+    out = compare_step_advantages(cfg)
+    assert out["steps"] >= cfg.responses_per_step  # every response has at least one step
+    assert -1.0 <= out["spearman"] <= 1.0 and out["mc_tokens"] > 0
+
+
+def test_shuffled_values_keep_their_multiset():
+    import torch
+
+    values = torch.tensor([[0.1, 0.2, 9.0], [0.3, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    out = loop.shuffled_within_batch(values, mask, seed=3)
+    assert sorted(out[mask.bool()].tolist()) == [0.1, 0.2, 0.3]
+    assert torch.equal(out[~mask.bool()], values[~mask.bool()])
+    assert not torch.equal(out, values) or loop.shuffled_within_batch(values, mask, seed=4).ne(values).any()

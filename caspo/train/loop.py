@@ -80,6 +80,8 @@ def values(tr: Trainer, batch: RolloutBatch) -> dict:
     step_ids = step_values.segment(tr, batch)
     source = step_values.monte_carlo_values if tr.method.step_values == "mc" else step_values.prefix_model_values
     values, mask, stats = source(tr, batch, step_ids)
+    if tr.method.step_values == "prefix" and tr.cfg.method.caspo.shuffle_values:
+        values = shuffled_within_batch(values, mask, seed=tr.cfg.train.seed * 1_000_003 + tr.step)
     batch.extras.update(step_ids=step_ids, step_values=values, step_mask=mask,
                         beta=tr.value_model.beta if tr.value_model is not None else None)
     return {**stats, "steps_mean": float(mask.sum(-1).mean()),
@@ -136,6 +138,15 @@ def no_grad_pass(model: torch.nn.Module, batch: RolloutBatch, cfg: Config, fn, *
 def score(model: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     """Response log-probs under `model` (temperature-scaled), no grad."""
     return no_grad_pass(model, batch, cfg, response_logprobs, cfg.rollout.temperature)
+
+
+def shuffled_within_batch(values: torch.Tensor, mask: torch.Tensor, seed: int) -> torch.Tensor:
+    """The valid entries of `values` permuted among themselves (a control that keeps their distribution)."""
+    valid = mask.bool()
+    g = torch.Generator().manual_seed(seed)
+    out = values.clone()
+    out[valid] = values[valid][torch.randperm(int(valid.sum()), generator=g).to(values.device)]
+    return out
 
 
 def batch_stats(batch: RolloutBatch) -> dict:

@@ -113,6 +113,15 @@ def probe(checkpoint: Path = typer.Argument(..., help="prefix value model folder
     typer.echo(json.dumps(metrics, indent=2))
 
 
+@value_app.command("compare")
+def compare(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
+    """Correlation of CASPO's and VinePPO's step advantages on one batch (needs method.caspo.value_model)."""
+    from caspo.value.compare import compare_step_advantages
+
+    cfg = config_or_exit(preset, ["method.name=caspo", *(overrides or [])])
+    typer.echo(json.dumps(compare_step_advantages(cfg), indent=2))
+
+
 @value_app.command("check-mc")
 def check_mc(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
              prompts: int = typer.Option(200, help="held-out prompts"),
