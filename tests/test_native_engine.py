@@ -1,15 +1,15 @@
 """The native engine against the transformers oracle, on tiny random Qwen2 and Llama models (CPU)."""
 
-import copy
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from publication_checks import check_failed_publications_keep_old_weights, perturbed
+
 from caspo.rollout.base import Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeCompletion, NativeEngine, UnsupportedModelError, decoder_spec
-from caspo.rollout.publication import PublicationError
 from caspo.rollout.sampling import sample_seed, truncate_logits, uniform_noise
 
 VOCAB = 100
@@ -244,14 +244,6 @@ def test_chunked_prefill_gives_the_same_tokens(model):
 
 
 # ---------------------------------------------------------------- publication
-def perturbed(model, scale=0.05):
-    new = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return new
-
-
 def test_publication_changes_outputs_exactly_as_a_fresh_load(model):
     sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
     native = engine(model)
@@ -268,22 +260,7 @@ def test_publication_changes_outputs_exactly_as_a_fresh_load(model):
 
 
 def test_incomplete_or_mismatched_publication_keeps_old_weights(model):
-    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
-    native = engine(model)
-    before = native.generate(requests(8), sp)
-    named = dict(perturbed(model).named_parameters())
-    native.begin(1)
-    native.load({k: v for k, v in list(named.items())[:-1]})
-    with pytest.raises(PublicationError, match="incomplete"):
-        native.commit()
-    native.begin(1)
-    name = next(iter(named))
-    with pytest.raises(PublicationError, match="shape"):
-        native.load({name: named[name][:-1]})
-    with pytest.raises(PublicationError, match="unknown tensor"):
-        native.load({"not.a.weight": named[name]})
-    assert native.version == 0
-    assert [c.tokens for c in native.generate(requests(8), sp)] == [c.tokens for c in before]
+    check_failed_publications_keep_old_weights(engine(model), model, requests(8), SamplingParams(temperature=1.0, stop_token_ids=[1]))
 
 
 # ---------------------------------------------------------------- cache and memory

@@ -1,11 +1,11 @@
-import copy
 
 import pytest
 import torch
 
+from publication_checks import check_failed_publications_keep_old_weights, perturbed
+
 from caspo.rollout.base import Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
-from caspo.rollout.publication import PublicationError
 from caspo.rollout.sampling import sample_next, sample_seed, uniform_noise
 
 SAMPLING = SamplingParams(temperature=1.0, stop_token_ids=[1])
@@ -88,14 +88,6 @@ def test_finish_reasons_and_stop_strings(tiny_model):
     assert cut.tokens == first.tokens[:len(cut.tokens)]
 
 
-def perturbed(model, scale=0.05):
-    new = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return new
-
-
 def test_publication_changes_outputs_exactly_as_a_fresh_load(tiny_model):
     engine = HFEngine(tiny_model, pad_token_id=0)
     before = engine.generate(requests(8), SAMPLING)
@@ -110,18 +102,4 @@ def test_publication_changes_outputs_exactly_as_a_fresh_load(tiny_model):
 
 
 def test_incomplete_or_mismatched_publication_keeps_old_weights(tiny_model):
-    engine = HFEngine(tiny_model, pad_token_id=0)
-    before = engine.generate(requests(8), SAMPLING)
-    named = dict(perturbed(tiny_model).named_parameters())
-    engine.begin(1)
-    engine.load({k: v for k, v in list(named.items())[:-1]})  # the last tensor never arrives
-    with pytest.raises(PublicationError, match="incomplete"):
-        engine.commit()
-    engine.begin(1)
-    name = next(iter(named))
-    with pytest.raises(PublicationError, match="shape"):
-        engine.load({name: named[name][:-1]})
-    with pytest.raises(PublicationError, match="unknown tensor"):
-        engine.load({"not.a.weight": named[name]})
-    assert engine.version == 0
-    assert [c.tokens for c in engine.generate(requests(8), SAMPLING)] == [c.tokens for c in before]
+    check_failed_publications_keep_old_weights(HFEngine(tiny_model, pad_token_id=0), tiny_model, requests(8), SAMPLING)
