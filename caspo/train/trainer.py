@@ -131,7 +131,8 @@ def build_trainer(cfg: Config) -> Trainer:
         pool=RewardPool(cfg.reward.workers, cfg.reward.timeout_s),
         scaler=LossScaler(cfg.train.precision, cfg.train.loss_scale),
     )
-    publish_current(tr)  # with staleness, this records version 0
+    if cfg.rollout.staleness:  # record version 0; otherwise the engine already serves these weights
+        publish_current(tr)
     return tr
 
 

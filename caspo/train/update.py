@@ -15,7 +15,7 @@ import torch
 from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config
-from caspo.methods import Method
+from caspo.methods import Method, get_method
 from caspo.models.critic import critic_values
 from caspo.train.forward import response_logits, response_logprobs
 from caspo.train.precision import LossScaler, autocast
@@ -76,8 +76,6 @@ def critic_loss(critic, batch: RolloutBatch, cfg: Config, denom):
 def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Config, scaler: LossScaler,
                          norm_len: int, method: Method | None = None, old_model=None, critic=False) -> list[dict]:
     """Backward of one minibatch (`rows`), micro-batch by micro-batch, normalised by the minibatch's counts."""
-    from caspo.methods import get_method
-
     method = method or get_method(cfg.method.name)
     denom = algo.aggregate_denom(batch.response_mask[rows], cfg.method.loss_agg, norm_len)
     out = []
