@@ -50,10 +50,10 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
         with timer("t_reward"):
             batch.rewards = reward(tr, batch)
         with timer("t_old"):  # the proximal policy: recomputed by the trainer, never the engine's scores
-            batch.old_logprobs = no_grad_pass(tr.policy, batch, cfg, response_logprobs, cfg.rollout.temperature)
+            batch.old_logprobs = score(tr.policy, batch, cfg)
         with timer("t_ref"):
             if tr.ref is not None:
-                batch.ref_logprobs = no_grad_pass(tr.ref, batch, cfg, response_logprobs, cfg.rollout.temperature)
+                batch.ref_logprobs = score(tr.ref, batch, cfg)
         with timer("t_value"):
             value_stats = values(tr, batch)
         batch.advantages, batch.returns = compute_advantages(batch, cfg, tr.method)
