@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from caspo.rollout.base import Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
-from caspo.rollout.sampling import sample_seed, truncate_logits, uniform_noise
+from caspo.rollout.sampling import sample_eager, sample_next, sample_seed, truncate_logits, uniform_noise
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -137,3 +137,17 @@ def test_cache_sized_from_the_gpu_memory_fraction():
     budget = int(torch.cuda.get_device_properties(CUDA).total_memory * 0.01)
     assert budget - report.block_tokens * report.bytes_per_token < report.bytes <= budget
     assert report.bytes_per_token == 2 * 2 * 2 * 32 * 2  # layers × (k, v) × kv heads × head_dim × bf16 bytes
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 0, 0.9), (0.8, 20, 0.95), (0.0, 0, 1.0)])
+def test_compiled_sampler_matches_eager(temperature, top_k, top_p):
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    for batch in (7, 64):  # two shapes: the second call runs the dynamic-shape compilation
+        logits = torch.randn(batch, 5000, device=CUDA, generator=generator) * 3
+        seeds = torch.arange(batch, device=CUDA) * 7919 + 17
+        positions = torch.arange(batch, device=CUDA) % 11
+        compiled = sample_next(logits, seeds, positions, temperature, top_k, top_p)
+        eager = sample_eager(logits, seeds, positions, temperature, top_k, top_p)
+        assert torch.equal(compiled[0], eager[0])
+        for got, expected in zip(compiled[1:], eager[1:]):
+            assert torch.allclose(got, expected, atol=1e-5)

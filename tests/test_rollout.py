@@ -36,7 +36,7 @@ def test_noise_depends_only_on_seed_and_position():
 def test_gumbel_max_samples_the_softmax():
     logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(20000, 1)
     seeds = torch.arange(20000)
-    tokens, _ = sample_next(logits, seeds, torch.zeros(20000, dtype=torch.long), temperature=1.0)
+    tokens, *_ = sample_next(logits, seeds, torch.zeros(20000, dtype=torch.long), temperature=1.0)
     freq = torch.bincount(tokens, minlength=3).float() / 20000
     assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.015)
 
@@ -44,11 +44,11 @@ def test_gumbel_max_samples_the_softmax():
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).repeat(2000, 1)
     seeds, pos = torch.arange(2000), torch.zeros(2000, dtype=torch.long)
-    top2, logp = sample_next(logits, seeds, pos, temperature=1.0, top_k=2)
+    top2, logp, _ = sample_next(logits, seeds, pos, temperature=1.0, top_k=2)
     assert set(top2.tolist()) == {0, 1}
     # log-probs are of the truncated distribution
     assert torch.allclose(logp[top2 == 0], torch.log_softmax(torch.tensor([3.0, 2.0]), -1)[0])
-    nucleus, _ = sample_next(logits, seeds, pos, temperature=1.0, top_p=0.5)
+    nucleus, *_ = sample_next(logits, seeds, pos, temperature=1.0, top_p=0.5)
     assert set(nucleus.tolist()) == {0}  # p(0) = 0.64 covers 0.5
 
 

@@ -78,7 +78,7 @@ class HFEngine(PublishedWeights):
         active = torch.ones(B, dtype=torch.bool, device=device)
         for t in range(int(budget.max())):
             step_pos = torch.full((B,), t, dtype=torch.int64, device=device)
-            tok, lp = sample_next(logits, seeds, step_pos, sp.temperature, sp.top_k, sp.top_p)
+            tok, lp, _ = sample_next(logits, seeds, step_pos, sp.temperature, sp.top_k, sp.top_p)
             tok = torch.where(active, tok, torch.full_like(tok, self.pad_token_id))
             hit_stop = torch.isin(tok, stop_ids) & active
             tok_list, lp_list, stop_list = tok.tolist(), lp.tolist(), hit_stop.tolist()

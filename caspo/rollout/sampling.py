@@ -7,6 +7,7 @@ argmax(logits/T + G) with G = -log(-log(U)), U hashed from the counters.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -41,31 +42,59 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return ((h >> 8).to(torch.float64) + 0.5) / float(1 << 24)
 
 
+def nucleus_threshold(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest logit [B, 1] of the top-p nucleus.
+
+    The nucleus holds the most likely tokens, in order, while the mass of the tokens before
+    them is below top_p: the smallest such set whose mass reaches top_p. A token tied with
+    the last one is kept too, so the set never depends on how a sort orders equal values.
+    """
+    ordered = logits.sort(dim=-1, descending=True).values
+    probs = torch.softmax(ordered, dim=-1)
+    in_nucleus = (probs.cumsum(-1) - probs) < top_p
+    return ordered.gather(-1, in_nucleus.sum(-1, keepdim=True) - 1)
+
+
 def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus-p set to -inf (0 / 1.0 disable them)."""
-    if top_k > 0 and top_k < logits.shape[-1]:
+    """Set logits outside the top-k / nucleus-p set to -inf (0 / 1.0 disable them); ties at a cut are kept."""
+    if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # keep the token that crosses p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(logits < nucleus_threshold(logits, top_p), float("-inf"))
     return logits
 
 
-def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                temperature: float, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; returns (tokens [B], log-probs [B] of the distribution sampled from).
+def sample_eager(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
+                 top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row: (tokens [B], log-probs [B], untruncated log-probs [B]).
 
-    temperature == 0 is greedy, with the log-prob of the temperature-1 distribution.
+    log-probs are under the distribution sampled from, softmax(truncate(logits / T));
+    untruncated log-probs under softmax(logits / T) over the whole vocabulary.
+    temperature == 0 is greedy, with the log-probs of the temperature-1 distribution.
     """
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-    scaled = truncate_logits(logits / temperature, top_k, top_p)
+        logprobs = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
+        return tokens, logprobs, logprobs
+    scaled = logits / temperature
+    kept = truncate_logits(scaled, top_k, top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
-    tokens = (scaled.double() + gumbel).argmax(-1)
-    return tokens, torch.log_softmax(scaled, -1).gather(-1, tokens[:, None])[:, 0]
+    tokens = (kept.double() + gumbel).argmax(-1)
+    picked = scaled.gather(-1, tokens[:, None])[:, 0]
+    return tokens, picked - torch.logsumexp(kept, -1), picked - torch.logsumexp(scaled, -1)
+
+
+@functools.cache
+def _sample_compiled():
+    # One fused kernel for the noise hash, the Gumbel argmax and the normalizers instead of
+    # ~30 launches over [B, vocab]; integer hashing and float64 sums keep the tokens exact.
+    return torch.compile(sample_eager)
+
+
+def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
+                top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample_eager`, compiled on CUDA (the same tokens; log-probs equal to float32 rounding)."""
+    sample = _sample_compiled() if logits.is_cuda else sample_eager
+    return sample(logits, seeds, positions, temperature, top_k, top_p)

@@ -28,11 +28,12 @@ from torch import nn
 from transformers import AutoConfig
 
 from caspo.rollout.base import Completion, Request, SamplingParams
-from caspo.rollout.native.graphs import DecodeGraphs, default_batch_sizes
+from caspo.rollout.native.graphs import DecodeGraphs, default_batch_sizes, default_key_lengths
 from caspo.rollout.native.kv_cache import CapacityReport, KVCache
+from caspo.rollout.native.looped_runner import LoopedCausalLM
 from caspo.rollout.native.prefix import PrefixIndex, SharedPrefix
-from caspo.rollout.native.runner import Batch, build_runner, read_checkpoint, weights_dtype
-from caspo.rollout.native.spec import decoder_spec
+from caspo.rollout.native.runner import Batch, CausalLM, build_runner, read_checkpoint, weights_dtype
+from caspo.rollout.native.spec import LoopedSpec, decoder_spec
 from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
 
@@ -80,16 +81,16 @@ class _Sequence:
 
 
 class NativeEngine(PublishedWeights):
-    """Rollout engine over a native Qwen2/Llama runner.
+    """Rollout engine over a native Qwen2/Llama runner, or the looped runner for a `caspo_looped` model.
 
-    model: a live `transformers` Qwen2/Llama causal LM (weights read from `named_parameters()`),
-        or a `save_pretrained` folder (config.json + safetensors).
+    model: a live `transformers` Qwen2/Llama causal LM or `LoopedForCausalLM` (weights read from
+        `named_parameters()`), or a `save_pretrained` folder (config.json + safetensors).
     max_seq_len: positions per sequence (prompt + max_new_tokens); the size of a cache slot.
     capacity_tokens / gpu_memory_fraction: the most the KV cache may take (exactly one; the fraction on CUDA only).
     max_running: sequences decoded at once; the cache then holds exactly that many slots (default: as many as fit).
     max_prefill_tokens: padded prompt positions per prefill forward; longer prompts are prefilled in pieces.
     prefix_sharing: prompts sharing a prefix with a resident sequence copy its K/V instead of computing it.
-    cuda_graphs: replay captured CUDA graphs for the decode step (CUDA only).
+    cuda_graphs: replay CUDA graphs of the decode step, captured per (rows, key length) on first use (CUDA only).
     dtype / device: compute dtype and device (default: those of the weights).
     decode: token ids -> text, needed only for stop strings.
     """
@@ -108,19 +109,22 @@ class NativeEngine(PublishedWeights):
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this engine runs on {self.device}")
         self.dtype = dtype or weights_dtype(tensors)
         self.max_seq_len = max_seq_len
-        self.runner = build_runner(self.spec, tensors, dtype=self.dtype, device=self.device, max_seq_len=max_seq_len)
+        runner_class = LoopedCausalLM if isinstance(self.spec, LoopedSpec) else CausalLM
+        self.runner = build_runner(runner_class, self.spec, tensors, dtype=self.dtype, device=self.device, max_seq_len=max_seq_len)
         del tensors
+        # A looped model keeps one plane per loop: a token's K/V take `planes` times the bytes.
         per_token = KVCache.bytes_per_token(layers=self.spec.num_layers, kv_heads=self.spec.num_kv_heads,
-                                            head_dim=self.spec.head_dim, dtype=self.dtype)
+                                            head_dim=self.spec.head_dim, dtype=self.dtype, planes=self.spec.planes)
         fit = KVCache.slots_for(max_seq_len=max_seq_len, bytes_per_token=per_token, device=self.device,
-                                capacity_tokens=capacity_tokens, gpu_memory_fraction=gpu_memory_fraction)
+                                capacity_tokens=capacity_tokens, gpu_memory_fraction=gpu_memory_fraction,
+                                planes=self.spec.planes)
         if max_running is not None and not 1 <= max_running <= fit:
             raise ValueError(f"max_running={max_running}, but the KV cache holds {fit} sequences "
                              f"of max_seq_len={max_seq_len}; raise its capacity or lower max_running")
         # A slot beyond max_running could never be used: the cache holds exactly max_running slots.
         self.cache = KVCache(slots=max_running or fit, max_seq_len=max_seq_len, layers=self.spec.num_layers,
                              kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self.dtype,
-                             device=self.device)
+                             device=self.device, planes=self.spec.planes)
         self.max_running = self.cache.slots
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_sharing = prefix_sharing
@@ -165,7 +169,7 @@ class NativeEngine(PublishedWeights):
             self._graphs = self._capture()
 
     def _capture(self) -> DecodeGraphs:
-        return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes)
+        return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes, default_key_lengths(self.max_seq_len))
 
     # ------------------------------------------------------------ generation
     def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
@@ -239,16 +243,14 @@ class NativeEngine(PublishedWeights):
         """(token, log-prob sampled from, log-prob untruncated, top pairs) for each sequence."""
         seeds = torch.tensor([s.request.seed for s in seqs], dtype=torch.int64, device=self.device)
         steps = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64, device=self.device)
-        tokens, logprobs = sample_next(logits, seeds, steps, sp.temperature, sp.top_k, sp.top_p)
-        # Without truncation the sampled distribution is the full one, and its log-probs are exact already.
-        truncated = sp.temperature > 0 and (0 < sp.top_k < logits.shape[-1] or sp.top_p < 1.0)
-        full_dist = torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1) if truncated or top_n else None
-        full = full_dist.gather(-1, tokens[:, None])[:, 0] if truncated else logprobs
+        tokens, logprobs, full = sample_next(logits, seeds, steps, sp.temperature, sp.top_k, sp.top_p)
         tops = [None] * len(seqs)
         if top_n:
-            values, ids = torch.topk(full_dist, top_n, dim=-1)
+            values, ids = torch.topk(torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1), top_n, dim=-1)
             tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        return zip(tokens.tolist(), logprobs.tolist(), full.tolist(), tops)
+        # One device-to-host copy per step: token ids are exact in float64.
+        tokens, logprobs, full = torch.stack([tokens.double(), logprobs.double(), full.double()]).tolist()
+        return zip(map(int, tokens), logprobs, full, tops)
 
     # ------------------------------------------------------------ prefill
     def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
@@ -326,7 +328,7 @@ class NativeEngine(PublishedWeights):
         tokens_t = torch.tensor(tokens, device=self.device)
         positions_t = torch.tensor(positions, device=self.device)
         if self._graphs is not None:
-            hidden = self._graphs.run(tokens_t, positions_t)
+            hidden = self._graphs.run(tokens_t, positions_t, key_len=max(positions) + 1)
         else:
             hidden = self.runner.decode(tokens_t, positions_t, self.cache, key_len=max(positions) + 1)
         for s in seqs:

@@ -29,6 +29,12 @@ class CapacityReport:
     block_tokens: int  # positions per block: max_seq_len
     bytes: int  # tokens × bytes_per_token
     bytes_per_token: int  # planes × layers × 2 × kv_heads × head_dim × element size
+    planes: int = 1  # K/V planes per layer and position: a looped model's depth, 1 otherwise
+
+    @property
+    def token_planes(self) -> int:
+        """(position, plane) pairs per layer: a looped model of depth d holds d·n for n positions."""
+        return self.tokens * self.planes
 
 
 class KVCache:
@@ -48,23 +54,31 @@ class KVCache:
 
     @staticmethod
     def slots_for(*, max_seq_len: int, bytes_per_token: int, device: torch.device,
-                  capacity_tokens: int | None, gpu_memory_fraction: float | None) -> int:
+                  capacity_tokens: int | None, gpu_memory_fraction: float | None, planes: int = 1) -> int:
         """How many slots fit: `capacity_tokens` positions, or `gpu_memory_fraction` of the device's total memory.
 
-        The fraction is the KV cache's own share; weights and activations come on top of it.
+        The fraction is the KV cache's own share; weights and activations come on top of it. A
+        token position holds the K/V of every plane (`bytes_per_token` counts them all), so a
+        looped model of depth d fits d times fewer positions in the same memory.
         """
         if (capacity_tokens is None) == (gpu_memory_fraction is None):
             raise ValueError("size the KV cache with exactly one of capacity_tokens or gpu_memory_fraction")
+        source = f"capacity_tokens={capacity_tokens}"
         if gpu_memory_fraction is not None:
             if device.type != "cuda":
                 raise ValueError(f"gpu_memory_fraction sizes a CUDA cache; on {device.type} pass capacity_tokens")
             if not 0 < gpu_memory_fraction < 1:
                 raise ValueError(f"gpu_memory_fraction must be in (0, 1), got {gpu_memory_fraction}")
-            total = torch.cuda.get_device_properties(device).total_memory
-            capacity_tokens = int(total * gpu_memory_fraction) // bytes_per_token
+            budget = int(torch.cuda.get_device_properties(device).total_memory * gpu_memory_fraction)
+            capacity_tokens = budget // bytes_per_token
+            source = f"gpu_memory_fraction={gpu_memory_fraction}: {budget} bytes, {capacity_tokens} tokens"
         slots = capacity_tokens // max_seq_len
         if slots < 1:
-            raise ValueError(f"a KV cache of {capacity_tokens} tokens holds no sequence of max_seq_len={max_seq_len}")
+            planes_note = f", {planes} KV planes per layer (one per loop)" if planes > 1 else ""
+            raise ValueError(
+                f"the KV cache ({source}) holds no sequence of max_seq_len={max_seq_len}: one sequence needs "
+                f"{max_seq_len} tokens × {bytes_per_token} bytes per token = {max_seq_len * bytes_per_token} bytes"
+                f"{planes_note}; raise capacity_tokens (or gpu_memory_fraction) or lower max_seq_len")
         return slots
 
     # ------------------------------------------------------------ memory
@@ -96,4 +110,4 @@ class KVCache:
                                          planes=planes)
         tokens = slots * max_seq_len
         return CapacityReport(tokens=tokens, blocks=slots, block_tokens=max_seq_len, bytes=tokens * per_token,
-                              bytes_per_token=per_token)
+                              bytes_per_token=per_token, planes=planes)

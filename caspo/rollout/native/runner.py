@@ -3,7 +3,9 @@
 Modules carry the Hugging Face parameter names (`model.layers.3.self_attn.q_proj.weight`, ...),
 so checkpoints load by name and a publication of the trainer's `named_parameters()` maps one
 to one. The numerics follow `transformers`: RMSNorm in float32, RoPE tables computed in
-float32 on the model's device and cast to the compute dtype, logits in the compute dtype.
+float32 on the model's device and cast to the compute dtype. Logits are float32: on CUDA a
+bf16/fp16 runner keeps the output GEMM's float32 accumulator, where `transformers` rounds
+the logits to the compute dtype first.
 """
 
 from __future__ import annotations
@@ -136,13 +138,15 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
 
-class CausalLM(nn.Module):
-    """The decoder. Build it with `build_runner`, which allocates it on its device and fills the RoPE tables."""
+class Runner(nn.Module):
+    """What the engine calls on a decoder: `forward` (prefill), `decode`, `logits`.
+
+    Subclasses build `self.model` (with `embed_tokens` and `norm`) and implement `forward`.
+    """
 
     def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec, dtype)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.rope_cos = self.rope_sin = None
@@ -156,17 +160,12 @@ class CausalLM(nn.Module):
         self.rope_cos = (angles.cos() * self.spec.rope_attention_scaling).to(dtype)
         self.rope_sin = (angles.sin() * self.spec.rope_attention_scaling).to(dtype)
 
+    def rope(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
+
     @property
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-
-    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache, plane: int = 0) -> torch.Tensor:
-        """Final-norm hidden states [B, T, hidden] of `tokens` [B, T]; writes their K/V into `cache`."""
-        x = self.model.embed_tokens(tokens)
-        rope = self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
-        for index, layer in enumerate(self.model.layers):
-            x = layer(x, rope, batch, cache.layer(plane, index))
-        return self.model.norm(x)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, key_len: int) -> torch.Tensor:
         """One token for each of the first B slots (row i is slot i): hidden states [B, hidden]."""
@@ -175,7 +174,27 @@ class CausalLM(nn.Module):
         return self(tokens[:, None], batch, cache)[:, 0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_weight)
+        """Float32 logits. A bf16/fp16 runner on CUDA keeps the GEMM's float32 accumulator instead of
+        rounding it to the compute dtype (which moves a logit near 4 by up to 0.016)."""
+        if hidden.is_cuda and hidden.dtype != torch.float32:
+            return torch.mm(hidden, self.output_weight.t(), out_dtype=torch.float32)
+        return F.linear(hidden, self.output_weight).float()
+
+
+class CausalLM(Runner):
+    """The Qwen2/Llama decoder. Build it with `build_runner(CausalLM, spec, ...)`."""
+
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
+        super().__init__(spec, dtype)
+        self.model = Backbone(spec, dtype)
+
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache, plane: int = 0) -> torch.Tensor:
+        """Final-norm hidden states [B, T, hidden] of `tokens` [B, T]; writes their K/V into `cache`."""
+        x = self.model.embed_tokens(tokens)
+        rope = self.rope(batch)
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, rope, batch, cache.layer(plane, index))
+        return self.model.norm(x)
 
 
 # ---------------------------------------------------------------- loading by name
@@ -197,18 +216,18 @@ def weights_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
     return dtypes.pop()
 
 
-def build_runner(spec: DecoderSpec, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
-                 device: torch.device, max_seq_len: int) -> CausalLM:
+def build_runner(runner_class: type[Runner], spec: DecoderSpec, tensors: Mapping[str, torch.Tensor], *,
+                 dtype: torch.dtype, device: torch.device, max_seq_len: int) -> Runner:
     """A runner on `device` in `dtype`, with every parameter loaded by name from `tensors`."""
     with torch.device("meta"):
-        runner = CausalLM(spec, dtype)
+        runner = runner_class(spec, dtype)
     runner.to_empty(device=device).requires_grad_(False).eval()
     load_weights(runner, tensors)
     runner.init_rope(max_seq_len)
     return runner
 
 
-def load_weights(runner: CausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
+def load_weights(runner: Runner, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy `tensors` into the runner's parameters by name; any missing, unknown or misshapen name raises."""
     params = dict(runner.named_parameters())
     # Not weights of the computation: RoPE buffers some old checkpoints saved, and the head of a tied

@@ -1,9 +1,10 @@
 """What the native runner implements of a Hugging Face config, checked once at load.
 
-The runner implements the Qwen2/Qwen2.5 and Llama decoder families. Every config key that
-changes the computation is read here, and a value the runner does not implement raises
+The runner implements the Qwen2/Qwen2.5 and Llama decoder families; the looped runner implements
+our fixed-depth recurrent LM (`model_type: caspo_looped`, `caspo.models.looped`). Every config
+key that changes the computation is read here, and a value the runners do not implement raises
 `UnsupportedModelError` naming the key: a model never runs with a silent difference from
-`transformers`.
+`transformers` (for a looped model: from `LoopedForCausalLM`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from caspo.models.looped import LAYOUTS as LOOPED_LAYOUTS
+from caspo.models.looped import LoopedConfig
+
 FAMILIES = ("qwen2", "llama")
+# Importing the looped model registers it with AutoConfig, so its checkpoint folders load too.
+LOOPED = LoopedConfig.model_type
 # RoPE variants of these families whose frequencies are fixed at load. "dynamic" and
 # "longrope" change the frequencies with the length of the sequences in the batch, which
 # would make a completion depend on what it is batched with.
@@ -46,6 +52,24 @@ class DecoderSpec:
     def kv_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def planes(self) -> int:
+        """KV-cache planes per layer: one; a looped decoder keeps one per loop."""
+        return 1
+
+
+@dataclass(frozen=True)
+class LoopedSpec(DecoderSpec):
+    """A looped decoder: the `num_layers` physical layers run `depth` times; the K/V of
+    (loop t, layer l) live in plane t of layer l."""
+
+    layout: str  # "ouro": sandwich norms; "nanbeige": pre-norm (Llama) blocks
+    depth: int
+
+    @property
+    def planes(self) -> int:
+        return self.depth
+
 
 def _unsupported(family: str, key: str, value, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(
@@ -55,11 +79,15 @@ def _unsupported(family: str, key: str, value, why: str) -> UnsupportedModelErro
 
 
 def decoder_spec(config) -> DecoderSpec:
-    """Validate a `transformers` config of a Qwen2/Llama causal LM and extract what the runner needs."""
+    """Validate a `transformers` config of a Qwen2/Llama causal LM (or a looped LM: `looped_spec`) and
+    extract what the runner needs."""
     family = getattr(config, "model_type", None)
+    if family == LOOPED:
+        return looped_spec(config)
     if family not in FAMILIES:
         raise UnsupportedModelError(
-            f"config: model_type={family!r} is not supported by the native runner (supported: {', '.join(FAMILIES)}); "
+            f"config: model_type={family!r} is not supported by the native runner "
+            f"(supported: {', '.join(FAMILIES + (LOOPED,))}); "
             "serve this model with the transformers backend (HFEngine)"
         )
     if getattr(config, "quantization_config", None):
@@ -101,6 +129,51 @@ def decoder_spec(config) -> DecoderSpec:
         rope_type=rope_type,
         rope_inv_freq=inv_freq,
         rope_attention_scaling=float(attention_scaling),
+    )
+
+
+def looped_spec(config) -> LoopedSpec:
+    """Validate a `LoopedConfig` and extract what the looped runner needs.
+
+    The runner shares the Qwen2/Llama attention and MLP, so biases are refused (the looped
+    model's `attention_bias` also puts one on o_proj). The exit gate takes no key: at fixed
+    depth the logits come from the last loop and the gate is never evaluated.
+    """
+    family = LOOPED
+    if getattr(config, "quantization_config", None):
+        raise _unsupported(family, "quantization_config", config.quantization_config, "quantized weights")
+    if config.layout not in LOOPED_LAYOUTS:
+        raise _unsupported(family, "layout", config.layout, f"supported: {', '.join(LOOPED_LAYOUTS)}")
+    if not isinstance(config.depth, int) or config.depth < 1:
+        raise _unsupported(family, "depth", config.depth, "a whole number of loops, at least one")
+    if config.hidden_act != "silu":
+        raise _unsupported(family, "hidden_act", config.hidden_act, "the MLP is SwiGLU with silu")
+    if config.attention_bias:
+        raise _unsupported(family, "attention_bias", True, "attention projections without bias only")
+    if config.mlp_bias:
+        raise _unsupported(family, "mlp_bias", True, "MLP projections without bias only")
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    if heads % kv_heads:
+        raise _unsupported(family, "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
+    # Plain RoPE from rope_theta, as `caspo.models.looped_layers.rope` computes it.
+    inv_freq = 1.0 / (float(config.rope_theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    return LoopedSpec(
+        family=family,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        qkv_bias=False,
+        rope_type="default",
+        rope_inv_freq=inv_freq,
+        rope_attention_scaling=1.0,
+        layout=config.layout,
+        depth=config.depth,
     )
 
 
