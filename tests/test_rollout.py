@@ -103,3 +103,15 @@ def test_publication_changes_outputs_exactly_as_a_fresh_load(tiny_model):
 
 def test_incomplete_or_mismatched_publication_keeps_old_weights(tiny_model):
     check_failed_publications_keep_old_weights(HFEngine(tiny_model, pad_token_id=0), tiny_model, requests(8), SAMPLING)
+
+
+def test_nucleus_keeps_ties_at_the_cut():
+    from caspo.rollout.sampling import truncate_logits
+    # probs ≈ [0.475, 0.175, 0.175, 0.064, ...]: the second token crosses 0.5; the third ties with it
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0, 0.0]])
+    kept = truncate_logits(logits, top_k=0, top_p=0.5) > float("-inf")
+    assert kept.tolist() == [[True, True, True, False, False]]
+    kept = truncate_logits(logits, top_k=0, top_p=0.4) > float("-inf")
+    assert kept.tolist() == [[True, False, False, False, False]]
+    kept = truncate_logits(logits, top_k=1, top_p=1.0) > float("-inf")
+    assert kept.tolist() == [[True, False, False, False, False]]

@@ -55,23 +55,48 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return ordered.gather(-1, in_nucleus.sum(-1, keepdim=True) - 1)
 
 
+def cut_threshold(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The smallest logit [B, 1] kept by top-k then top-p (0 / 1.0 disable them; -inf keeps everything)."""
+    threshold = logits.new_full((logits.shape[0], 1), float("-inf"))
+    if 0 < top_k < logits.shape[-1]:
+        threshold = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        threshold = nucleus_threshold(logits.masked_fill(logits < threshold, float("-inf")), top_p)
+    return threshold
+
+
 def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Set logits outside the top-k / nucleus-p set to -inf (0 / 1.0 disable them); ties at a cut are kept."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        logits = logits.masked_fill(logits < nucleus_threshold(logits, top_p), float("-inf"))
-    return logits
+    return logits.masked_fill(logits < cut_threshold(logits, top_k, top_p), float("-inf"))
 
 
-def sample_eager(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
-                 top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gumbel_pick(scaled: torch.Tensor, threshold: torch.Tensor, seeds: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """argmax of scaled + Gumbel noise over the logits >= threshold: (tokens, log-probs, untruncated log-probs)."""
+    kept = scaled.masked_fill(scaled < threshold, float("-inf"))
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, scaled.shape[-1])))
+    tokens = (kept.double() + gumbel).argmax(-1)
+    picked = scaled.gather(-1, tokens[:, None])[:, 0]
+    return tokens, picked - torch.logsumexp(kept, -1), picked - torch.logsumexp(scaled, -1)
+
+
+@functools.cache
+def _gumbel_pick_compiled():
+    # One fused kernel for the noise hash, the Gumbel argmax and the normalizers instead of
+    # ~30 launches over [B, vocab]; integer hashing and float64 sums keep the tokens exact.
+    return torch.compile(gumbel_pick, dynamic=True)
+
+
+def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
+                top_k: int = 0, top_p: float = 1.0, compiled: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick one token per row: (tokens [B], log-probs [B], untruncated log-probs [B]).
 
     log-probs are under the distribution sampled from, softmax(truncate(logits / T));
     untruncated log-probs under softmax(logits / T) over the whole vocabulary.
     temperature == 0 is greedy, with the log-probs of the temperature-1 distribution.
+    compiled: run the Gumbel pick through torch.compile (default: on CUDA). Same tokens either
+    way; log-probs agree to float32 rounding.
     """
     logits = logits.float()
     if temperature == 0:
@@ -79,22 +104,6 @@ def sample_eager(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Ten
         logprobs = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
         return tokens, logprobs, logprobs
     scaled = logits / temperature
-    kept = truncate_logits(scaled, top_k, top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
-    tokens = (kept.double() + gumbel).argmax(-1)
-    picked = scaled.gather(-1, tokens[:, None])[:, 0]
-    return tokens, picked - torch.logsumexp(kept, -1), picked - torch.logsumexp(scaled, -1)
-
-
-@functools.cache
-def _sample_compiled():
-    # One fused kernel for the noise hash, the Gumbel argmax and the normalizers instead of
-    # ~30 launches over [B, vocab]; integer hashing and float64 sums keep the tokens exact.
-    return torch.compile(sample_eager)
-
-
-def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
-                top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sample_eager`, compiled on CUDA (the same tokens; log-probs equal to float32 rounding)."""
-    sample = _sample_compiled() if logits.is_cuda else sample_eager
-    return sample(logits, seeds, positions, temperature, top_k, top_p)
+    threshold = cut_threshold(scaled, top_k, top_p)  # sorting stays eager: it does not fuse
+    pick = _gumbel_pick_compiled() if (logits.is_cuda if compiled is None else compiled) else gumbel_pick
+    return pick(scaled, threshold, seeds, positions)

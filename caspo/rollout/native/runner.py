@@ -177,7 +177,8 @@ class Runner(nn.Module):
         """Float32 logits. A bf16/fp16 runner on CUDA keeps the GEMM's float32 accumulator instead of
         rounding it to the compute dtype (which moves a logit near 4 by up to 0.016)."""
         if hidden.is_cuda and hidden.dtype != torch.float32:
-            return torch.mm(hidden, self.output_weight.t(), out_dtype=torch.float32)
+            flat = torch.mm(hidden.flatten(0, -2), self.output_weight.t(), out_dtype=torch.float32)
+            return flat.view(*hidden.shape[:-1], -1)
         return F.linear(hidden, self.output_weight).float()
 
 
