@@ -25,13 +25,24 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=8960)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="", help="a trained policy (folder or embedded:NAME) instead of random init; "
+                                                     "its shape replaces the shape flags")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.3, help="KV cache share of the GPU (CUDA)")
     parser.add_argument("--commit", default="", help="the code's commit, recorded with the figures")
     parser.add_argument("--out", default="", help="append one JSON line of results to this file")
 
 
 def build_model(args) -> torch.nn.Module:
-    """A random-init Qwen2 causal LM with tied embeddings, in `args.dtype` on `args.device`."""
+    """`args.policy` loaded, or a random-init Qwen2 causal LM with tied embeddings, in `args.dtype` on `args.device`.
+
+    With a policy, `args.vocab` becomes its vocabulary size (random prompts are drawn from it).
+    """
+    if args.policy:
+        from caspo.models.policy import load_policy, resolve_model_path
+
+        model = load_policy(resolve_model_path(args.policy), torch.device(args.device)).to(DTYPES[args.dtype])
+        args.vocab = model.config.vocab_size
+        return model.eval().requires_grad_(False)
     config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, tie_word_embeddings=True, rope_theta=1e6,
@@ -76,7 +87,7 @@ def environment(args) -> dict:
     device = torch.device(args.device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(device), "card": card,
-            "torch": torch.__version__, "commit": args.commit, "dtype": args.dtype,
+            "torch": torch.__version__, "commit": args.commit, "dtype": args.dtype, "policy": args.policy or None,
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                       "intermediate": args.intermediate, "vocab": args.vocab}}
 

@@ -72,7 +72,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    # "hf": transformers models (any architecture); "native": caspo's engine (Qwen2/Llama families)
+    # "hf": transformers models (any architecture); "native": caspo's engine (Qwen2/Llama families, looped LMs)
     backend: Literal["hf", "native"] = "hf"
     # native engine: KV cache share of device memory (CUDA), or its size in tokens (0 = one step's requests)
     gpu_memory_fraction: float = 0.3
@@ -99,6 +99,9 @@ class RewardConfig:
     timeout_s: float = 5.0
     # Control experiments: shuffle rewards within each batch before advantages.
     shuffle_within_batch: bool = False
+    # Timing runs only (random-init models): reward 1 when the response's token ids sum to an
+    # even number, instead of the verifier, so that advantages are non-zero.
+    synthetic: bool = False
 
 
 @dataclass
@@ -109,8 +112,18 @@ class CaspoConfig:
     # online: one AdamW step of the value model per batch on BCE(σ(V(s_k)/β), R)
     online: bool = False
     online_value_lr: float = 1e-6
-    # periodic refresh (stop, collect labels, retrain, resume): not available yet
+    # periodic refresh (caspo.train.refresh): every refresh_every steps (0 = never), checkpoint, label
+    # prefixes of the current policy by Monte Carlo, train a fresh value model on them, resume with it.
+    # The sizes are small enough for the `tests` preset; a real run wants phase 1's (`caspo value collect`).
     refresh_every: int = 0
+    refresh_prompts: int = 64  # training prompts labelled (the first ones of the split)
+    refresh_k: int = 4  # base rollouts per prompt
+    refresh_j: int = 4  # continuations per labelled prefix
+    refresh_boundaries: int = 2  # labelled step boundaries per rollout
+    refresh_lr: float = 3e-4  # value training: AdamW learning rate (1.5B full fine-tunes want ~5e-6)
+    refresh_epochs: int = 2
+    refresh_batch_size: int = 16  # rollouts per value-model optimizer step
+    refresh_val_fraction: float = 0.25  # prompts held out to pick the best checkpoint by Spearman ρ
     # clip whitened step advantages at ±adv_clip σ
     adv_clip: float = 3.0
     allow_provenance_mismatch: bool = False
@@ -385,12 +398,9 @@ def validate(cfg: Config) -> None:
             f"set train.minibatch_size={n // 2} and train.epochs_per_rollout=1 "
             f"(got {t.minibatch_size} and {t.epochs_per_rollout})"
         )
-    if m.name == "caspo":
-        if not m.caspo.value_model:
-            raise ConfigError("method caspo needs method.caspo.value_model=PATH (a folder from `caspo value train`)")
-        if m.caspo.refresh_every:
-            raise ConfigError("method.caspo.refresh_every is not available yet; run the refresh pipeline by hand: "
-                              "stop, `caspo value collect` + `caspo value train`, then resume with the new value_model")
+    if m.name == "caspo" and not m.caspo.value_model:
+        raise ConfigError("method caspo needs method.caspo.value_model=PATH (a folder from `caspo value train`)")
+    validate_refresh(m)
     if r.cuda_graphs and r.backend != "native":
         raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
     if r.staleness < 0:
@@ -409,6 +419,34 @@ def validate(cfg: Config) -> None:
         raise ConfigError("method.clip_low and method.clip_high must be >= 0")
     if m.dual_clip is not None and m.dual_clip <= 1:
         raise ConfigError(f"method.dual_clip must be > 1 (or null), got {m.dual_clip}")
+
+
+def validate_refresh(m: MethodConfig) -> None:
+    """CASPO's periodic refresh: caspo only, a frozen value model between refreshes, positive sizes."""
+    c = m.caspo
+    if c.refresh_every < 0:
+        raise ConfigError(f"method.caspo.refresh_every must be >= 0 (0 = never), got {c.refresh_every}")
+    if not c.refresh_every:
+        return
+    if m.name != "caspo":
+        raise ConfigError(f"method.caspo.refresh_every refreshes CASPO's prefix value model; it needs "
+                          f"method.name=caspo, got {m.name}")
+    if c.online:
+        raise ConfigError("method.caspo.refresh_every and method.caspo.online=true are alternatives: "
+                          "refresh a frozen value model, or train it online, not both")
+    sizes = {"refresh_prompts": c.refresh_prompts, "refresh_j": c.refresh_j,
+             "refresh_boundaries": c.refresh_boundaries, "refresh_epochs": c.refresh_epochs,
+             "refresh_batch_size": c.refresh_batch_size}
+    for key, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"method.caspo.{key} must be >= 1, got {value}")
+    if c.refresh_k < 2:
+        raise ConfigError(f"method.caspo.refresh_k must be >= 2: only prompts with mixed outcomes over their "
+                          f"K rollouts are labelled, got {c.refresh_k}")
+    if c.refresh_lr <= 0:
+        raise ConfigError(f"method.caspo.refresh_lr must be > 0, got {c.refresh_lr}")
+    if not 0 < c.refresh_val_fraction < 1:
+        raise ConfigError(f"method.caspo.refresh_val_fraction must be in (0, 1), got {c.refresh_val_fraction}")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -109,17 +109,17 @@ def check_provenance(expected: Provenance, found: Provenance, what: str, allow_m
 
 
 def model_identity(model: torch.nn.Module) -> str:
-    """A fingerprint of a model's weights: sha256 over (name, shape, Σw, Σw²) of every parameter.
+    """A fingerprint of a model's weights: sha256 over the name, shape, dtype and bytes of every parameter.
 
-    Computed in float64 from the stored values, so the same weights give the same
-    identity on any device; weights rounded to another dtype are other weights.
+    The stored bytes, not sums of them: a float reduction depends on the device's summation
+    order, and the same weights must have the same identity on any device. Weights rounded
+    to another dtype are other weights.
     """
     h = hashlib.sha256()
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            x = p.detach().double()
-            stats = torch.stack([x.sum(), x.square().sum()]).cpu().tolist()
-            h.update(f"{name}:{tuple(p.shape)}:{stats[0]!r}:{stats[1]!r};".encode())
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+            h.update(p.detach().contiguous().cpu().view(torch.uint8).numpy())
     return "w:" + h.hexdigest()[:16]
 
 

@@ -28,7 +28,7 @@ from caspo.train import checkpoint as ckpt
 from caspo.train.advantages import compute_advantages
 from caspo.train.forward import response_logprobs
 from caspo.train.precision import autocast
-from caspo.train import step_values
+from caspo.train import refresh, step_values
 from caspo.train.runlog import JsonlWriter, console, progress_bar
 from caspo.train.step_values import online_value_step
 from caspo.train.timers import PhaseTimer
@@ -112,6 +112,9 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
 
 
 def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
+    if tr.cfg.reward.synthetic:
+        batch.extras["reward_timeouts"] = 0
+        return ((batch.responses * batch.response_mask.long()).sum(-1) % 2 == 0).float()
     result = tr.pool.score(batch.texts, batch.extras["labels"], batch.finished.tolist())
     rewards = torch.tensor(result.rewards, dtype=torch.float32, device=tr.device)
     batch.extras["reward_timeouts"] = result.timeouts
@@ -192,12 +195,15 @@ def train(cfg: Config, resume: str | None = None) -> dict:
     tr = build_trainer(cfg)
     tr.run_dir.mkdir(parents=True, exist_ok=True)
     (tr.run_dir / "config.yaml").write_text(to_yaml(cfg))
+    checkpoint = None  # the newest checkpoint of this run: a refresh resumes from it
     if resume:
         checkpoint = ckpt.resolve_checkpoint(tr.run_dir if resume == "latest" else resume)
         restore(tr, checkpoint)
         console.print(f"resumed from {checkpoint} at step {tr.step}, policy version {tr.version}")
     truncate = tr.step if resume else -1
-    metrics = JsonlWriter(tr.run_dir / "metrics.jsonl", truncate_after_step=truncate)
+    # a run resumed at a refresh step does that refresh again (reusing what it finds) and logs it again
+    redo = refresh.record_at(tr.step) if resume and refresh.due(cfg, tr.step) else None
+    metrics = JsonlWriter(tr.run_dir / "metrics.jsonl", truncate_after_step=truncate, drop=redo)
     samples = JsonlWriter(tr.run_dir / "samples.jsonl", truncate_after_step=truncate)
     summary: dict = {"run_dir": str(tr.run_dir)}
     last = min(cfg.train.steps, tr.step + cfg.train.stop_after) if cfg.train.stop_after else cfg.train.steps
@@ -214,13 +220,18 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         with progress_bar() as progress:
             task = progress.add_task("train", total=cfg.train.steps, completed=tr.step, status="")
             while tr.step < last:
+                if refresh.due(cfg, tr.step):  # caspo: a fresh value model for the next segment
+                    progress.stop()  # the refresh shows its own progress bars
+                    metrics.write(refresh.refresh(tr, checkpoint))
+                    progress.start()
                 batch, stats = outer_step(tr)
                 train_time += stats["t_step"]
                 record = {"step": tr.step, **stats}
                 timer = PhaseTimer()
-                if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or tr.step == last:
+                if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or tr.step == last \
+                        or refresh.due(cfg, tr.step):
                     with timer("t_ckpt"):
-                        save(tr)
+                        checkpoint = save(tr)
                 if cfg.eval.every and tr.step % cfg.eval.every == 0 and tr.step != cfg.train.steps:
                     with timer("t_eval"):
                         record.update(evaluate(tr))

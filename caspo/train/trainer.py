@@ -25,7 +25,16 @@ from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
 from caspo.train import checkpoint as ckpt
 from caspo.train.optim import build_optimizer, build_scheduler
 from caspo.train.precision import LossScaler, compute_dtype
+from caspo.train.runlog import console
 from caspo.train.update import Learner
+
+
+@dataclass(frozen=True)
+class ValueSource:
+    """Where CASPO's value model comes from, recorded in every checkpoint: a refresh replaces it."""
+
+    path: str  # the value model folder
+    label_policy: str  # the model spec of the policy whose rollouts labelled it (its provenance must match)
 
 
 @dataclass
@@ -40,6 +49,7 @@ class Trainer:
     ref: torch.nn.Module | None  # frozen original base: the KL anchor, never the resumed weights
     old: torch.nn.Module | None  # flow_dppo's frozen old policy, refreshed before each update
     value_model: object | None  # caspo: the prefix value model (PrefixValueModel)
+    value_source: ValueSource | None  # caspo: where value_model was loaded from
     value: Learner | None  # caspo online: its φ with its optimizer
     engine: object  # an Engine (caspo.rollout.base)
     cursor: PromptCursor
@@ -75,16 +85,27 @@ def set_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def load_value_model(cfg: Config, tokenizer, base: torch.nn.Module, device):
-    """CASPO's prefix value model, refused if it was trained under other conditions than this run's."""
+def load_value_model(cfg: Config, tokenizer, source: ValueSource, label_policy: torch.nn.Module, device):
+    """CASPO's prefix value model, refused if it was trained under other conditions than this run's
+    sampling of `label_policy` (the base policy, or the policy of the checkpoint a refresh labelled)."""
     from caspo.models.prefix_value import load_prefix_value
     from caspo.value.provenance import label_provenance
 
     c = cfg.method.caspo
-    model = load_prefix_value(c.value_model, label_provenance(cfg, tokenizer, base),
+    model = load_prefix_value(source.path, label_provenance(cfg, tokenizer, label_policy),
                               allow_mismatch=c.allow_provenance_mismatch, device=device)
     model.policy.requires_grad_(c.online).train(False)
     return model
+
+
+def install_value_model(tr: "Trainer", source: ValueSource) -> None:
+    """Replace the frozen value model by the one at `source` (a refreshed one), checking its provenance."""
+    if tr.value is not None:
+        raise ValueError(f"cannot replace the value model by {source.path}: this run trains its value model "
+                         "online (method.caspo.online=true), and a refreshed model needs a frozen run")
+    label_policy = load_policy(source.label_policy, tr.device)
+    tr.value_model = load_value_model(tr.cfg, tr.tokenizer, source, label_policy, tr.device)
+    tr.value_source = source
 
 
 def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None, schedule: str | None = None) -> Learner:
@@ -115,14 +136,16 @@ def build_trainer(cfg: Config) -> Trainer:
     if critic is not None and cfg.train.recompute:
         enable_recompute(critic)
     data = load_task_data(cfg, tokenizer)
-    value_model = load_value_model(cfg, tokenizer, policy, device) if method.step_values == "prefix" else None
+    value_source = ValueSource(cfg.method.caspo.value_model, cfg.model.policy) \
+        if method.step_values == "prefix" else None
+    value_model = load_value_model(cfg, tokenizer, value_source, policy, device) if value_source else None
     tr = Trainer(
         cfg=cfg, method=method, run_dir=Path(cfg.train.output_dir), device=device, tokenizer=tokenizer,
         actor=learner(policy, cfg),
         critic=learner(critic, cfg, lr=cfg.method.critic_lr) if critic is not None else None,
         ref=copy.deepcopy(policy).requires_grad_(False) if needs_ref else None,
         old=copy.deepcopy(policy).requires_grad_(False) if method.loss == "divergence_gate" else None,
-        value_model=value_model,
+        value_model=value_model, value_source=value_source,
         value=learner(value_model.policy, cfg, lr=cfg.method.caspo.online_value_lr, schedule="constant")
         if value_model is not None and cfg.method.caspo.online else None,
         engine=build_engine(cfg, policy, tokenizer, max_seq_len(cfg)),
@@ -174,6 +197,7 @@ def trainer_state(tr: Trainer) -> dict:
         "schedulers": {k: lr.scheduler.state_dict() for k, lr in learners(tr).items()},
         "loss_scaler": tr.scaler.state_dict(), "cursor": tr.cursor.state_dict(),
         "update_rng": tr.update_rng.get_state(), "rng": ckpt.rng_state(), "snapshots": tr.snapshots,
+        "value_source": dataclasses.asdict(tr.value_source) if tr.value_source is not None else None,
     }
     if tr.cfg.train.precision != "fp32":
         state["master_weights"] = {k: lr.model.state_dict() for k, lr in learners(tr).items()}
@@ -189,11 +213,31 @@ def save(tr: Trainer) -> Path:
     )
 
 
+def restore_value_model(tr: Trainer, state: dict) -> None:
+    """Continue with the value model the checkpoint trained with (after a CASPO refresh, the refreshed
+    one), unless this run's config names another model than the checkpoint's run did."""
+    recorded = state.get("value_source")
+    if recorded is None:  # written before value sources were recorded: the config's model, which tr holds
+        return
+    recorded = ValueSource(**recorded)
+    if recorded == tr.value_source:
+        return
+    configured_then = state["config"]["method"]["caspo"]["value_model"]
+    if configured_then != tr.cfg.method.caspo.value_model:
+        console.print(f"value model: {tr.value_source.path}, as configured (the checkpoint trained with "
+                      f"{recorded.path})")
+        return
+    install_value_model(tr, recorded)
+    console.print(f"value model: {recorded.path}, as the checkpoint trained with")
+
+
 def restore(tr: Trainer, checkpoint: Path) -> None:
     """Load weights and state, then publish the restored weights before anything generates."""
     from safetensors.torch import load_model
 
     state = ckpt.load_trainer_state(checkpoint)
+    if tr.value_model is not None:
+        restore_value_model(tr, state)
     for name, lr in learners(tr).items():
         if "master_weights" in state:
             lr.model.load_state_dict(state["master_weights"][name])

@@ -14,7 +14,9 @@ For each training prompt of the shard:
 The empty prefix is never labelled: a log-ratio value model gives it V = 0 whatever
 it learns. Seeds derive from (run seed, prompt index, sample) and from the prefix
 content, so shard i/n writes exactly the rows of an unsharded run that belong to its
-prompts (indices i, i+n, i+2n, …) and ``caspo value merge`` rebuilds that run.
+prompts (indices i, i+n, i+2n, …) and ``caspo value merge`` rebuilds that run. The
+`step` of those seeds is COLLECT_STEP for phase 1 and ``refresh_seed_step(n)`` for the
+refresh after RL step n, so no two collections share their noise.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ from caspo.value.provenance import label_provenance
 from caspo.value.rollout import rollout_setup
 
 COLLECT_STEP = -1  # the `step` of phase-1 seeds: no outer RL step has run
+
+
+def refresh_seed_step(step: int) -> int:
+    """The seed `step` of the collection after RL step ``step``: negative, so never an RL step's."""
+    return COLLECT_STEP - step
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,7 @@ def default_splitter(cfg: Config) -> str:
 
 
 def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, int] = (0, 1),
-            splitter: Optional[str] = None) -> dict:
+            splitter: Optional[str] = None, seed_step: int = COLLECT_STEP) -> dict:
     """Write the label file of one shard; returns its header."""
     splitter = splitter or default_splitter(cfg)
     if splitter not in SPLITTERS:
@@ -110,7 +117,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
         task = progress.add_task(f"collect {shard[0]}/{shard[1]}", total=len(indices), status="")
         for start in range(0, len(indices), spec.chunk):
             chunk = indices[start:start + spec.chunk]
-            rollouts, rewards = base_rollouts(cfg, setup, data, chunk, spec.k, scorer)
+            rollouts, rewards = base_rollouts(cfg, setup, data, chunk, spec.k, scorer, seed_step)
             stats["base_rollouts"] += len(rollouts)
             pending = []  # (row fields, prefix) of every prefix to label in this chunk
             for n, i in enumerate(chunk):
@@ -129,7 +136,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
             if pending:
                 est = estimate_prefixes(setup.engine, [p for _, p in pending], k=spec.j, sampling=setup.sampling,
                                         max_new_tokens=cfg.rollout.max_new_tokens,
-                                        seed_fn=partial(continuation_seed, cfg.train.seed, COLLECT_STEP),
+                                        seed_fn=partial(continuation_seed, cfg.train.seed, seed_step),
                                         scorer=scorer, decode=setup.decode)
                 rows += [LabelRow(**fields, p_hat=p) for (fields, _), p in zip(pending, est.means)]
                 stats["mc_requests"] += est.requests
@@ -139,7 +146,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
                             status=f"mixed {stats['mixed_prompts']}  rows {len(rows)}  mc tokens {stats['mc_tokens']}")
 
     header = {"shard": f"{shard[0]}/{shard[1]}", **asdict(spec), "splitter": splitter, "seed": cfg.train.seed,
-              "policy_source": cfg.model.policy, "provenance": provenance, "stats": stats}
+              "seed_step": seed_step, "policy_source": cfg.model.policy, "provenance": provenance, "stats": stats}
     header.pop("chunk")
     write_label_file(out, header, rows)
     console.print(f"{len(rows)} labelled prefixes from {stats['mixed_prompts']} mixed-outcome prompts "
@@ -147,9 +154,10 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
     return header
 
 
-def base_rollouts(cfg: Config, setup, data, chunk: list[int], k: int, scorer) -> tuple[list[list[int]], list[float]]:
+def base_rollouts(cfg: Config, setup, data, chunk: list[int], k: int, scorer,
+                  seed_step: int = COLLECT_STEP) -> tuple[list[list[int]], list[float]]:
     """K rollouts of each prompt of ``chunk`` (prompt-major) and their rewards; seeds from (run seed, prompt, sample)."""
-    requests = [Request(data.train_prompts[i], sample_seed(cfg.train.seed, COLLECT_STEP, i, s),
+    requests = [Request(data.train_prompts[i], sample_seed(cfg.train.seed, seed_step, i, s),
                         cfg.rollout.max_new_tokens) for i in chunk for s in range(k)]
     completions = setup.engine.generate(requests, setup.sampling)
     rewards = scorer([setup.decode(c.tokens) for c in completions], [data.train[i].label for i in chunk for _ in range(k)],

@@ -1,0 +1,164 @@
+"""CASPO's periodic refresh: RL in segments of N steps, a fresh prefix value model between them.
+
+`method.caspo.refresh_every=N` turns a run into a pipeline over checkpoints (DESIGN.md,
+decision 8). After RL step n = N, 2N, … (never after the last step):
+
+    stop     checkpoint step_n, the exact training state           (the loop saves it)
+    collect  Monte Carlo labels of the checkpoint's exported policy with the run's sampler
+                                                     -> <run>/refresh/step_n/labels.jsonl
+    train    a fresh value model, φ₀ = frozen reference = that policy, as phase 1 starts from
+             the policy that made its labels           -> <run>/refresh/step_n/value/
+    resume   restore the checkpoint (weights, optimizer, scheduler, step, cursor, RNG, version;
+             the KL reference stays the original base), then load the new value model
+
+Every checkpoint records its value model's source, so a run resumed after a refresh
+continues with the refreshed model. `refresh/step_n/refresh.json` is written last: a run
+resumed at a refresh step reuses finished artifacts (or only the labels, if the value
+training was cut short), provided they were made under this run's conditions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable
+
+from caspo.config import Config
+from caspo.models.policy import load_policy
+from caspo.train.runlog import console
+from caspo.train.step_values import splitter
+from caspo.train.timers import PhaseTimer
+from caspo.train.trainer import Trainer, ValueSource, install_value_model, restore
+from caspo.value.collect import CollectSpec, collect, refresh_seed_step
+from caspo.value.labels import LabelFileError, read_label_file
+from caspo.value.provenance import label_provenance
+from caspo.value.train import TrainSpec, train_value
+
+MARKER = "refresh.json"
+
+
+def due(cfg: Config, step: int) -> bool:
+    """Is a refresh due after `step` outer steps? Every refresh_every steps, never after the last."""
+    every = cfg.method.caspo.refresh_every
+    return every > 0 and 0 < step < cfg.train.steps and step % every == 0
+
+
+def refresh_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir).resolve() / "refresh" / f"step_{step:06d}"
+
+
+def collect_spec(cfg: Config) -> CollectSpec:
+    c = cfg.method.caspo
+    return CollectSpec(prompts=c.refresh_prompts, k=c.refresh_k, j=c.refresh_j, boundaries=c.refresh_boundaries)
+
+
+def train_spec(cfg: Config, beta: float) -> TrainSpec:
+    """Value training as phase 1 does it; β stays the run's, so the value scale does not jump."""
+    c = cfg.method.caspo
+    return TrainSpec(beta=beta, lr=c.refresh_lr, epochs=c.refresh_epochs, batch_size=c.refresh_batch_size,
+                     micro_batch_size=cfg.train.micro_batch_size, val_split="prompt",
+                     val_fraction=c.refresh_val_fraction, seed=cfg.train.seed)
+
+
+def conditions(cfg: Config, beta: float, step: int, provenance: dict) -> dict:
+    """Everything the artifacts of the refresh after `step` depend on; reuse needs all of it equal."""
+    return {"collect": asdict(collect_spec(cfg)), "train": asdict(train_spec(cfg, beta)),
+            "splitter": splitter(cfg), "seed": cfg.train.seed, "seed_step": refresh_seed_step(step),
+            "provenance": provenance}
+
+
+def labels_match(header: dict, want: dict) -> bool:
+    """Was this label file collected under the conditions `want`?"""
+    sizes = ("prompts", "k", "j", "boundaries")
+    return (all(header.get(k) == want["collect"][k] for k in sizes)
+            and all(header.get(k) == want[k] for k in ("splitter", "seed", "seed_step", "provenance")))
+
+
+def record_at(step: int) -> Callable[[dict], bool]:
+    """Picks the metrics.jsonl line of the refresh after `step` (a run resumed there writes it again)."""
+    return lambda record: "refresh_value_model" in record and record["step"] == step
+
+
+def refresh(tr: Trainer, checkpoint: Path) -> dict:
+    """Label, train a fresh value model (or reuse finished artifacts), resume from `checkpoint` with it.
+
+    `checkpoint` must hold the trainer's current state (the loop has just saved or restored it).
+    Returns the run-log record of this refresh.
+    """
+    step = tr.step
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    if saved != step:
+        raise ValueError(f"refresh after step {step} needs that step's checkpoint; {checkpoint} holds step {saved}")
+    policy = str((checkpoint / "policy").resolve())
+    folder = refresh_dir(tr.run_dir, step)
+    timer = PhaseTimer()
+    with timer("t_refresh"):
+        provenance = label_provenance(tr.cfg, tr.tokenizer, load_policy(policy)).to_dict()
+        want = conditions(tr.cfg, tr.value_model.beta, step, provenance)
+        summary, reused = artifacts(tr, step, policy, folder, want)
+        restore(tr, checkpoint)  # optimizer, scheduler, step, cursor, RNG and weights as saved
+        install_value_model(tr, ValueSource(str(folder / "value"), policy))
+    console.print(f"refresh after step {step}: {summary['label_rows']} labelled prefixes, value model "
+                  f"val ρ {summary['val_spearman']:.3f} -> {folder / 'value'}"
+                  + (f" (reused: {reused})" if reused != "none" else ""))
+    return {"step": step, "refresh_label_rows": summary["label_rows"],
+            "refresh_val_spearman": summary["val_spearman"], "refresh_reused": reused,
+            "refresh_value_model": str(folder / "value"), **timer.reset()}
+
+
+def artifacts(tr: Trainer, step: int, policy: str, folder: Path, want: dict) -> tuple[dict, str]:
+    """The refresh's summary and what was reused: "all" (finished artifacts), "labels", or "none"."""
+    marker = folder / MARKER
+    if marker.is_file():
+        summary = json.loads(marker.read_text())
+        if summary["conditions"] == want:
+            return summary, "all"
+        console.print(f"refresh artifacts in {folder} were made under other conditions; making them again")
+        marker.unlink()
+    labels, value = folder / "labels.jsonl", folder / "value"
+    reused = "labels" if reusable_labels(labels, want) else "none"
+    timer = PhaseTimer()
+    if reused == "none":
+        with timer("collect"):
+            collect(replace(tr.cfg, model=replace(tr.cfg.model, policy=policy)), collect_spec(tr.cfg), labels,
+                    splitter=want["splitter"], seed_step=want["seed_step"])
+    header = read_label_file(labels).header
+    shutil.rmtree(value, ignore_errors=True)  # a value training cut short leaves a partial folder
+    with timer("train"):
+        try:
+            trained = train_value(labels, policy, value, train_spec(tr.cfg, tr.value_model.beta), str(tr.device))
+        except (ValueError, RuntimeError) as err:
+            raise RuntimeError(
+                f"refresh after step {step}: no value model could be trained on {labels}: {err}\n"
+                "label more prefixes (method.caspo.refresh_prompts, refresh_k, refresh_boundaries) or hold out "
+                "more prompts (method.caspo.refresh_val_fraction)") from err
+    summary = {"step": step, "checkpoint_policy": policy, "labels": str(labels), "value_model": str(value),
+               "label_rows": header["rows"], "collect_stats": header["stats"],
+               "val_spearman": trained["best"]["spearman"], "train_rows": trained["train_rows"],
+               "val_rows": trained["val_rows"], "seconds": timer.reset(), "conditions": want}
+    write_json(marker, summary)  # last: its presence says the artifacts are complete
+    return summary, reused
+
+
+def reusable_labels(path: Path, want: dict) -> bool:
+    """A complete label file (they are written atomically) collected under the conditions `want`."""
+    if not path.is_file():
+        return False
+    try:
+        header = read_label_file(path).header
+    except LabelFileError as err:
+        console.print(f"collecting the labels again: {err}")
+        return False
+    if not labels_match(header, want):
+        console.print(f"collecting the labels again: {path} was collected under other conditions")
+        return False
+    return True
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
