@@ -74,7 +74,8 @@ class DataConfig:
 class RolloutConfig:
     # "hf": transformers models (any architecture); "native": caspo's engine (Qwen2/Llama families, looped LMs)
     backend: Literal["hf", "native"] = "hf"
-    # native engine: KV cache share of device memory (CUDA), or its size in tokens (0 = one step's requests)
+    # native engine: KV cache size in tokens on any device, or (capacity_tokens 0) its share of
+    # device memory on CUDA / one step's requests on the CPU
     gpu_memory_fraction: float = 0.3
     capacity_tokens: int = 0
     cuda_graphs: bool = False

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from caspo.config import load_config
 from caspo.train import loop
@@ -38,3 +39,24 @@ def test_recipe_algorithms_run_on_the_shipped_looped_policy(tmp_path, method):
 
 def test_verify_resume_on_a_looped_policy(tmp_path, looped_policy):
     assert verify_resume("tests", [f"model.policy={looped_policy}", "method.name=ppo_critic", *LOOPED], tmp_path)
+
+
+def test_recipe_preset_sizes_the_cache_for_two_sequences():
+    from transformers import AutoConfig
+
+    from caspo.models.policy import resolve_model_path
+    from caspo.rollout.factory import max_seq_len
+    from caspo.rollout.native.kv_cache import KVCache
+    from caspo.rollout.native.spec import decoder_spec
+
+    cfg = load_config("looped-recipe")
+    assert (cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p) == (0.8, 0, 1.0)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.train.seed, cfg.train.precision) == ("sgd", 1e-5, 42, "fp32")
+    assert max_seq_len(cfg) == 128 + 48
+    spec = decoder_spec(AutoConfig.from_pretrained(resolve_model_path("embedded:tiny-looped")))
+    per_token = KVCache.bytes_per_token(layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                        dtype=torch.float32, planes=spec.planes)
+    assert per_token == 4 * 2 * 2 * 4 * 32 * 4  # depth planes × layers × (k, v) × kv heads × head_dim × fp32 bytes
+    slots = KVCache.slots_for(max_seq_len=max_seq_len(cfg), bytes_per_token=per_token, device=torch.device("cpu"),
+                              capacity_tokens=cfg.rollout.capacity_tokens, gpu_memory_fraction=None)
+    assert slots == 2

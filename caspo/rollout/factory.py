@@ -35,8 +35,13 @@ def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: i
         from caspo.rollout.native import NativeEngine
 
         device = next(policy.parameters()).device
-        sizing = ({"gpu_memory_fraction": r.gpu_memory_fraction} if device.type == "cuda" else
-                  {"capacity_tokens": r.capacity_tokens or max_seq_len * (r.max_batch or cfg.responses_per_step)})
+        # An explicit capacity wins on any device; otherwise a GPU share, or one step's requests on the CPU.
+        if r.capacity_tokens:
+            sizing = {"capacity_tokens": r.capacity_tokens}
+        elif device.type == "cuda":
+            sizing = {"gpu_memory_fraction": r.gpu_memory_fraction}
+        else:
+            sizing = {"capacity_tokens": max_seq_len * (r.max_batch or cfg.responses_per_step)}
         return NativeEngine(policy, max_seq_len=max_seq_len, max_running=r.max_batch or None,
                             cuda_graphs=r.cuda_graphs, dtype=engine_dtype(cfg), device=device,
                             decode=tokenizer.decode, **sizing)
