@@ -11,3 +11,20 @@ def tiny_model():
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_qwen2_config(100, hidden=64, layers=2, heads=4, kv_heads=2,
                                                               intermediate=128, eos_token_id=1, pad_token_id=0)).eval()
+
+
+@pytest.fixture(scope="module")
+def value_model_folder(tmp_path_factory):
+    """A fresh prefix value model for the tests preset (φ = reference, so every V starts at 0)."""
+    from caspo.config import load_config
+    from caspo.models.policy import load_policy, resolve_model_path
+    from caspo.models.prefix_value import PrefixValueModel, model_identity
+    from caspo.models.tokenizer import load_tokenizer
+    from caspo.value.provenance import label_provenance
+
+    cfg = load_config("tests")
+    base = load_policy(cfg.model.policy)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
+    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
+    model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=cfg.model.policy)
+    return model.save(tmp_path_factory.mktemp("value") / "v0", tokenizer=tokenizer)

@@ -23,21 +23,6 @@ SMALL = ["method.caspo.refresh_prompts=24", "method.caspo.refresh_k=4", "method.
          "method.caspo.refresh_boundaries=2", "method.caspo.refresh_epochs=1"]
 
 
-@pytest.fixture(scope="module")
-def value_model_folder(tmp_path_factory):
-    """A fresh prefix value model for the tests preset (φ = reference, so every V is 0)."""
-    from caspo.models.policy import resolve_model_path
-    from caspo.models.prefix_value import PrefixValueModel
-    from caspo.models.tokenizer import load_tokenizer
-
-    cfg = load_config("tests")
-    base = load_policy(cfg.model.policy)
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
-    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
-    model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=cfg.model.policy)
-    return model.save(tmp_path_factory.mktemp("value") / "v0", tokenizer=tokenizer)
-
-
 def caspo_config(run_dir, value_model, *overrides):
     return load_config("tests", [f"train.output_dir={run_dir}", "train.steps=3", "eval.before=false",
                                  "eval.after=false", "reward.workers=0", "model.threads=1", "method.name=caspo",

@@ -71,22 +71,6 @@ def test_flow_dppo_needs_two_half_batches():
     assert load_config("tests", ["method.name=flow-dppo"]).method.name == "flow_dppo"
 
 
-@pytest.fixture(scope="module")
-def value_model_folder(tmp_path_factory):
-    """A fresh prefix value model for the tests preset (φ = reference, so every V starts at 0)."""
-    from caspo.models.policy import load_policy, resolve_model_path
-    from caspo.models.prefix_value import PrefixValueModel, model_identity
-    from caspo.models.tokenizer import load_tokenizer
-    from caspo.value.provenance import label_provenance
-
-    cfg = load_config("tests")
-    base = load_policy(cfg.model.policy)
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
-    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
-    model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=cfg.model.policy)
-    return model.save(tmp_path_factory.mktemp("value") / "v", tokenizer=tokenizer)
-
-
 def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     cfg, rows = run(tmp_path, "method.name=vineppo", "method.vineppo_k=2", steps=2)
     assert all(r["mc_tokens"] > 0 and r["mc_unique_prefixes"] > 0 for r in rows)

@@ -5,12 +5,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from native_checks import assert_equal_up_to_near_tie, engine, hf_logits, requests
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 
 from caspo.rollout.base import Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeCompletion, NativeEngine, UnsupportedModelError, decoder_spec
-from caspo.rollout.sampling import sample_seed, truncate_logits, uniform_noise
+from caspo.rollout.sampling import sample_seed
 
 VOCAB = 100
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -33,51 +34,6 @@ def build(config, seed=0):
 @pytest.fixture(params=["qwen2_untied", "llama_tied"])
 def model(request):
     return build({"qwen2_untied": qwen2_untied, "llama_tied": llama_tied}[request.param]())
-
-
-def engine(model, **kw):
-    kw.setdefault("max_seq_len", 64)
-    kw.setdefault("capacity_tokens", 64 * 16)
-    return NativeEngine(model, **kw)
-
-
-def requests(n, max_new=12, seed=0):
-    """Prompts of 1-3 tokens; max_new_tokens varies so sequences leave at different steps."""
-    return [Request([5 + i % 7, 9, 11 + i % 3][: 1 + i % 3], seed=sample_seed(seed, 0, i, 0),
-                    max_new_tokens=max_new - i % 4) for i in range(n)]
-
-
-def hf_logits(model, sequence):
-    with torch.no_grad():
-        return model(torch.tensor([sequence])).logits[0].float()
-
-
-def first_near_tie(scores, tol=1e-2):
-    """Index of the first row whose two best scores are within `tol` (len(scores) if none)."""
-    top2 = scores.topk(2, dim=-1).values
-    close = ((top2[:, 0] - top2[:, 1]) < tol).nonzero()
-    return int(close[0]) if len(close) else len(scores)
-
-
-def decision_scores(model, request, tokens, sp):
-    """The scores whose argmax picked each token of `tokens` (the oracle's logits, the request's noise)."""
-    logits = hf_logits(model, request.prompt_ids + tokens)[len(request.prompt_ids) - 1:-1]
-    if sp.temperature == 0:
-        return logits
-    n = len(tokens)
-    noise = uniform_noise(torch.full((n,), request.seed), torch.arange(n), logits.shape[-1])
-    return truncate_logits(logits / sp.temperature, sp.top_k, sp.top_p).double() - torch.log(-torch.log(noise))
-
-
-def assert_equal_up_to_near_tie(model, reqs, native, oracle, sp):
-    compared = total = 0
-    for request, a, b in zip(reqs, native, oracle):
-        j = first_near_tie(decision_scores(model, request, b.tokens, sp))
-        assert a.tokens[:j] == b.tokens[:j]
-        if j == len(b.tokens):
-            assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
-        compared, total = compared + j, total + len(b.tokens)
-    assert compared >= 0.6 * total  # the check is not vacuous
 
 
 # ---------------------------------------------------------------- numerics

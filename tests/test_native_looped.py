@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from native_checks import assert_equal_up_to_near_tie, engine, hf_logits, requests
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 
 from caspo.config import load_config
@@ -17,7 +18,7 @@ from caspo.rollout.factory import build_engine
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import LoopedSpec, NativeEngine, UnsupportedModelError, decoder_spec
 from caspo.rollout.native.looped_runner import LoopedCausalLM
-from caspo.rollout.sampling import sample_seed, truncate_logits, uniform_noise
+from caspo.rollout.sampling import sample_seed
 
 VOCAB = 100
 LAYOUTS = ["ouro", "nanbeige"]
@@ -44,47 +45,6 @@ def looped(layout, depth, seed=0, **overrides):
 @pytest.fixture(params=[(layout, depth) for layout in LAYOUTS for depth in DEPTHS], ids=lambda p: f"{p[0]}-{p[1]}")
 def model(request):
     return looped(*request.param)
-
-
-def engine(model, **kw):
-    kw.setdefault("max_seq_len", 64)
-    kw.setdefault("capacity_tokens", 64 * 16)
-    return NativeEngine(model, **kw)
-
-
-def requests(n, max_new=12, seed=0):
-    return [Request([5 + i % 7, 9, 11 + i % 3][: 1 + i % 3], seed=sample_seed(seed, 0, i, 0),
-                    max_new_tokens=max_new - i % 4) for i in range(n)]
-
-
-def hf_logits(model, sequence):
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        return model(torch.tensor([sequence], device=device), use_cache=False).logits[0].float()
-
-
-def decision_scores(model, request, tokens, sp):
-    """The scores whose argmax picked each token of `tokens`: the oracle's logits plus the request's noise."""
-    logits = hf_logits(model, request.prompt_ids + tokens)[len(request.prompt_ids) - 1:-1]
-    if sp.temperature == 0:
-        return logits
-    n, device = len(tokens), logits.device
-    noise = uniform_noise(torch.full((n,), request.seed, device=device), torch.arange(n, device=device), VOCAB)
-    return truncate_logits(logits / sp.temperature, sp.top_k, sp.top_p).double() - torch.log(-torch.log(noise))
-
-
-def assert_equal_up_to_near_tie(model, reqs, got, expected, sp, tol=1e-2, share=0.6):
-    """Tokens agree up to the first position where the oracle's two best scores are within `tol`."""
-    compared = total = 0
-    for request, a, b in zip(reqs, got, expected):
-        top2 = decision_scores(model, request, b.tokens, sp).topk(2, dim=-1).values
-        close = ((top2[:, 0] - top2[:, 1]) < tol).nonzero()
-        j = int(close[0]) if len(close) else len(b.tokens)
-        assert a.tokens[:j] == b.tokens[:j]
-        if j == len(b.tokens):
-            assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
-        compared, total = compared + j, total + len(b.tokens)
-    assert compared >= share * total  # the check is not vacuous
 
 
 # ---------------------------------------------------------------- numerics

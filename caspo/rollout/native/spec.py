@@ -114,22 +114,16 @@ def decoder_spec(config) -> DecoderSpec:
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     inv_freq, attention_scaling, rope_type = _rope(config, family, head_dim)
-    return DecoderSpec(
-        family=family,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=bool(config.tie_word_embeddings),
-        qkv_bias=qkv_bias,
-        rope_type=rope_type,
-        rope_inv_freq=inv_freq,
-        rope_attention_scaling=float(attention_scaling),
-    )
+    return DecoderSpec(**_shape(config, family, heads, kv_heads, head_dim), qkv_bias=qkv_bias, rope_type=rope_type,
+                       rope_inv_freq=inv_freq, rope_attention_scaling=float(attention_scaling))
+
+
+def _shape(config, family: str, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """The DecoderSpec fields every family reads the same way from its config."""
+    return dict(family=family, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers, num_heads=heads,
+                num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+                tie_word_embeddings=bool(config.tie_word_embeddings))
 
 
 def looped_spec(config) -> LoopedSpec:
@@ -158,16 +152,7 @@ def looped_spec(config) -> LoopedSpec:
     # Plain RoPE from rope_theta, as `caspo.models.looped_layers.rope` computes it.
     inv_freq = 1.0 / (float(config.rope_theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     return LoopedSpec(
-        family=family,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=bool(config.tie_word_embeddings),
+        **_shape(config, family, heads, kv_heads, head_dim),
         qkv_bias=False,
         rope_type="default",
         rope_inv_freq=inv_freq,
