@@ -19,6 +19,17 @@ def requests(n, max_new=12, seed=0):
                     max_new_tokens=max_new - i % 4) for i in range(n)]
 
 
+def cast_weights(model, dtype):
+    """The model with its parameters in `dtype`, as `from_pretrained(..., dtype=dtype)` loads it.
+
+    `model.to(dtype)` would round RoPE's `inv_freq` buffer too, which `from_pretrained` keeps in
+    float32 (as the engine does): the bf16 transformers model would then be a worse oracle.
+    """
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
 def hf_logits(model, sequence):
     device = next(model.parameters()).device
     with torch.no_grad():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from native_checks import assert_equal_up_to_near_tie, engine, hf_logits, requests
+from native_checks import assert_equal_up_to_near_tie, cast_weights, engine, hf_logits, requests
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 
 from caspo.rollout.base import Request, SamplingParams, publish
@@ -47,7 +47,7 @@ def test_teacher_forced_logprobs_match_transformers_fp32(model):
 
 
 def test_teacher_forced_logprobs_match_transformers_bf16(model):
-    model = model.to(torch.bfloat16)
+    model = cast_weights(model, torch.bfloat16)
     native = engine(model)
     assert native.dtype == torch.bfloat16
     for sequence, logits in zip(SEQUENCES, native.teacher_forced_logits(SEQUENCES)):

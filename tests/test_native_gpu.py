@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from native_checks import cast_weights
+
 from caspo.rollout.base import Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
@@ -23,7 +25,7 @@ def build(family, dtype=torch.bfloat16):
     config = Qwen2Config(**SHAPE, tie_word_embeddings=False) if family == "qwen2" else LlamaConfig(
         **SHAPE, tie_word_embeddings=True)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).to(CUDA, dtype).eval()
+    return cast_weights(AutoModelForCausalLM.from_config(config), dtype).to(CUDA).eval()
 
 
 @pytest.fixture(params=["qwen2", "llama"])

@@ -210,8 +210,13 @@ class NativeEngine(PublishedWeights):
                 fresh = self._prefill(admitted)
                 logits = fresh if logits is None else torch.cat([logits, fresh])
                 active += admitted
+            picked = self._sample(active, logits, sp, top_logprobs)
+            # Decode ahead: the next step runs on the device while the host reads this step's tokens.
+            # Sequences at their last token are left out; one that stops on a token wastes a row.
+            ahead = [row for row, s in enumerate(active) if len(s.tokens) + 1 < s.request.max_new_tokens]
+            hidden = self._decode([active[row] for row in ahead], picked.tokens, ahead) if ahead else None
             running = []
-            for seq, (token, logprob, full, top) in zip(active, self._sample(active, logits, sp, top_logprobs)):
+            for seq, (token, logprob, full, top) in zip(active, picked.read()):
                 seq.tokens.append(token)
                 seq.logprobs.append(logprob)
                 seq.logprobs_full.append(full)
@@ -227,7 +232,7 @@ class NativeEngine(PublishedWeights):
                     running.append(seq)
             self.stats.generated_tokens += len(active)
             active = running
-            logits = self._decode(active) if active else None
+            logits = self.runner.logits(self._rows(hidden, [s.slot for s in active])) if active else None
         return results
 
     def _finish_reason(self, seq: _Sequence, stop_ids: set[int], stop_strings: list[str]) -> str:
@@ -239,18 +244,32 @@ class NativeEngine(PublishedWeights):
                 return "stop"
         return "length" if len(seq.tokens) >= seq.request.max_new_tokens else ""
 
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor, sp: SamplingParams, top_n: int):
-        """(token, log-prob sampled from, log-prob untruncated, top pairs) for each sequence."""
-        seeds = torch.tensor([s.request.seed for s in seqs], dtype=torch.int64, device=self.device)
-        steps = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64, device=self.device)
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor, sp: SamplingParams, top_n: int) -> "_Picked":
+        """Sample one token per sequence on the device; the host reads them with `_Picked.read()`."""
+        seeds = self._tensor([s.request.seed for s in seqs])
+        steps = self._tensor([len(s.tokens) for s in seqs])
         tokens, logprobs, full = sample_next(logits, seeds, steps, sp.temperature, sp.top_k, sp.top_p)
-        tops = [None] * len(seqs)
+        top = None
         if top_n:
             values, ids = torch.topk(torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1), top_n, dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        # One device-to-host copy per step: token ids are exact in float64.
-        tokens, logprobs, full = torch.stack([tokens.double(), logprobs.double(), full.double()]).tolist()
-        return zip(map(int, tokens), logprobs, full, tops)
+            top = torch.cat([ids.double(), values.double()], dim=-1)
+        return _Picked(tokens, torch.stack([tokens.double(), logprobs.double(), full.double()], dim=-1), top)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """An int64 tensor on the device, copied without waiting for the work queued on it.
+
+        (A copy from pageable host memory may synchronize with the stream; a pinned one does not.)
+        """
+        tensor = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _rows(self, hidden: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Rows `slots` of a decode step's hidden states (row i is slot i)."""
+        if slots == list(range(len(slots))):
+            return hidden[: len(slots)]
+        return hidden.index_select(0, self._tensor(slots))
 
     # ------------------------------------------------------------ prefill
     def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
@@ -319,22 +338,26 @@ class NativeEngine(PublishedWeights):
             self.stats.prefill_tokens += n
 
     # ------------------------------------------------------------ decode
-    def _decode(self, seqs: list[_Sequence]) -> torch.Tensor:
-        """One step for `seqs`: their next-token logits [len(seqs), vocab], row for row."""
+    def _decode(self, seqs: list[_Sequence], sampled: torch.Tensor, sampled_rows: list[int]) -> torch.Tensor:
+        """One step for `seqs`, whose input tokens are `sampled[sampled_rows]` (still on the device).
+
+        Returns the hidden states [rows, hidden], row i for slot i, valid until the next decode.
+        """
         rows = max(s.slot for s in seqs) + 1  # row i is slot i; free slots in between ride along
-        tokens, positions = [0] * rows, [0] * rows
+        positions = [0] * rows
         for s in seqs:
-            tokens[s.slot], positions[s.slot] = s.tokens[-1], s.length
-        tokens_t = torch.tensor(tokens, device=self.device)
-        positions_t = torch.tensor(positions, device=self.device)
+            positions[s.slot] = s.length
+        tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        tokens.index_copy_(0, self._tensor([s.slot for s in seqs]), sampled.index_select(0, self._tensor(sampled_rows)))
+        positions_t = self._tensor(positions)
         if self._graphs is not None:
-            hidden = self._graphs.run(tokens_t, positions_t, key_len=max(positions) + 1)
+            hidden = self._graphs.run(tokens, positions_t, key_len=max(positions) + 1)
         else:
-            hidden = self.runner.decode(tokens_t, positions_t, self.cache, key_len=max(positions) + 1)
+            hidden = self.runner.decode(tokens, positions_t, self.cache, key_len=max(positions) + 1)
         for s in seqs:
             s.length += 1
         self.stats.decode_steps += 1
-        return self.runner.logits(hidden[torch.tensor([s.slot for s in seqs], device=self.device)])
+        return hidden
 
     # ------------------------------------------------------------ scoring
     def teacher_forced_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -358,6 +381,32 @@ class NativeEngine(PublishedWeights):
                 logits = self.runner.logits(hidden).float()
                 out += [logits[i, :len(s)] for i, s in enumerate(group)]
         return out
+
+
+class _Picked:
+    """One step's sampled tokens: on the device for the next decode, copied to the host without blocking it."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, top: torch.Tensor | None):
+        self.tokens = tokens
+        # Token ids are exact in float64; one copy carries tokens and both log-probs.
+        copies = [packed] if top is None else [packed, top]
+        if tokens.is_cuda:
+            self._host = [c.to("cpu", non_blocking=True) for c in copies]  # pinned by the allocator
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = copies, None
+
+    def read(self):
+        """(token, log-prob sampled from, log-prob untruncated, top pairs or None) per row."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        rows = self._host[0].tolist()
+        if len(self._host) == 1:
+            return [(int(t), lp, full, None) for t, lp, full in rows]
+        top = self._host[1].tolist()
+        n = len(top[0]) // 2
+        return [(int(t), lp, full, list(zip(map(int, tp[:n]), tp[n:]))) for (t, lp, full), tp in zip(rows, top)]
 
 
 def _read_source(model) -> tuple[object, dict[str, torch.Tensor], torch.device]:

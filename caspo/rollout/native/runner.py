@@ -80,22 +80,45 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [Σ out, in] weight (and bias) whose row blocks become the linears' parameters, as views.
+
+    The block then runs one GEMM where it ran several small ones (k/v are 8× smaller than q in
+    Qwen2.5), while the parameters keep their names and storage for loading and publication:
+    an in-place copy into `k_proj.weight` lands in the fused weight.
+    """
+    weight = torch.cat([linear.weight for linear in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([linear.bias for linear in linears]) if has_bias else None
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if has_bias:
+            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
         super().__init__()
         self.head_dim = spec.head_dim
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.split = [q_size, kv_size, kv_size]
         self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=spec.qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False, dtype=dtype)
 
+    def fuse(self) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: Batch,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        q, k, v = (t.reshape(B, T, -1, self.head_dim) for t in (q, k, v))
         cos, sin = rope
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -113,8 +136,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False, dtype=dtype)
 
+    def fuse(self) -> None:
+        self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -223,6 +250,9 @@ def build_runner(runner_class: type[Runner], spec: DecoderSpec, tensors: Mapping
     with torch.device("meta"):
         runner = runner_class(spec, dtype)
     runner.to_empty(device=device).requires_grad_(False).eval()
+    for module in runner.modules():
+        if isinstance(module, (Attention, MLP)):
+            module.fuse()  # after to_empty, which gives every parameter its own storage
     load_weights(runner, tensors)
     runner.init_rope(max_seq_len)
     return runner
