@@ -10,7 +10,7 @@ line to --out.
 
     python benchmarks/trainer_smoke.py --out benchmarks/results.jsonl --commit $COMMIT
     python benchmarks/trainer_smoke.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 --kv-heads 2 \
-        --intermediate 128 --vocab 1000 --prompts 2 --samples 2 --new-tokens 8 --no-graphs   # smoke test
+        --intermediate 128 --vocab 1000 --prompts 2 --samples 2 --new-tokens 8 --micro-batch 2 --no-graphs   # smoke test
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ def main() -> None:
     save_tokenizer(load_tokenizer(resolve_model_path("embedded:tiny-arith")), policy)
     del model
 
-    rows, results = [], {}
     for method in args.methods.split(","):
         cfg = load_config("arith-tiny", [
             f"model.policy={policy}", f"model.device={args.device}", "rollout.backend=native",
@@ -66,15 +65,15 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated(args.device) if torch.device(args.device).type == "cuda" else None
         steps = [json.loads(line) for line in (work / method / "metrics.jsonl").read_text().splitlines()]
         steps = [s for s in steps if "t_step" in s]
-        results[method] = {"steps": steps, "peak_bytes": peak}
-        for s in steps:
-            rows.append([method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES),
-                         f"{s['response_len_mean']:.0f}", f"{s['behaviour_vs_old_logp_absdiff']:.2e}",
-                         f"{peak / 2**30:.1f}" if peak else "-"])
-    print_table(["method", "step", *PHASES, "resp len", "|Δ logp|", "peak GiB"], rows)
-    append_result(args.out, {"benchmark": "trainer_smoke", **environment(args),
-                             "shape": {"prompts": args.prompts, "samples": args.samples, "new_tokens": args.new_tokens},
-                             "methods": results})
+        # One table and one JSON line per method, so a run stopped midway keeps what finished.
+        print_table(["method", "step", *PHASES, "resp len", "|Δ logp|", "peak GiB"],
+                    [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
+                      f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{peak / 2**30:.1f}" if peak else "-"]
+                     for s in steps])
+        append_result(args.out, {"benchmark": "trainer_smoke", "method": method, **environment(args),
+                                 "shape": {"prompts": args.prompts, "samples": args.samples,
+                                           "new_tokens": args.new_tokens},
+                                 "steps": steps, "peak_bytes": peak})
 
 
 if __name__ == "__main__":
