@@ -1,0 +1,276 @@
+"""The sort-free top-p threshold: hand-derived cases, agreement with the sorted definition, the sampler's tokens.
+
+The GPU tests (compiled against eager, CUDA graph replay) run with `pytest -m gpu`.
+"""
+
+import math
+
+import pytest
+import torch
+
+from caspo.rollout.sampling import (_nucleus_plan, _truncated_pick, cut_threshold, gumbel_pick, nucleus_threshold,
+                                    sample_next, truncate_logits)
+
+LN2 = math.log(2)
+NEG_INF = float("-inf")
+
+
+def sorted_threshold(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The pre-change definition, by sorting: the smallest logit of the most likely tokens, taken in order while
+    the mass before them is below top_p (ties with the last one are kept by the `>=` of the callers)."""
+    ordered = logits.sort(dim=-1, descending=True).values
+    probs = torch.softmax(ordered, dim=-1)
+    in_nucleus = (probs.cumsum(-1) - probs) < top_p
+    return ordered.gather(-1, in_nucleus.sum(-1, keepdim=True) - 1)
+
+
+def sorted_cut(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The pre-change cut_threshold: top-k by torch.topk, then the sorted nucleus of what is left."""
+    threshold = logits.new_full((logits.shape[0], 1), NEG_INF)
+    if 0 < top_k < logits.shape[-1]:
+        threshold = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        threshold = sorted_threshold(logits.masked_fill(logits < threshold, NEG_INF), top_p)
+    return threshold
+
+
+def boundary_margin(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Per row, in float64: how far top_p is from flipping the last kept group, min(top_p - mass strictly above
+    it, mass through it - top_p). Rows with a tiny margin may legitimately differ under other rounding."""
+    x = logits.double()
+    threshold = sorted_threshold(x, top_p)
+    p = torch.softmax(x, -1)
+    above = (p * (x > threshold)).sum(-1)
+    through = (p * (x >= threshold)).sum(-1)
+    return torch.minimum(top_p - above, through - top_p)
+
+
+def kept(logits: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    return logits >= threshold
+
+
+# ---------------------------------------------------------------- hand-derived cases
+
+# p = 1/2, 1/4, 1/8, 1/16, 1/16: float32 exp of these logits is exact, so every sum below is exact
+DYADIC = [0.0, -LN2, -2 * LN2, -3 * LN2, -3 * LN2]
+
+
+def test_dyadic_logits_have_exact_probabilities():
+    x = torch.tensor([DYADIC])
+    assert torch.exp(x - x.amax()).tolist() == [[1.0, 0.5, 0.25, 0.125, 0.125]]
+
+
+@pytest.mark.parametrize("top_p, expected", [
+    (0.1, [1, 0, 0, 0, 0]),
+    (0.5, [1, 0, 0, 0, 0]),         # exactly the mass of the first token: it alone reaches top_p
+    (0.5000001, [1, 1, 0, 0, 0]),
+    (0.75, [1, 1, 0, 0, 0]),        # exactly 1/2 + 1/4
+    (0.8, [1, 1, 1, 0, 0]),
+    (0.875, [1, 1, 1, 0, 0]),       # exactly 1/2 + 1/4 + 1/8
+    (0.9, [1, 1, 1, 1, 1]),         # the fourth token is needed and the fifth ties with it
+    (0.999, [1, 1, 1, 1, 1]),
+    (1.0, [1, 1, 1, 1, 1]),         # no cut at all
+])
+def test_hand_derived_nucleus(top_p, expected):
+    x = torch.tensor([DYADIC])
+    assert kept(x, cut_threshold(x, 0, top_p)).int().tolist() == [expected]
+    assert kept(x, sorted_cut(x, 0, top_p)).int().tolist() == [expected]  # the old definition agrees
+    if top_p < 1.0:
+        assert kept(x, nucleus_threshold(x, top_p)).int().tolist() == [expected]
+
+
+def test_hand_derived_rows_in_one_batch():
+    rows = torch.tensor([
+        DYADIC,
+        [3.7, 3.7, 3.7, 3.7, 3.7],              # uniform: every token tied, all kept at any top_p
+        [30.0, -30.0, -30.0, -30.0, -30.0],     # one-hot in float32: the others weigh nothing
+        [1.0, NEG_INF, 0.0, NEG_INF, 0.5],      # masked by top-k: p = 0 is never kept
+        [0.0, -LN2, -LN2 * 3, -LN2 * 3, -LN2 * 3],  # 8/14, 4/14, 1/14 x 3: ties at the cut
+    ])
+    threshold = nucleus_threshold(rows, 0.6)
+    assert kept(rows, threshold).int().tolist() == [
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0],
+        [1, 0, 0, 0, 1],   # p ∝ e, 1, e^0.5: 0.506 then 0.307
+        [1, 1, 0, 0, 0],   # 8/14 = 0.571 < 0.6, 12/14 reaches it
+    ]
+    assert kept(rows, nucleus_threshold(rows, 0.9)).int().tolist() == [
+        [1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 1],   # the finite tokens carry all the mass, the masked ones none
+        [1, 1, 1, 1, 1],   # 12/14 = 0.857 < 0.9: one more 1/14 token, and its two ties
+    ]
+    assert torch.isfinite(nucleus_threshold(rows, 0.999999)).all()
+    assert kept(rows, nucleus_threshold(rows, 0.999999))[3].tolist() == [True, False, True, False, True]
+
+
+def test_top_k_masking_then_nucleus():
+    x = torch.tensor([DYADIC])
+    # top-3 leaves 1/2, 1/4, 1/8, renormalised to 4/7, 2/7, 1/7
+    for top_p, expected in [(0.5, [1, 0, 0, 0, 0]), (0.6, [1, 1, 0, 0, 0]), (0.9, [1, 1, 1, 0, 0]),
+                            (0.9999, [1, 1, 1, 0, 0]), (1.0, [1, 1, 1, 0, 0])]:
+        assert (truncate_logits(x, 3, top_p) > NEG_INF).int().tolist() == [expected]
+    # a tie at the k-th logit keeps both tied tokens, as before
+    assert (truncate_logits(x, 4, 0.999) > NEG_INF).int().tolist() == [[1, 1, 1, 1, 1]]
+
+
+def test_top_p_zero_keeps_the_most_likely_tokens():
+    x = torch.tensor([[0.5, 2.0, 2.0, -1.0]])
+    assert kept(x, nucleus_threshold(x, 0.0)).tolist() == [[False, True, True, False]]
+
+
+# ---------------------------------------------------------------- agreement with the sorted definition
+
+def random_logits(batch: int, vocab: int, std: float, seed: int, grid: float = 0.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, vocab, generator=generator) * std
+    if grid:  # many exact ties
+        x = (x / grid).round() * grid
+    return x
+
+
+CASES = [  # (batch, vocab, std, top_p, grid): flat to peaked, with and without ties
+    (64, 1000, 0.5, 0.9, 0.0), (64, 1000, 3.0, 0.5, 0.0), (64, 1000, 10.0, 0.95, 0.0), (64, 1000, 1.0, 0.9, 0.05),
+    (32, 8192, 1.0, 0.99, 0.0), (32, 8192, 2.0, 0.3, 0.01), (16, 50000, 1.0 / 0.6, 0.9, 0.0),
+    (16, 50000, 8.0 / 0.6, 0.9, 0.0), (16, 50000, 3.0, 0.95, 0.02),
+]
+
+
+@pytest.mark.parametrize("batch, vocab, std, top_p, grid", CASES)
+def test_same_kept_set_as_the_sort(batch, vocab, std, top_p, grid):
+    x = random_logits(batch, vocab, std, seed=vocab + int(10 * std), grid=grid)
+    threshold = nucleus_threshold(x, top_p)
+    # exactness: the threshold is one of the row's logits, the smallest one kept
+    assert (x == threshold).any(-1).all()
+    assert torch.equal(threshold, torch.where(x >= threshold, x, float("inf")).amin(-1, keepdim=True))
+    # the sorted definition evaluated in float64 rounds far below the margins that matter
+    margin = boundary_margin(x, top_p)
+    close = margin < 1e-7
+    assert close.float().mean() <= 0.05
+    expected = kept(x, sorted_threshold(x.double(), top_p).float())
+    assert torch.equal(kept(x, threshold)[~close], expected[~close])
+    # the old float32 code: its cumsum rounds by up to a few 1e-6 at 50k tokens, and only there may it differ
+    differ = (kept(x, threshold) != kept(x, sorted_threshold(x, top_p))).any(-1)
+    assert (margin[differ] < 1e-5).all()
+
+
+def test_the_result_does_not_depend_on_the_pivots():
+    x = random_logits(8, 3000, 1.5, seed=3)
+    for top_p in (0.2, 0.9, 0.999):
+        reference = nucleus_threshold(x, top_p)
+        for pivots in (1, 2, 3, 15, 31):
+            assert torch.equal(nucleus_threshold(x, top_p, pivots), reference)
+
+
+def test_search_plan():
+    shift, first, plan = _nucleus_plan(151936, 0.9, 7)
+    assert shift == 44 and first == (127 - 23) << 23  # 2^-23 <= 0.1 / (4 * 151936)
+    assert plan == [7] * 9 + [1]
+    assert len(_nucleus_plan(151936, 0.9, 15)[2]) == 7
+    for vocab, top_p, pivots in [(5, 0.5, 7), (151936, 0.999999, 3), (1000, 1 - 1e-15, 7), (2, 0.9, 1)]:
+        shift, first, plan = _nucleus_plan(vocab, top_p, pivots)
+        width = (127 << 23) - first + 1
+        for m in plan:
+            width = -(-width // (m + 1))
+        assert width == 1 and max(plan) <= pivots
+        assert vocab * 2 ** shift <= 2 ** 62
+
+
+def test_bfloat16_logits():
+    x = random_logits(4, 2000, 2.0, seed=5).bfloat16()
+    threshold = nucleus_threshold(x, 0.9)
+    assert threshold.dtype == torch.bfloat16 and (x == threshold).any(-1).all()
+    assert torch.equal(kept(x, threshold), kept(x.float(), nucleus_threshold(x.float(), 0.9)))
+
+
+# ---------------------------------------------------------------- the sampler
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 0, 0.9), (1.0, 40, 0.95), (0.8, 0, 0.5), (1.0, 0, 1.0)])
+def test_sample_next_tokens_unchanged(temperature, top_k, top_p):
+    logits = random_logits(48, 6000, 3.0, seed=11)
+    seeds = torch.arange(48) * 7919 + 17
+    positions = torch.arange(48) % 13
+    tokens, logprobs, full = sample_next(logits, seeds, positions, temperature, top_k, top_p)
+    scaled = logits / temperature
+    expected = gumbel_pick(scaled, sorted_cut(scaled, top_k, top_p), seeds, positions)
+    assert torch.equal(tokens, expected[0])
+    assert torch.allclose(logprobs, expected[1], atol=1e-5)
+    assert torch.allclose(full, expected[2], atol=1e-5)
+
+
+def test_sampler_traces_into_one_graph_with_a_symbolic_batch():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    pick = torch.compile(_truncated_pick, backend=counter, fullgraph=True)  # fullgraph: a graph break raises
+    for batch in (5, 9, 12):
+        scaled = random_logits(batch, 700, 2.0, seed=batch)
+        seeds, positions = torch.arange(batch) + 3, torch.arange(batch) % 5
+        for tensor in (scaled, seeds, positions):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        got = pick(scaled, seeds, positions, 20, 0.9)
+        expected = _truncated_pick(scaled, seeds, positions, 20, 0.9)
+        assert torch.equal(got[0], expected[0])
+    assert counter.frame_count == 1  # one compilation for every batch size: no data-dependent shapes
+
+
+# ---------------------------------------------------------------- GPU
+
+CUDA = torch.device("cuda")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+VOCAB = 151936
+
+
+def cuda_batch(batch: int, std: float = 1.0, seed: int = 0):
+    generator = torch.Generator(device=CUDA).manual_seed(seed)
+    logits = torch.randn(batch, VOCAB, device=CUDA, generator=generator) * std
+    seeds = torch.arange(batch, device=CUDA) * 7919 + 17 + seed
+    positions = (torch.arange(batch, device=CUDA) + seed) % 11
+    return logits, seeds, positions
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (50, 0.9)])
+@pytest.mark.parametrize("std", [1.0, 8.0])
+@pytest.mark.parametrize("batch", [1, 37, 256])
+def test_compiled_matches_eager_on_the_gpu(batch, std, top_k, top_p):
+    logits, seeds, positions = cuda_batch(batch, std, seed=batch)
+    compiled = sample_next(logits, seeds, positions, 0.6, top_k, top_p)
+    eager = sample_next(logits, seeds, positions, 0.6, top_k, top_p, compiled=False)
+    assert torch.equal(compiled[0], eager[0])
+    for got, expected in zip(compiled[1:], eager[1:]):
+        assert torch.allclose(got, expected, atol=1e-5)
+    # the same code on the CPU: integer masses make the search independent of the device up to the
+    # exponentials' last bits, which can only matter where the boundary is within ~1e-9 of top_p
+    scaled = (logits / 0.6).cpu()
+    on_gpu, on_cpu = cut_threshold(scaled.to(CUDA), top_k, top_p).cpu(), cut_threshold(scaled, top_k, top_p)
+    differ = (on_gpu != on_cpu)[:, 0]
+    masked = scaled.masked_fill(scaled < sorted_cut(scaled, top_k, 1.0), NEG_INF)  # what the nucleus sees
+    assert (boundary_margin(masked[differ], top_p) < 1e-7).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (50, 0.9)])
+def test_compiled_sampler_replays_in_a_cuda_graph(top_k, top_p):
+    static = list(cuda_batch(64, seed=1))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and autotune before the capture
+        for _ in range(3):
+            sample_next(*static, 0.6, top_k, top_p)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample_next(*static, 0.6, top_k, top_p)
+    for seed in (2, 3):
+        for buffer, value in zip(static, cuda_batch(64, std=1.0 + 3 * seed, seed=seed)):
+            buffer.copy_(value)
+        graph.replay()
+        eager = sample_next(*static, 0.6, top_k, top_p, compiled=False)
+        assert torch.equal(out[0], eager[0])
+        for got, expected in zip(out[1:], eager[1:]):
+            assert torch.allclose(got, expected, atol=1e-5)
