@@ -24,14 +24,16 @@ from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_seed
 
-ENGINES = ("native", "native-graphs", "hf")
+ENGINES = ("native", "native-graphs", "hf", "native-graphs-sdpa")  # the last: decode attention by masked SDPA
 
 
 def make_engine(name: str, model, args, max_seq_len: int):
     if name == "hf":
         return HFEngine(model, pad_token_id=0)
     return NativeEngine(model, max_seq_len=max_seq_len, max_running=args.prompts,
-                        cuda_graphs=name == "native-graphs", **kv_sizing(args, max_seq_len, args.prompts))
+                        cuda_graphs=name.startswith("native-graphs"),
+                        decode_kernel=False if name.endswith("-sdpa") else None,
+                        **kv_sizing(args, max_seq_len, args.prompts))
 
 
 def main() -> None:
@@ -43,7 +45,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--top-logprobs", type=int, default=0, help="top-K log-probs per position (native only)")
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--engines", default=",".join(ENGINES[:3]))
     args = parser.parse_args()
 
     model = build_model(args)
@@ -61,7 +63,7 @@ def main() -> None:
     for name in args.engines.split(","):
         if name not in ENGINES:
             raise SystemExit(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
-        if name == "native-graphs" and not cuda:
+        if name.startswith("native-graphs") and not cuda:
             rows.append([name, "skipped: CUDA graphs need a CUDA device", "", "", "", "", ""])
             continue
         engine, setup_s, _ = timed(args.device, partial(make_engine, name, model, args, max_seq_len))

@@ -1,8 +1,16 @@
-import pytest
-import torch
-from transformers import AutoModelForCausalLM
+import os
 
-from caspo.models.policy import tiny_qwen2_config
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on the CPU; triton reads this when a kernel is defined,
+    # that is when caspo.rollout.native is first imported, so it must be set before any caspo import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from caspo.models.policy import tiny_qwen2_config  # noqa: E402
 
 
 @pytest.fixture

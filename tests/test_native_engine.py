@@ -1,5 +1,6 @@
 """The native engine against the transformers oracle, on tiny random Qwen2 and Llama models (CPU)."""
 
+import os
 
 import pytest
 import torch
@@ -92,6 +93,22 @@ def test_decode_as_cuda_graphs_run_it_changes_no_row(model):
     for sequence, token, hidden in zip(sequences, tokens.tolist(), tight):
         expected = hf_logits(model, sequence + [token])[-1]
         assert torch.allclose(native.runner.logits(hidden), expected, atol=1e-4)
+
+
+def test_decode_kernel_gives_the_tokens_and_logprobs_of_masked_sdpa(model):
+    """The split-K Triton decode attention (run by triton's interpreter on the CPU) in the engine's decode path."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton kernels need a GPU or TRITON_INTERPRET=1")
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    reqs = requests(6, max_new=10)
+    kernel = engine(model, decode_kernel=True)
+    assert kernel.runner.decode_kernel
+    got = kernel.generate(reqs, sp)
+    expected = engine(model, decode_kernel=False).generate(reqs, sp)
+    assert [c.tokens for c in got] == [c.tokens for c in expected]
+    for a, b in zip(got, expected):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
 # ---------------------------------------------------------------- against HFEngine

@@ -32,6 +32,7 @@ from caspo.rollout.native.graphs import DecodeGraphs, default_batch_sizes, defau
 from caspo.rollout.native.kv_cache import CapacityReport, KVCache
 from caspo.rollout.native.looped_runner import LoopedCausalLM
 from caspo.rollout.native.prefix import PrefixIndex, SharedPrefix
+from caspo.rollout.native import runner as runner_module
 from caspo.rollout.native.runner import Batch, CausalLM, build_runner, read_checkpoint, weights_dtype
 from caspo.rollout.native.spec import LoopedSpec, decoder_spec
 from caspo.rollout.publication import Publication, PublishedWeights
@@ -91,6 +92,8 @@ class NativeEngine(PublishedWeights):
     max_prefill_tokens: padded prompt positions per prefill forward; longer prompts are prefilled in pieces.
     prefix_sharing: prompts sharing a prefix with a resident sequence copy its K/V instead of computing it.
     cuda_graphs: replay CUDA graphs of the decode step, captured per (rows, key length) on first use (CUDA only).
+    decode_kernel: decode attention through the split-K Triton kernel instead of masked SDPA
+        (default: on CUDA; it reads each sequence's K/V once, where SDPA reads them at ~1/3 of the bandwidth).
     dtype / device: compute dtype and device (default: those of the weights).
     decode: token ids -> text, needed only for stop strings.
     """
@@ -98,7 +101,8 @@ class NativeEngine(PublishedWeights):
     def __init__(self, model: nn.Module | str | os.PathLike, *, max_seq_len: int, capacity_tokens: int | None = None,
                  gpu_memory_fraction: float | None = None, max_running: int | None = None,
                  max_prefill_tokens: int = 8192, prefix_sharing: bool = True, cuda_graphs: bool = False,
-                 graph_batch_sizes: list[int] | None = None, dtype: torch.dtype | None = None,
+                 graph_batch_sizes: list[int] | None = None, decode_kernel: bool | None = None,
+                 dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, decode: Callable[[list[int]], str] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -112,6 +116,13 @@ class NativeEngine(PublishedWeights):
         runner_class = LoopedCausalLM if isinstance(self.spec, LoopedSpec) else CausalLM
         self.runner = build_runner(runner_class, self.spec, tensors, dtype=self.dtype, device=self.device, max_seq_len=max_seq_len)
         del tensors
+        self.runner.decode_kernel = self.device.type == "cuda" if decode_kernel is None else decode_kernel
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # triton's CPU interpreter (tests)
+        if self.runner.decode_kernel and (runner_module.decode_attention is None
+                                          or not (self.device.type == "cuda" or interpreted)):
+            raise ValueError(f"decode_kernel=True needs triton and a CUDA device (device {self.device}, triton "
+                             f"{'missing' if runner_module.decode_attention is None else 'present'}); "
+                             f"pass decode_kernel=False for masked SDPA")
         # A looped model keeps one plane per loop: a token's K/V take `planes` times the bytes.
         per_token = KVCache.bytes_per_token(layers=self.spec.num_layers, kv_heads=self.spec.num_kv_heads,
                                             head_dim=self.spec.head_dim, dtype=self.dtype, planes=self.spec.planes)

@@ -23,6 +23,11 @@ from torch import nn
 from caspo.rollout.native.kv_cache import KVCache
 from caspo.rollout.native.spec import DecoderSpec
 
+try:
+    from caspo.rollout.native.decode_attention import decode_attention
+except ImportError:  # CPU builds of torch come without triton; the engine refuses the kernel then
+    decode_attention = None
+
 
 @dataclass
 class Batch:
@@ -30,9 +35,10 @@ class Batch:
 
     slots: torch.Tensor  # [B] cache slot of each row
     positions: torch.Tensor  # [B, T] cache position (= RoPE position) of each query token
-    mask: torch.Tensor  # [B, 1, groups·T, key_len] bool, laid out for grouped_attention
+    mask: torch.Tensor | None  # [B, 1, groups·T, key_len] bool, laid out for grouped_attention
     key_len: int  # keys [0, key_len) of each slot are read
     rows_are_slots: bool  # slots == arange(B): the keys are a view of the cache, no gather
+    lengths: torch.Tensor | None = None  # [B] keys seen by each row: set for the split-K decode kernel
 
     @classmethod
     def build(cls, slots: torch.Tensor, positions: torch.Tensor, key_len: int, groups: int,
@@ -40,6 +46,14 @@ class Batch:
         keys = torch.arange(key_len, device=positions.device)
         causal = keys[None, None, :] <= positions[:, :, None]  # [B, T, L]
         return cls(slots, positions, causal.repeat(1, groups, 1)[:, None], key_len, rows_are_slots)
+
+    @classmethod
+    def decode(cls, positions: torch.Tensor, key_len: int, groups: int, kernel: bool) -> "Batch":
+        """One query token per row, row i in slot i; `kernel`: for decode_attention (no mask needed)."""
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        if kernel:
+            return cls(rows, positions[:, None], None, key_len, True, lengths=positions + 1)
+        return cls.build(rows, positions[:, None], key_len, groups, rows_are_slots=True)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
         if self.rows_are_slots:
@@ -126,6 +140,9 @@ class Attention(nn.Module):
         # Write first, then read: a token attends to itself and to every earlier position of its slot.
         cache_k[batch.slots[:, None], :, batch.positions] = k
         cache_v[batch.slots[:, None], :, batch.positions] = v
+        if batch.lengths is not None:
+            out = decode_attention(q[:, 0], cache_k, cache_v, batch.lengths, batch.key_len)
+            return self.o_proj(out.reshape(B, 1, -1))
         return self.o_proj(grouped_attention(q, batch.read(cache_k), batch.read(cache_v), batch.mask))
 
 
@@ -177,6 +194,7 @@ class Runner(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.rope_cos = self.rope_sin = None
+        self.decode_kernel = False  # decode attention through the split-K Triton kernel (set by the engine)
 
     def init_rope(self, max_seq_len: int) -> None:
         """cos/sin of every cache position, computed the way transformers computes them per forward."""
@@ -196,8 +214,7 @@ class Runner(nn.Module):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, key_len: int) -> torch.Tensor:
         """One token for each of the first B slots (row i is slot i): hidden states [B, hidden]."""
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        batch = Batch.build(rows, positions[:, None], key_len, self.spec.kv_groups, rows_are_slots=True)
+        batch = Batch.decode(positions, key_len, self.spec.kv_groups, self.decode_kernel)
         return self(tokens[:, None], batch, cache)[:, 0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
