@@ -39,7 +39,7 @@ NUM_STAGES = 2  # K/V blocks in flight: 2 × 2 × 64 × 128 × 2 bytes = 64 KiB 
 
 # Split heuristic: programs wanted for ~132 SMs (H100/H200), and the shortest chunk worth a split
 # (a split costs a [G, D] fp32 partial written and read back, ~10% of a 128-key chunk's K/V at G=6).
-TARGET_PROGRAMS = 4 * 132
+TARGET_PROGRAMS = 2 * 132
 MIN_CHUNK = 128
 MAX_SPLITS = 64
 
