@@ -158,8 +158,8 @@ def test_half_precision():
 
 def test_split_plan():
     assert split_plan(256, 2, 128) == (1, 128)  # 512 programs already
-    assert split_plan(256, 2, 384) == (2, 192)
-    assert split_plan(256, 2, 640) == (2, 320)
+    assert split_plan(256, 2, 640) == (1, 640)
+    assert split_plan(64, 2, 640) == (3, 256)  # 128 programs: three chunks of four 64-key blocks
     assert split_plan(1, 2, 4096) == (32, 128)  # small batch, long keys: MIN_CHUNK-key chunks
     assert split_plan(1, 1, 100) == (1, 128)  # shorter than a chunk
     assert split_plan(1, 1, 10, num_splits=6) == (5, 2)

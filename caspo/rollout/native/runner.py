@@ -10,6 +10,7 @@ the logits to the compute dtype first.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,9 +77,51 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return out.view(B, kv_heads, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
 
 
+def compiled_on_cuda(fn):
+    """`fn` through torch.compile when its first argument is on CUDA, eager elsewhere.
+
+    For the element-wise work between the GEMMs (RMSNorm, RoPE, SiLU·up): eager runs it as about
+    ten kernels per layer, a third of a decode step at the Qwen2.5-1.5B shape on an H200; compiled
+    it fuses into three. Leading dimensions (rows, tokens) are dynamic, so one compilation serves
+    every decode batch and one every prefill; `emulate_precision_casts` keeps eager's roundings.
+    """
+    compiled = torch.compile(fn, options={"emulate_precision_casts": True})
+
+    @functools.wraps(fn)
+    def run(x: torch.Tensor, *args):
+        if not x.is_cuda:
+            return fn(x, *args)
+        for dim in range(x.dim() - 1):
+            torch._dynamo.maybe_mark_dynamic(x, dim)
+        return compiled(x, *args)
+
+    return run
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+@compiled_on_cuda
+def rotary_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split: tuple[int, int, int],
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [B, T, heads, head_dim] of the fused projection [B, T, Σ split], RoPE applied to q and k."""
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv.split(split, dim=-1))
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+@compiled_on_cuda
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalised in float32, rounded to x's dtype, then scaled."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@compiled_on_cuda
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -88,10 +131,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -119,7 +159,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = spec.head_dim
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.split = [q_size, kv_size, kv_size]
+        self.split = (q_size, kv_size, kv_size)
         self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=spec.qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.qkv_bias, dtype=dtype)
@@ -131,11 +171,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: Batch,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
-        q, k, v = (t.reshape(B, T, -1, self.head_dim) for t in (q, k, v))
-        cos, sin = rope
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = rotary_split(F.linear(x, self.qkv_weight, self.qkv_bias), *rope, self.split, self.head_dim)
         cache_k, cache_v = kv
         # Write first, then read: a token attends to itself and to every earlier position of its slot.
         cache_k[batch.slots[:, None], :, batch.positions] = k
@@ -157,8 +193,7 @@ class MLP(nn.Module):
         self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
 
 
 class DecoderLayer(nn.Module):
