@@ -101,3 +101,39 @@ def test_collect_train_probe_end_to_end(tmp_path):
 
     probed = json.loads(invoke("probe", out, tmp_path / "labels.jsonl"))
     assert probed["n"] == len(whole.rows) and -1 <= probed["spearman"] <= 1
+
+
+def test_merged_copies_give_the_same_loss_gradient_and_values(tiny_model):
+    import torch
+
+    from caspo.models.prefix_value import PrefixValueModel
+    from caspo.value.labels import group_responses, merge_duplicates
+    from caspo.value.probe import predict
+    from caspo.value.train import TrainSpec, train_step
+
+    def labelled(prompt_index, sample, response, boundaries, p_hats):
+        return [LabelRow(prompt_id=f"p{prompt_index}", prompt_index=prompt_index, sample=sample, prompt_tokens=[5, 6],
+                         response_tokens=response, boundary=b, step=i + 1, p_hat=p, j=4, base_reward=0.0, label="3",
+                         provenance=PROVENANCE) for i, (b, p) in enumerate(zip(boundaries, p_hats))]
+
+    rows = (labelled(0, 0, [7, 8, 9, 10], [1, 3], [0.25, 0.5]) + labelled(0, 1, [7, 8, 9, 10], [1, 3], [0.25, 0.5])
+            + labelled(0, 2, [7, 8, 11], [1, 2], [0.25, 1.0]) + labelled(0, 3, [7, 8, 9, 10], [1, 3], [0.25, 0.5]))
+    responses = group_responses(rows)
+    merged = merge_duplicates(responses)
+    assert [r.weight for r in merged] == [3, 1] and merged[0].duplicate_rows == [[2, 3], [6, 7]]
+
+    def loss_and_grad(batch):
+        model = PrefixValueModel.from_reference(tiny_model)
+        with torch.no_grad():  # move φ off the reference so values and gradients are not trivial
+            for p in model.policy.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        optimizer = torch.optim.SGD(model.policy.parameters(), lr=0.0)
+        loss = train_step(model, optimizer, batch, 0, TrainSpec(micro_batch_size=2, grad_clip=1e9), "cpu")
+        grads = torch.cat([p.grad.flatten() for p in model.policy.parameters() if p.grad is not None])
+        return loss, grads, predict(model, rows, 0, batch_size=2)
+
+    loss, grads, values = loss_and_grad(responses)
+    merged_loss, merged_grads, _ = loss_and_grad(merged)
+    assert merged_loss == pytest.approx(loss, rel=1e-5) and torch.allclose(merged_grads, grads, rtol=1e-4, atol=1e-7)
+    assert not any(v != v for v in values)  # every copy's rows got its value
+    assert values[0] == values[2] == values[6] and values[1] == values[3] == values[7] and values[1] != values[5]

@@ -70,6 +70,8 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
           batch_size: int = typer.Option(16, help="rollouts per optimizer step"),
           micro_batch_size: int = typer.Option(16, help="rollouts per forward"),
           eval_every: int = typer.Option(0, help="optimizer steps between validations (0: once per epoch)"),
+          merge_duplicates: bool = typer.Option(False, help="one forward per distinct rollout, weighted by its "
+                                                "copies (same loss; batch-size then counts distinct rollouts)"),
           seed: int = typer.Option(0), device: str = typer.Option("cpu"),
           threads: int = typer.Option(1, help=THREADS_HELP)):
     """Fit a prefix value model: BCE of σ(V/β) against p̂; keeps the best validation ρ."""
@@ -80,7 +82,8 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
     if threads:
         torch.set_num_threads(threads)
     spec = TrainSpec(beta=beta, lr=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch_size,
-                     val_split=val_split, val_fraction=val_fraction, eval_every=eval_every, seed=seed)
+                     val_split=val_split, val_fraction=val_fraction, eval_every=eval_every, seed=seed,
+                     merge_duplicates=merge_duplicates)
     typer.echo(json.dumps(train_value(labels, policy, out, spec, device), indent=2))
 
 

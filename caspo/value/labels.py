@@ -65,6 +65,8 @@ class ResponseLabels:
     boundaries: list[int] = field(default_factory=list)
     p_hats: list[float] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # indices into the row list they came from
+    weight: int = 1  # base rollouts this entry stands for (``merge_duplicates``)
+    duplicate_rows: list[list[int]] = field(default_factory=list)  # `rows` of the other copies, boundary order
 
 
 def write_label_file(path: str | Path, header: dict, rows: Sequence[LabelRow]) -> Path:
@@ -141,3 +143,25 @@ def group_responses(rows: Sequence[LabelRow]) -> list[ResponseLabels]:
         g.p_hats = [g.p_hats[i] for i in order]
         g.rows = [g.rows[i] for i in order]
     return list(groups.values())
+
+
+def merge_duplicates(responses: Sequence[ResponseLabels]) -> list[ResponseLabels]:
+    """One entry per distinct labelled rollout, its ``weight`` the number of copies.
+
+    A policy that samples nearly deterministically repeats whole rollouts: with the
+    embedded policy 4,200 base rollouts of one collection hold 1,062 distinct ones. Copies
+    (same prompt, response, boundaries and p̂) carry the same loss terms, so one forward
+    with weight w replaces w forwards exactly; order is first appearance.
+    """
+    merged: dict[tuple, ResponseLabels] = {}
+    for r in responses:
+        key = (tuple(r.prompt_tokens), tuple(r.response_tokens), tuple(r.boundaries), tuple(r.p_hats))
+        first = merged.get(key)
+        if first is None:
+            merged[key] = ResponseLabels(r.prompt_id, r.prompt_tokens, r.response_tokens, r.base_reward,
+                                         list(r.boundaries), list(r.p_hats), list(r.rows), r.weight,
+                                         [list(d) for d in r.duplicate_rows])
+        else:
+            first.weight += r.weight
+            first.duplicate_rows += [list(r.rows), *r.duplicate_rows]
+    return list(merged.values())

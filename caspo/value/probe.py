@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values
-from caspo.value.labels import LabelRow, ResponseLabels, group_responses
+from caspo.value.labels import LabelRow, ResponseLabels, group_responses, merge_duplicates
 from caspo.value.metrics import calibration_bins, value_metrics
 
 
@@ -37,14 +37,15 @@ def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels]
 @torch.no_grad()
 def predict(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
             device: str | torch.device = "cpu") -> np.ndarray:
-    """V of every row's prefix, in row order."""
+    """V of every row's prefix, in row order (copies of one rollout read once)."""
     out = np.full(len(rows), math.nan)
-    responses = group_responses(rows)
+    responses = merge_duplicates(group_responses(rows))
     for start in range(0, len(responses), batch_size):
         chunk = responses[start:start + batch_size]
         values, _ = boundary_values(model, chunk, pad_token_id, device)
         for i, r in enumerate(chunk):
-            out[r.rows] = values[i, :len(r.rows)].double().cpu().numpy()
+            for indices in (r.rows, *r.duplicate_rows):
+                out[indices] = values[i, :len(r.rows)].double().cpu().numpy()
     return out
 
 

@@ -29,7 +29,7 @@ from caspo.models.policy import load_policy, resolve_model_path
 from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel, ProvenanceError, check_provenance, model_identity
 from caspo.models.tokenizer import load_tokenizer
 from caspo.train.runlog import console, progress_bar
-from caspo.value.labels import LabelRow, group_responses, read_label_file
+from caspo.value.labels import LabelRow, group_responses, merge_duplicates, read_label_file
 from caspo.value.probe import boundary_values, evaluate, write_report
 from caspo.value.provenance import tokenizer_hash
 
@@ -47,6 +47,7 @@ class TrainSpec:
     val_fraction: float = 0.1
     eval_every: int = 0  # optimizer steps between validations; 0 = at the end of each epoch only
     seed: int = 0
+    merge_duplicates: bool = False  # train on distinct rollouts weighted by their copies (batch_size counts distinct ones)
 
 
 def hash_unit(seed: int, key: str) -> float:
@@ -99,6 +100,8 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
                                             reference_source=policy)
     optimizer = torch.optim.AdamW(model.policy.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     responses = group_responses(train_rows)
+    if spec.merge_duplicates:
+        responses = merge_duplicates(responses)
     steps_per_epoch = math.ceil(len(responses) / spec.batch_size)
     generator = torch.Generator().manual_seed(spec.seed)
     pad = tokenizer.pad_token_id
@@ -149,9 +152,9 @@ def train_step(model: PrefixValueModel, optimizer: torch.optim.Optimizer, batch,
     """One optimizer step over the rollouts of ``batch``, micro-batch by micro-batch.
 
     Each micro-batch's summed BCE is divided by the prefixes of the whole batch, so the
-    gradient does not depend on the micro-batch size.
+    gradient does not depend on the micro-batch size; a merged rollout counts ``weight`` times.
     """
-    total = sum(len(r.boundaries) for r in batch)
+    total = sum(r.weight * len(r.boundaries) for r in batch)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
     for start in range(0, len(batch), spec.micro_batch_size):
@@ -160,8 +163,9 @@ def train_step(model: PrefixValueModel, optimizer: torch.optim.Optimizer, batch,
         targets = torch.zeros_like(values)
         for i, r in enumerate(micro):
             targets[i, :len(r.p_hats)] = torch.tensor(r.p_hats)
+        weights = torch.tensor([float(r.weight) for r in micro], device=values.device)[:, None]
         bce = F.binary_cross_entropy_with_logits(values / model.beta, targets, reduction="none")
-        loss = (bce * mask).sum() / total
+        loss = (bce * mask * weights).sum() / total
         loss.backward()
         loss_sum += loss.detach().item()
     torch.nn.utils.clip_grad_norm_(model.policy.parameters(), spec.grad_clip)
