@@ -111,11 +111,21 @@ def rotary_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split:
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
-@compiled_on_cuda
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalised in float32, rounded to x's dtype, then scaled."""
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+rms_norm = compiled_on_cuda(_rms_norm)
+
+
+@compiled_on_cuda
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one kernel."""
+    x = x + delta
+    return x, _rms_norm(x, weight, eps)
 
 
 @compiled_on_cuda
@@ -205,8 +215,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     def forward(self, x, rope, batch: Batch, kv) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        norm = self.post_attention_layernorm
+        x, h = add_rms_norm(x, self.self_attn(self.input_layernorm(x), rope, batch, kv), norm.weight, norm.eps)
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):
