@@ -4,11 +4,12 @@ The GPU tests (compiled against eager, CUDA graph replay) run with `pytest -m gp
 """
 
 import math
+import os
 
 import pytest
 import torch
 
-from caspo.rollout.sampling import (_nucleus_plan, _truncated_pick, cut_threshold, gumbel_pick, nucleus_threshold,
+from caspo.rollout.sampling import (_masses, _nucleus_plan, cut_threshold, gumbel_pick, nucleus_threshold,
                                     sample_next, truncate_logits)
 
 LN2 = math.log(2)
@@ -200,20 +201,23 @@ def test_sample_next_tokens_unchanged(temperature, top_k, top_p):
     assert torch.allclose(full, expected[2], atol=1e-5)
 
 
-def test_sampler_traces_into_one_graph_with_a_symbolic_batch():
-    from torch._dynamo.testing import CompileCounterWithBackend
+@pytest.mark.parametrize("vocab, m", [(700, 15), (9000, 7), (17000, 3)])
+def test_mass_kernel_equals_the_torch_sums(vocab, m):
+    """The Triton pass (triton's interpreter on the CPU) gives the torch path's integer sums, bit for bit."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton kernels need a GPU or TRITON_INTERPRET=1")
+    from caspo.rollout.mass_above import mass_above
 
-    counter = CompileCounterWithBackend("aot_eager")
-    pick = torch.compile(_truncated_pick, backend=counter, fullgraph=True)  # fullgraph: a graph break raises
-    for batch in (5, 9, 12):
-        scaled = random_logits(batch, 700, 2.0, seed=batch)
-        seeds, positions = torch.arange(batch) + 3, torch.arange(batch) % 5
-        for tensor in (scaled, seeds, positions):
-            torch._dynamo.mark_dynamic(tensor, 0)
-        got = pick(scaled, seeds, positions, 20, 0.9)
-        expected = _truncated_pick(scaled, seeds, positions, 20, 0.9)
-        assert torch.equal(got[0], expected[0])
-    assert counter.frame_count == 1  # one compilation for every batch size: no data-dependent shapes
+    x = random_logits(3, vocab, 2.0, seed=vocab).float()
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    shift = 62 - (vocab - 1).bit_length()
+    levels = torch.sort(e[:, torch.randperm(vocab)[:m]], dim=-1).values  # levels that split the rows
+    levels[0, 0] = 0.0  # everything: the row's total mass
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = mass_above(e.to(device), levels.to(device), shift).cpu()
+    assert torch.equal(got, _masses(e, levels, shift))
+    assert got[0, 0] == (e[0] * 2.0 ** shift).to(torch.int64).sum()
 
 
 # ---------------------------------------------------------------- GPU

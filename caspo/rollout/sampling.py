@@ -13,6 +13,11 @@ import hashlib
 
 import torch
 
+try:
+    from caspo.rollout.mass_above import mass_above
+except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernel
+    mass_above = None
+
 MASK32 = 0xFFFFFFFF
 
 
@@ -43,9 +48,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return ((h >> 8).to(torch.float64) + 0.5) / float(1 << 24)
 
 
-# Pivots per pass of the nucleus search: 10 passes at top-p 0.9 over 151,936 tokens. A pass costs
+# Pivots per pass of the nucleus search: 7 passes at top-p 0.9 over 151,936 tokens. A pass costs
 # one read of the row and m compare-adds per token; benchmarks/sampler_bench.py times other m.
-NUCLEUS_PIVOTS = 7
+NUCLEUS_PIVOTS = 15
 _ONE_BITS = 127 << 23  # the int32 bit pattern of float32 1.0
 
 
@@ -53,7 +58,7 @@ def _nucleus_plan(vocab: int, top_p: float, pivots: int) -> tuple[int, int, list
     """The static part of the nucleus search: (mass shift S, first bit pattern, pivots of each pass).
 
     Plain Python on constants (the vocabulary is a static size, top_p a Python float), so that
-    torch.compile folds it and the passes unroll into one fixed graph.
+    the passes are a fixed sequence of kernels, so the search can be captured in a CUDA graph.
     """
     log_vocab = 0
     while (1 << log_vocab) < vocab:
@@ -91,29 +96,28 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     masked to -inf by top-k) are never kept and the returned logit is finite. top_p <= 0
     keeps the most likely token(s); cut_threshold never calls this at top_p >= 1.
 
-    Computation (no sort, static shapes, no host sync: it runs under torch.compile and in a
-    CUDA graph). Unnormalised e_i = exp(x_i - max x), in (0, 1] for finite logits, and
-    integer masses w_i = floor(e_i 2^S), S = 62 - ceil(log2 V), so a row sums below 2^62
+    Computation (no sort, static shapes, no host sync: it can be captured in a CUDA graph).
+    Unnormalised e_i = exp(x_i - max x), in (0, 1] for finite logits, and integer masses w_i = floor(e_i 2^S), S = 62 - ceil(log2 V), so a row sums below 2^62
     in int64. The condition f(v) >= top_p becomes W(v) = sum of w_i over {e_i >= v} >= T,
     T = ceil(top_p * sum w) (float64 product). Integer sums are exact, so W is exactly
-    non-increasing and does not depend on the summation order: eager, compiled, CPU and CUDA
-    agree whenever their e agree.
+    non-increasing and does not depend on the summation order: the CPU's torch reductions and
+    CUDA's Triton kernel (`_masses`) agree whenever their e agree.
     Non-negative float32 values order like the int32 values of their bits, so t is searched
     over bit patterns: an interval [lo, hi] with W(lo) >= T and W(hi + 1) < T, starting at
     hi = bits(1.0) (= max e) and lo = bits(2^-E), 2^-E <= (1 - top_p) / 4V (or 2^-S): the
     tokens under lo weigh under V 2^(S-E) <= (1 - top_p) 2^S / 4 <= (1 - top_p) sum w / 4
     (the top token alone weighs 2^S), so W(lo) >= T with a margin of 3/4 (1 - top_p) sum w,
     far above the rounding of T unless top_p is within 2^-40 of 1 (then E = S).
-    A pass evaluates W at m pivots c_j = lo + floor(j (hi - lo + 1) / (m + 1)), j = 1..m, in
-    one read of the row; with J = #{j : W(c_j) >= T} (a prefix: W is monotone), the interval
+    A pass evaluates W at m pivots c_j = lo + floor(j (hi - lo + 1) / (m + 1)), j = 1..m (on
+    CUDA in one read of the row); with J = #{j : W(c_j) >= T} (a prefix: W is monotone), the interval
     becomes [c_J, c_{J+1} - 1] (c_0 = lo, c_{m+1} = hi + 1), its width divided by m + 1.
     After the last pass lo = hi = t: the largest pattern with W >= T, which is an e_i (W only
     changes at them). The threshold logit is then the min of the logits over {e_i >= t}.
 
     Cost: a pass reads e [B, V] once and does m compares and m int64 adds per element; with
     `pivots` = m the search takes ceil(log_{m+1}(E 2^23)) passes (the last one with fewer
-    pivots where that suffices): at top_p 0.9 and V = 151,936 (E = 23), 10 passes for m = 7,
-    7 for m = 15. Around them: the row max, the exponentials, the mass sum and the final min.
+    pivots where that suffices): at top_p 0.9 and V = 151,936 (E = 23), 7 passes for m = 15,
+    10 for m = 7. Around them: the row max, the exponentials, the mass sum and the final min.
 
     Against the float32 sort (softmax, cumsum): (1) tokens under 2^-S of the top token weigh
     nothing and each weight is truncated by under 2^-S, in all under V 2^-S <= 2^(2 ceil(log2
@@ -126,21 +130,33 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     x = logits.float()
     e = torch.exp(x - x.amax(-1, keepdim=True))
     shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
-    weight = (e * 2.0 ** shift).to(torch.int64)  # exact scaling by a power of two, then truncation
-    target = (weight.sum(-1, keepdim=True).double() * top_p).ceil().to(torch.int64)
+    total = _masses(e, e.new_zeros(e.shape[0], 1), shift)
+    target = (total.double() * top_p).ceil().to(torch.int64)
     lo = torch.full_like(target, first)
     hi = torch.full_like(target, _ONE_BITS)
     for m in plan:
         width = hi - lo + 1
         cuts = lo + width * torch.arange(1, m + 1, device=x.device) // (m + 1)  # [B, m] int64 patterns
-        levels = cuts.to(torch.int32).view(torch.float32)
-        # m reductions of the same rows: inductor fuses them into one kernel reading e once
-        reached = torch.cat([(torch.where(e >= levels[:, j:j + 1], weight, 0).sum(-1, keepdim=True) >= target)
-                             for j in range(m)], -1)
+        reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift) >= target
         count = reached.sum(-1, keepdim=True)
         lo, hi = lo + width * count // (m + 1), lo + width * (count + 1) // (m + 1) - 1
     kept = e >= lo.to(torch.int32).view(torch.float32)
     return torch.where(kept, logits, float("inf")).amin(-1, keepdim=True)
+
+
+def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tensor:
+    """W [B, m] int64: the sum of floor(e_i 2^shift) over {i : e_i >= levels[:, j]}, exact in any order.
+
+    On CUDA one Triton kernel reads e once for all m levels (`mass_above`); torch reductions
+    would read it once per level.
+    """
+    if e.is_cuda:
+        if mass_above is None:
+            raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
+        return mass_above(e, levels, shift)
+    weight = (e * 2.0 ** shift).to(torch.int64)  # exact scaling by a power of two, then truncation
+    return torch.cat([torch.where(e >= levels[:, j:j + 1], weight, 0).sum(-1, keepdim=True)
+                      for j in range(levels.shape[1])], -1)
 
 
 def cut_threshold(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -168,28 +184,19 @@ def gumbel_pick(scaled: torch.Tensor, threshold: torch.Tensor, seeds: torch.Tens
     return tokens, picked - torch.logsumexp(kept, -1), picked - torch.logsumexp(scaled, -1)
 
 
-def _truncated_pick(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, top_k: int,
-                    top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gumbel_pick over the top-k / top-p set of `scaled`: the whole sampler after the temperature."""
-    return gumbel_pick(scaled, cut_threshold(scaled, top_k, top_p), seeds, positions)
-
-
 @functools.cache
-def _truncated_pick_compiled():
-    # One graph for the cut and the pick: the nucleus search unrolls into a fixed sequence of
-    # reductions, fused with the noise hash, the Gumbel argmax and the normalizers instead of
-    # hundreds of launches over [B, vocab]; integer hashing, integer masses and float64 sums
-    # keep the tokens exact. No sort, no host sync: the compiled sampler can be captured in a
-    # CUDA graph. top_k and top_p are Python constants: the graph specialises on them.
-    return torch.compile(_truncated_pick)
+def _gumbel_pick_compiled():
+    # One fused kernel for the noise hash, the Gumbel argmax and the normalizers instead of
+    # ~30 launches over [B, vocab]; integer hashing and float64 sums keep the tokens exact.
+    return torch.compile(gumbel_pick)
 
 
-def _compiled_pick(scaled, seeds, positions, top_k, top_p):
+def _compiled_pick(scaled, threshold, seeds, positions):
     # The batch varies from step to step, the vocabulary never: one compilation with a symbolic
     # batch and a static reduction length (compiled fully dynamic, the engine ran a third slower on an H200).
-    for tensor in (scaled, seeds, positions):
+    for tensor in (scaled, threshold, seeds, positions):
         torch._dynamo.mark_dynamic(tensor, 0)
-    return _truncated_pick_compiled()(scaled, seeds, positions, top_k, top_p)
+    return _gumbel_pick_compiled()(scaled, threshold, seeds, positions)
 
 
 def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
@@ -200,8 +207,9 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     log-probs are under the distribution sampled from, softmax(truncate(logits / T));
     untruncated log-probs under softmax(logits / T) over the whole vocabulary.
     temperature == 0 is greedy, with the log-probs of the temperature-1 distribution.
-    compiled: run the top-k / top-p cut and the Gumbel pick through torch.compile, as one
-    graph (default: on CUDA). Same tokens either way; log-probs agree to float32 rounding.
+    compiled: run the Gumbel pick through torch.compile (default: on CUDA). Same tokens either
+    way; log-probs agree to float32 rounding. The cut runs eagerly: on CUDA its nucleus passes
+    are Triton kernels, with no host sync, so the whole sampler can be captured in a CUDA graph.
     """
     logits = logits.float()
     if temperature == 0:
@@ -209,5 +217,6 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
         logprobs = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
         return tokens, logprobs, logprobs
     scaled = logits / temperature
-    pick = _compiled_pick if (logits.is_cuda if compiled is None else compiled) else _truncated_pick
-    return pick(scaled, seeds, positions, top_k, top_p)
+    threshold = cut_threshold(scaled, top_k, top_p)
+    pick = _compiled_pick if (logits.is_cuda if compiled is None else compiled) else gumbel_pick
+    return pick(scaled, threshold, seeds, positions)
