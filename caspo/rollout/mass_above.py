@@ -4,11 +4,9 @@
 
 `sampling.nucleus_threshold` narrows a row's threshold with a few such passes. Written as torch
 reductions, each pass reads the [B, vocab] row set once per level; this kernel reads it once
-for all m levels: grid (rows, parts of the vocabulary). Each program keeps a [BLOCK, m] tile
-of float64 sums, one per (lane, level), and reduces it across lanes once at the end, in int64:
-no cross-lane reduction per block, and float64 adds rather than emulated int64 ones. Every
-sum is exact (the integers stay below 2^53 per lane: see `max_shift`), so the result equals
-the torch computation bit for bit, whatever the order.
+for all m levels: grid (rows, parts of the vocabulary), each program accumulating m int64
+sums over its part, then a sum over parts. Integer sums are exact, so the result equals the
+torch computation bit for bit, whatever the order.
 """
 
 from __future__ import annotations
@@ -18,12 +16,7 @@ import triton
 import triton.language as tl
 
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
-BLOCK = 512  # entries per loop iteration: SPAN / BLOCK = 16 float64 adds per lane and level
-
-
-def max_shift() -> int:
-    """The largest weight scale 2^shift whose per-lane float64 sums stay exact: 16 · 2^shift <= 2^53."""
-    return 53 - (SPAN // BLOCK).bit_length() + 1
+BLOCK = 1024  # entries per loop iteration
 
 
 @triton.jit
@@ -33,13 +26,13 @@ def _mass_above_kernel(E, Levels, Partial, vocab, stride_row, scale,
     part = tl.program_id(1)
     slots = tl.arange(0, LEVELS)
     levels = tl.load(Levels + row * LEVELS + slots)  # padded with +inf: those sums stay 0
-    acc = tl.zeros([BLOCK, LEVELS], dtype=tl.float64)
+    acc = tl.zeros([LEVELS], dtype=tl.int64)
     for offset in range(0, SPAN, BLOCK):
         index = part * SPAN + offset + tl.arange(0, BLOCK)
         e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
-        w = tl.floor(e.to(tl.float64) * scale)  # exact: a power-of-two scale, then truncation, as torch does
-        acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0.0)
-    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, tl.sum(acc.to(tl.int64), axis=0))
+        w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
+        acc += tl.sum(tl.where(e[:, None] >= levels[None, :], w[:, None], 0), axis=0)
+    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, acc)
 
 
 def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tensor:
@@ -48,8 +41,6 @@ def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tenso
         raise ValueError(f"mass_above needs float32 e and levels, got {e.dtype} and {levels.dtype}")
     if e.stride(-1) != 1:
         raise ValueError("mass_above needs e with a contiguous last dimension")
-    if shift > max_shift():
-        raise ValueError(f"shift {shift} > {max_shift()}: the kernel's float64 sums would round")
     rows, vocab = e.shape
     m = levels.shape[1]
     width = max(2, triton.next_power_of_2(m))

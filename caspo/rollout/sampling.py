@@ -19,7 +19,6 @@ except ImportError:  # CPU builds of torch come without triton; only CUDA needs 
     mass_above = None
 
 MASK32 = 0xFFFFFFFF
-MAX_SHIFT = 47  # see _nucleus_plan; caspo.rollout.mass_above.max_shift() allows up to 49
 
 
 def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
@@ -64,9 +63,7 @@ def _nucleus_plan(vocab: int, top_p: float, pivots: int) -> tuple[int, int, list
     log_vocab = 0
     while (1 << log_vocab) < vocab:
         log_vocab += 1
-    # A row of masses in units of 2^-S sums below 2^62; and at most 2^47, which the CUDA kernel's
-    # float64 partial sums hold exactly (only vocabularies under 2^15 reach the cap).
-    shift = min(62 - log_vocab, MAX_SHIFT)
+    shift = 62 - log_vocab  # a row of masses in units of 2^-S sums below 2^62
     exponent = shift  # start at 2^-S, below which a token weighs nothing, or higher: at 2^-E <= (1 - top_p) / 4V,
     if 1.0 - top_p >= 2.0 ** max(-40, 2 - shift):  # where far from 1 the margin beats the rounding of T
         bound = 0.25 * (1.0 - top_p) / vocab
@@ -100,8 +97,7 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     keeps the most likely token(s); cut_threshold never calls this at top_p >= 1.
 
     Computation (no sort, static shapes, no host sync: it can be captured in a CUDA graph).
-    Unnormalised e_i = exp(x_i - max x), in (0, 1] for finite logits, and integer masses
-    w_i = floor(e_i 2^S), S = min(62 - ceil(log2 V), 47), so a row sums below 2^62
+    Unnormalised e_i = exp(x_i - max x), in (0, 1] for finite logits, and integer masses w_i = floor(e_i 2^S), S = 62 - ceil(log2 V), so a row sums below 2^62
     in int64. The condition f(v) >= top_p becomes W(v) = sum of w_i over {e_i >= v} >= T,
     T = ceil(top_p * sum w) (float64 product). Integer sums are exact, so W is exactly
     non-increasing and does not depend on the summation order: the CPU's torch reductions and
@@ -124,8 +120,8 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     10 for m = 7. Around them: the row max, the exponentials, the mass sum and the final min.
 
     Against the float32 sort (softmax, cumsum): (1) tokens under 2^-S of the top token weigh
-    nothing and each weight is truncated by under 2^-S, in all under V 2^-S of the top token
-    (2^-26 at V = 151,936, at most 2^-32 where the cap of 47 applies), below the float32 rounding of top_p;
+    nothing and each weight is truncated by under 2^-S, in all under V 2^-S <= 2^(2 ceil(log2
+    V) - 62) of the top token (2^-26 at V = 151,936), below the float32 rounding of top_p;
     (2) the sort's cumsum rounds, these sums do not: a row whose mass before or through the
     last kept token lies within float32 rounding of top_p can keep one token (group) more or
     less; (3) distinct logits whose probabilities are equal in float32 count as tied and are
