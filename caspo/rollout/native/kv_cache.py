@@ -2,11 +2,11 @@
 
 Layout: a single tensor `[planes, layers, 2 (k, v), slots, kv_heads, max_seq_len, head_dim]`.
 
-Why fixed slots rather than paged blocks: attention here is PyTorch's SDPA, which reads keys
-and values as dense `[batch, kv_heads, length, head_dim]` tensors. With slots, the decode step
-reads the rows of the running sequences as a *view* of the cache; with paged blocks every
-layer of every step would first gather each sequence's blocks into such a tensor, copying the
-whole KV once more per step. The price is memory: a slot reserves `max_seq_len` positions
+Why fixed slots rather than paged blocks: prefill attention is PyTorch's SDPA, which reads keys
+and values as dense `[batch, kv_heads, length, head_dim]` tensors, and the decode kernel
+(`decode_attention.py`) reads row i's keys from slot i as one contiguous run. With slots both
+read the cache in place; with paged blocks every prefill would first gather each sequence's
+blocks into such a tensor. The price is memory: a slot reserves `max_seq_len` positions
 whatever the sequence's length. The allocation unit ("block" in `capacity_report`) is
 therefore one slot of `max_seq_len` tokens.
 

@@ -6,6 +6,12 @@ to one. The numerics follow `transformers`: RMSNorm in float32, RoPE tables comp
 float32 on the model's device and cast to the compute dtype. Logits are float32: on CUDA a
 bf16/fp16 runner keeps the output GEMM's float32 accumulator, where `transformers` rounds
 the logits to the compute dtype first.
+
+On CUDA three things differ from a plain eager forward, none in what is computed: q/k/v and
+gate/up each run as one GEMM over a fused weight whose row blocks are the named parameters
+(`fuse_linears`); the element-wise work between GEMMs runs through `torch.compile`
+(`compiled_on_cuda`); and a decode step's attention runs in the split-K Triton kernel of
+`decode_attention.py` (`Runner.decode_kernel`, set by the engine).
 """
 
 from __future__ import annotations
