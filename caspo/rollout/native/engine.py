@@ -6,8 +6,10 @@ One `generate` call repeats, until every request has finished:
     prefill  their prompts, computing only what no resident slot already holds (prefix sharing);
     sample   one token for every sequence with fresh logits (just prefilled or just decoded),
              with the counter-based noise of (sample seed, token index);
-    retire   finished sequences leave and free their slots;
-    decode   one step for the sequences still running.
+    decode   one step, launched on the device with the sampled tokens still there, for every
+             sequence not at its last token;
+    retire   meanwhile the host reads the tokens: finished sequences leave and free their slots
+             (one that stopped on a token leaves a wasted row in the step already launched).
 
 The schedule is a function of the requests and the engine's settings alone, never of timing,
 and the noise of a token does not depend on the batch: a completion is a function of
