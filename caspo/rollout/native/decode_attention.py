@@ -37,7 +37,8 @@ BLOCK_N = 64  # keys per block of the stage-1 loop
 NUM_WARPS = 4
 NUM_STAGES = 2  # K/V blocks in flight: 2 × 2 × 64 × 128 × 2 bytes = 64 KiB shared memory at D=128 bf16
 
-# Split heuristic: programs wanted for ~132 SMs (H100/H200), and the shortest chunk worth a split
+# Split heuristic: two programs per SM of an H100/H200 (132 SMs; at B = 256 one split, measured
+# faster than two: benchmarks/RESULTS.md), and the shortest chunk worth a split
 # (a split costs a [G, D] fp32 partial written and read back, ~10% of a 128-key chunk's K/V at G=6).
 TARGET_PROGRAMS = 2 * 132
 MIN_CHUNK = 128
