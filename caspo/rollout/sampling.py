@@ -130,21 +130,22 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     x = logits.float()
     e = torch.exp(x - x.amax(-1, keepdim=True))
     shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
-    total = _masses(e, e.new_zeros(e.shape[0], 1), shift)
+    weight = None if e.is_cuda else (e * 2.0 ** shift).to(torch.int64)  # the kernel derives it per read
+    total = _masses(e, e.new_zeros(e.shape[0], 1), shift, weight)
     target = (total.double() * top_p).ceil().to(torch.int64)
     lo = torch.full_like(target, first)
     hi = torch.full_like(target, _ONE_BITS)
     for m in plan:
         width = hi - lo + 1
         cuts = lo + width * torch.arange(1, m + 1, device=x.device) // (m + 1)  # [B, m] int64 patterns
-        reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift) >= target
+        reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight) >= target
         count = reached.sum(-1, keepdim=True)
         lo, hi = lo + width * count // (m + 1), lo + width * (count + 1) // (m + 1) - 1
     kept = e >= lo.to(torch.int32).view(torch.float32)
     return torch.where(kept, logits, float("inf")).amin(-1, keepdim=True)
 
 
-def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tensor:
+def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Tensor | None = None) -> torch.Tensor:
     """W [B, m] int64: the sum of floor(e_i 2^shift) over {i : e_i >= levels[:, j]}, exact in any order.
 
     On CUDA one Triton kernel reads e once for all m levels (`mass_above`); torch reductions
@@ -154,7 +155,8 @@ def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tensor:
         if mass_above is None:
             raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
         return mass_above(e, levels, shift)
-    weight = (e * 2.0 ** shift).to(torch.int64)  # exact scaling by a power of two, then truncation
+    if weight is None:
+        weight = (e * 2.0 ** shift).to(torch.int64)  # exact scaling by a power of two, then truncation
     return torch.cat([torch.where(e >= levels[:, j:j + 1], weight, 0).sum(-1, keepdim=True)
                       for j in range(levels.shape[1])], -1)
 

@@ -34,8 +34,8 @@ from caspo.rollout.native.graphs import DecodeGraphs, default_batch_sizes, defau
 from caspo.rollout.native.kv_cache import CapacityReport, KVCache
 from caspo.rollout.native.looped_runner import LoopedCausalLM
 from caspo.rollout.native.prefix import PrefixIndex, SharedPrefix
-from caspo.rollout.native import runner as runner_module
-from caspo.rollout.native.runner import Batch, CausalLM, build_runner, read_checkpoint, weights_dtype
+from caspo.rollout.native.runner import (Batch, CausalLM, build_runner, decode_attention, read_checkpoint,
+                                         weights_dtype)
 from caspo.rollout.native.spec import LoopedSpec, decoder_spec
 from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
@@ -120,10 +120,10 @@ class NativeEngine(PublishedWeights):
         del tensors
         self.runner.decode_kernel = self.device.type == "cuda" if decode_kernel is None else decode_kernel
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # triton's CPU interpreter (tests)
-        if self.runner.decode_kernel and (runner_module.decode_attention is None
+        if self.runner.decode_kernel and (decode_attention is None
                                           or not (self.device.type == "cuda" or interpreted)):
             raise ValueError(f"decode_kernel=True needs triton and a CUDA device (device {self.device}, triton "
-                             f"{'missing' if runner_module.decode_attention is None else 'present'}); "
+                             f"{'missing' if decode_attention is None else 'present'}); "
                              f"pass decode_kernel=False for masked SDPA")
         # A looped model keeps one plane per loop: a token's K/V take `planes` times the bytes.
         per_token = KVCache.bytes_per_token(layers=self.spec.num_layers, kv_heads=self.spec.num_kv_heads,
