@@ -5,7 +5,9 @@
 `sampling.nucleus_threshold` narrows a row's threshold with a few such passes. Written as torch
 reductions, each pass reads the [B, vocab] row set once per level; this kernel reads it once
 for all m levels: grid (rows, parts of the vocabulary), each program accumulating m int64
-sums over its part, then a sum over parts. Integer sums are exact, so the result equals the
+sums over its part, then a sum over parts. A program keeps a [BLOCK, m] tile of sums in
+registers and reduces it across threads once, at the end: reducing every iteration made the
+cross-thread shuffles, not the compare-adds, the cost of a pass. Integer sums are exact, so the result equals the
 torch computation bit for bit, whatever the order.
 """
 
@@ -16,7 +18,8 @@ import triton
 import triton.language as tl
 
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
-BLOCK = 1024  # entries per loop iteration
+BLOCK = 256  # entries per loop iteration, each thread holding BLOCK / (32 WARPS) rows of the m sums
+WARPS = 4
 
 
 @triton.jit
@@ -26,13 +29,13 @@ def _mass_above_kernel(E, Levels, Partial, vocab, stride_row, scale,
     part = tl.program_id(1)
     slots = tl.arange(0, LEVELS)
     levels = tl.load(Levels + row * LEVELS + slots)  # padded with +inf: those sums stay 0
-    acc = tl.zeros([LEVELS], dtype=tl.int64)
+    acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
     for offset in range(0, SPAN, BLOCK):
         index = part * SPAN + offset + tl.arange(0, BLOCK)
         e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
         w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
-        acc += tl.sum(tl.where(e[:, None] >= levels[None, :], w[:, None], 0), axis=0)
-    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, acc)
+        acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
+    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, tl.sum(acc, axis=0))
 
 
 def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tensor:
@@ -49,5 +52,5 @@ def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tenso
     parts = triton.cdiv(vocab, SPAN)
     partial = torch.empty(rows, parts, width, dtype=torch.int64, device=e.device)
     _mass_above_kernel[(rows, parts)](e, padded, partial, vocab, e.stride(0), 2.0 ** shift,
-                                      LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=8)
+                                      LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return partial.sum(1)[:, :m]
