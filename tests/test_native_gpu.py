@@ -173,14 +173,14 @@ def test_cache_sized_from_the_gpu_memory_fraction():
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 0, 0.9), (0.8, 20, 0.95), (0.0, 0, 1.0)])
-def test_compiled_sampler_matches_eager(temperature, top_k, top_p):
+def test_fused_sampler_matches_eager(temperature, top_k, top_p):
     generator = torch.Generator(device=CUDA).manual_seed(0)
-    for batch in (7, 64):  # two shapes: the second call runs the dynamic-shape compilation
+    for batch in (7, 64):
         logits = torch.randn(batch, 5000, device=CUDA, generator=generator) * 3
         seeds = torch.arange(batch, device=CUDA) * 7919 + 17
         positions = torch.arange(batch, device=CUDA) % 11
-        compiled = sample_next(logits, seeds, positions, temperature, top_k, top_p)
-        eager = sample_next(logits, seeds, positions, temperature, top_k, top_p, compiled=False)
-        assert torch.equal(compiled[0], eager[0])
-        for got, expected in zip(compiled[1:], eager[1:]):
+        fused = sample_next(logits, seeds, positions, temperature, top_k, top_p)
+        eager = sample_next(logits, seeds, positions, temperature, top_k, top_p, fused=False)
+        assert torch.equal(fused[0], eager[0])
+        for got, expected in zip(fused[1:], eager[1:]):
             assert torch.allclose(got, expected, atol=1e-5)

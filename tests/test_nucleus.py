@@ -1,6 +1,6 @@
 """The sort-free top-p threshold: hand-derived cases, agreement with the sorted definition, the sampler's tokens.
 
-The GPU tests (compiled against eager, CUDA graph replay) run with `pytest -m gpu`.
+The GPU tests (the fused sampler against the eager one, CUDA graph replay) run with `pytest -m gpu`.
 """
 
 import math
@@ -201,12 +201,35 @@ def test_sample_next_tokens_unchanged(temperature, top_k, top_p):
     assert torch.allclose(full, expected[2], atol=1e-5)
 
 
-@pytest.mark.parametrize("vocab, m", [(700, 15), (9000, 7), (17000, 3)])
-def test_mass_kernel_equals_the_torch_sums(vocab, m):
-    """The Triton pass (triton's interpreter on the CPU) gives the torch path's integer sums, bit for bit."""
+def needs_triton():
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton kernels need a GPU or TRITON_INTERPRET=1")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 0, 0.9), (1.0, 40, 1.0), (0.7, 0, 1.0)])
+@pytest.mark.parametrize("vocab", [5000, 20000])  # one part, and three with a partial last one
+def test_fused_pick_equals_the_torch_pick(vocab, temperature, top_k, top_p):
+    """The one-kernel pick (triton's interpreter on the CPU) gives gumbel_pick's tokens and its log-probs."""
+    device = needs_triton()
+    logits = random_logits(6, vocab, 3.0, seed=vocab).float()
+    logits[5] = 0.0  # a flat row: the noise alone decides
+    seeds = torch.tensor([1, 2**40 + 3, 2**62 + 5, 7, 11, 13])
+    positions = torch.tensor([0, 1, 5, 100, 4095, 9])
+    fused = sample_next(logits.to(device), seeds.to(device), positions.to(device), temperature, top_k, top_p,
+                        fused=True)
+    scaled = logits / temperature
+    expected = gumbel_pick(scaled, sorted_cut(scaled, top_k, top_p), seeds, positions)
+    assert torch.equal(fused[0].cpu(), expected[0])
+    for got, want in zip(fused[1:], expected[1:]):
+        assert torch.allclose(got.cpu(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab, m", [(700, 15), (9000, 7), (17000, 3)])
+def test_mass_kernel_equals_the_torch_sums(vocab, m):
+    """The Triton pass (triton's interpreter on the CPU) gives the torch path's integer sums, bit for bit."""
+    device = needs_triton()
     from caspo.rollout.mass_above import mass_above
 
     x = random_logits(3, vocab, 2.0, seed=vocab).float()
@@ -214,7 +237,6 @@ def test_mass_kernel_equals_the_torch_sums(vocab, m):
     shift = 62 - (vocab - 1).bit_length()
     levels = torch.sort(e[:, torch.randperm(vocab)[:m]], dim=-1).values  # levels that split the rows
     levels[0, 0] = 0.0  # everything: the row's total mass
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     got = mass_above(e.to(device), levels.to(device), shift).cpu()
     assert torch.equal(got, _masses(e, levels, shift))
     assert got[0, 0] == (e[0] * 2.0 ** shift).to(torch.int64).sum()
@@ -240,12 +262,12 @@ def cuda_batch(batch: int, std: float = 1.0, seed: int = 0):
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (50, 0.9)])
 @pytest.mark.parametrize("std", [1.0, 8.0])
 @pytest.mark.parametrize("batch", [1, 37, 256])
-def test_compiled_matches_eager_on_the_gpu(batch, std, top_k, top_p):
+def test_fused_matches_eager_on_the_gpu(batch, std, top_k, top_p):
     logits, seeds, positions = cuda_batch(batch, std, seed=batch)
-    compiled = sample_next(logits, seeds, positions, 0.6, top_k, top_p)
-    eager = sample_next(logits, seeds, positions, 0.6, top_k, top_p, compiled=False)
-    assert torch.equal(compiled[0], eager[0])
-    for got, expected in zip(compiled[1:], eager[1:]):
+    fused = sample_next(logits, seeds, positions, 0.6, top_k, top_p)
+    eager = sample_next(logits, seeds, positions, 0.6, top_k, top_p, fused=False)
+    assert torch.equal(fused[0], eager[0])
+    for got, expected in zip(fused[1:], eager[1:]):
         assert torch.allclose(got, expected, atol=1e-5)
     # the same code on the CPU: integer masses make the search independent of the device up to the
     # exponentials' last bits, which can only matter where the boundary is within ~1e-9 of top_p
@@ -258,12 +280,12 @@ def test_compiled_matches_eager_on_the_gpu(batch, std, top_k, top_p):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (50, 0.9)])
-def test_compiled_sampler_replays_in_a_cuda_graph(top_k, top_p):
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (50, 0.9), (0, 1.0)])
+def test_fused_sampler_replays_in_a_cuda_graph(top_k, top_p):
     static = list(cuda_batch(64, seed=1))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and autotune before the capture
+    with torch.cuda.stream(stream):  # compile the kernels before the capture
         for _ in range(3):
             sample_next(*static, 0.6, top_k, top_p)
     torch.cuda.current_stream().wait_stream(stream)
@@ -274,7 +296,7 @@ def test_compiled_sampler_replays_in_a_cuda_graph(top_k, top_p):
         for buffer, value in zip(static, cuda_batch(64, std=1.0 + 3 * seed, seed=seed)):
             buffer.copy_(value)
         graph.replay()
-        eager = sample_next(*static, 0.6, top_k, top_p, compiled=False)
+        eager = sample_next(*static, 0.6, top_k, top_p, fused=False)
         assert torch.equal(out[0], eager[0])
         for got, expected in zip(out[1:], eager[1:]):
             assert torch.allclose(got, expected, atol=1e-5)

@@ -8,15 +8,15 @@ the logits first; the top-p threshold is found by a sort-free exact search (nucl
 
 from __future__ import annotations
 
-import functools
 import hashlib
 
 import torch
 
 try:
+    from caspo.rollout.gumbel_kernel import fused_gumbel_pick
     from caspo.rollout.mass_above import mass_above
-except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernel
-    mass_above = None
+except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
+    fused_gumbel_pick = mass_above = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -36,15 +36,16 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def noise_row_hash(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash [B] (int64) of each row's (seed, position), which the vocabulary id then mixes into."""
+    h = _fmix32((seeds & MASK32) ^ _fmix32(((seeds >> 32) & MASK32) ^ 0x9E3779B9))
+    return _fmix32(h ^ ((positions * 0x27D4EB2F) & MASK32))
+
+
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """U in (0, 1) of shape [B, V] for int64 `seeds` [B] and `positions` [B]."""
-    device = seeds.device
-    vocab = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    seed_lo = (seeds & MASK32)[:, None]
-    seed_hi = ((seeds >> 32) & MASK32)[:, None]
-    h = _fmix32(seed_lo ^ _fmix32(seed_hi ^ 0x9E3779B9))
-    h = _fmix32(h ^ ((positions[:, None] * 0x27D4EB2F) & MASK32))
-    h = _fmix32(h ^ ((vocab[None, :] * 0x165667B1 + 0x61C88647) & MASK32))
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    h = _fmix32(noise_row_hash(seeds, positions)[:, None] ^ ((vocab[None, :] * 0x165667B1 + 0x61C88647) & MASK32))
     return ((h >> 8).to(torch.float64) + 0.5) / float(1 << 24)
 
 
@@ -186,39 +187,30 @@ def gumbel_pick(scaled: torch.Tensor, threshold: torch.Tensor, seeds: torch.Tens
     return tokens, picked - torch.logsumexp(kept, -1), picked - torch.logsumexp(scaled, -1)
 
 
-@functools.cache
-def _gumbel_pick_compiled():
-    # One fused kernel for the noise hash, the Gumbel argmax and the normalizers instead of
-    # ~30 launches over [B, vocab]; integer hashing and float64 sums keep the tokens exact.
-    return torch.compile(gumbel_pick)
-
-
-def _compiled_pick(scaled, threshold, seeds, positions):
-    # The batch varies from step to step, the vocabulary never: one compilation with a symbolic
-    # batch and a static reduction length (compiled fully dynamic, the engine ran a third slower on an H200).
-    for tensor in (scaled, threshold, seeds, positions):
-        torch._dynamo.mark_dynamic(tensor, 0)
-    return _gumbel_pick_compiled()(scaled, threshold, seeds, positions)
-
-
 def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: float,
-                top_k: int = 0, top_p: float = 1.0, compiled: bool | None = None
+                top_k: int = 0, top_p: float = 1.0, fused: bool | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick one token per row: (tokens [B], log-probs [B], untruncated log-probs [B]).
 
     log-probs are under the distribution sampled from, softmax(truncate(logits / T));
     untruncated log-probs under softmax(logits / T) over the whole vocabulary.
     temperature == 0 is greedy, with the log-probs of the temperature-1 distribution.
-    compiled: run the Gumbel pick through torch.compile (default: on CUDA). Same tokens either
-    way; log-probs agree to float32 rounding. The cut runs eagerly: on CUDA its nucleus passes
-    are Triton kernels, with no host sync, so the whole sampler can be captured in a CUDA graph.
+    fused: divide, hash the noise and pick in one Triton kernel, `fused_gumbel_pick` (default: on
+    CUDA). Same tokens either way; log-probs agree to float32 rounding. On CUDA the nucleus
+    passes are Triton kernels too, with no host sync, so the whole sampler can be captured in a
+    CUDA graph.
     """
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(-1)
         logprobs = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
         return tokens, logprobs, logprobs
-    scaled = logits / temperature
-    threshold = cut_threshold(scaled, top_k, top_p)
-    pick = _compiled_pick if (logits.is_cuda if compiled is None else compiled) else gumbel_pick
-    return pick(scaled, threshold, seeds, positions)
+    if not (logits.is_cuda if fused is None else fused):
+        scaled = logits / temperature
+        return gumbel_pick(scaled, cut_threshold(scaled, top_k, top_p), seeds, positions)
+    if fused_gumbel_pick is None:
+        raise RuntimeError("the fused sampler needs triton (it comes with CUDA builds of torch); pass fused=False")
+    threshold = logits.new_full((logits.shape[0], 1), float("-inf"))
+    if top_k > 0 or top_p < 1.0:  # the division is folded into the pick unless the cut needs it
+        threshold = cut_threshold(logits / temperature, top_k, top_p)
+    return fused_gumbel_pick(logits.contiguous(), temperature, threshold, noise_row_hash(seeds, positions))
