@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from caspo.rollout.sampling import (_masses, _nucleus_plan, cut_threshold, gumbel_pick, nucleus_threshold,
-                                    sample_next, truncate_logits)
+from caspo.rollout.sampling import (_masses, _nucleus_plan, cut_threshold, gumbel_pick, inverse_temperature,
+                                    nucleus_threshold, sample_next, truncate_logits)
 
 LN2 = math.log(2)
 NEG_INF = float("-inf")
@@ -194,7 +194,7 @@ def test_sample_next_tokens_unchanged(temperature, top_k, top_p):
     seeds = torch.arange(48) * 7919 + 17
     positions = torch.arange(48) % 13
     tokens, logprobs, full = sample_next(logits, seeds, positions, temperature, top_k, top_p)
-    scaled = logits / temperature
+    scaled = logits * inverse_temperature(temperature)
     expected = gumbel_pick(scaled, sorted_cut(scaled, top_k, top_p), seeds, positions)
     assert torch.equal(tokens, expected[0])
     assert torch.allclose(logprobs, expected[1], atol=1e-5)
@@ -219,7 +219,7 @@ def test_fused_pick_equals_the_torch_pick(vocab, temperature, top_k, top_p):
     positions = torch.tensor([0, 1, 5, 100, 4095, 9])
     fused = sample_next(logits.to(device), seeds.to(device), positions.to(device), temperature, top_k, top_p,
                         fused=True)
-    scaled = logits / temperature
+    scaled = logits * inverse_temperature(temperature)
     expected = gumbel_pick(scaled, sorted_cut(scaled, top_k, top_p), seeds, positions)
     assert torch.equal(fused[0].cpu(), expected[0])
     for got, want in zip(fused[1:], expected[1:]):

@@ -1,13 +1,14 @@
 """The Gumbel-max pick on CUDA in one read of the logits: the sampler's last step, fused.
 
-For logits x [B, V] (float32), temperature T, cut threshold c [B, 1] and the counter noise U:
+For logits x [B, V] (float32), inverse temperature r (a float32 number), cut threshold c [B, 1]
+and the counter noise U:
 
-    s_i = x_i / T                                   (IEEE division, as torch's)
+    s_i = x_i · r                                   (float32 product, as torch's)
     token = argmax_i (s_i if s_i >= c else -inf) + G_i,   G_i = -log(-log U_i)  (float64, first index on ties)
     log-prob = s_token - logsumexp{s_i : s_i >= c},   untruncated = s_token - logsumexp_i s_i
 
 `sampling.gumbel_pick` computes the same with torch ops, which read and write [B, V] several
-times (division, noise, argmax and two log-sum-exps: about 0.6 ms per step at B = 256 and
+times (scaling, noise, argmax and two log-sum-exps: about 0.6 ms per step at B = 256 and
 V = 151,936 on an H200). Here grid (rows, parts of the vocabulary): each program hashes the
 noise of its part, keeps per-lane running maxima and online sums in registers, reduces them
 across threads once at the end and writes one partial per (row, part); a few [B, parts] torch
@@ -54,7 +55,7 @@ def _store_logsumexp(top, total, Top, Total):
 
 
 @triton.jit
-def _gumbel_pick_kernel(Logits, RowHash, Threshold, temperature, vocab, stride_row,
+def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, stride_row,
                         BestKey, BestIndex, KeptTop, KeptTotal, FullTop, FullTotal,
                         SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -70,7 +71,7 @@ def _gumbel_pick_kernel(Logits, RowHash, Threshold, temperature, vocab, stride_r
     for offset in range(0, SPAN, BLOCK):
         index = part * SPAN + offset + tl.arange(0, BLOCK)
         x = tl.load(Logits + row * stride_row + index, mask=index < vocab, other=float("-inf"))
-        s = tl.math.div_rn(x, temperature)
+        s = x * inverse_temperature
         kept = tl.where(s >= cut, s, float("-inf"))
         h = _fmix32(row_hash ^ (index.to(tl.uint32) * 0x165667B1 + 0x61C88647))  # uint32 arithmetic wraps
         u = ((h >> 8).to(tl.float64) + 0.5) * (1.0 / (1 << 24))
@@ -94,12 +95,12 @@ def _combine_logsumexp(top: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return (row_top + torch.log((total * torch.exp(top - row_top)).sum(-1, keepdim=True)))[:, 0]
 
 
-def fused_gumbel_pick(logits: torch.Tensor, temperature: float, threshold: torch.Tensor, row_hash: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshold: torch.Tensor,
+                      row_hash: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B], log-probs [B], untruncated log-probs [B]) for float32 logits [B, V] (last dim contiguous).
 
-    threshold [B, 1] float32 applies to logits / temperature; row_hash [B] int64 is
-    `sampling.noise_row_hash(seeds, positions)`.
+    inverse_temperature: `sampling.inverse_temperature(T)`; threshold [B, 1] float32 applies to
+    logits · inverse_temperature; row_hash [B] int64 is `sampling.noise_row_hash(seeds, positions)`.
     """
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"fused_gumbel_pick needs float32 logits with a contiguous last dimension, got {logits.dtype}")
@@ -108,11 +109,11 @@ def fused_gumbel_pick(logits: torch.Tensor, temperature: float, threshold: torch
     best_key = torch.empty(rows, parts, dtype=torch.float64, device=logits.device)
     best_index = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
     tops_totals = [torch.empty(rows, parts, dtype=torch.float32, device=logits.device) for _ in range(4)]
-    _gumbel_pick_kernel[(rows, parts)](logits, row_hash, threshold.float().contiguous(), float(temperature), vocab,
+    _gumbel_pick_kernel[(rows, parts)](logits, row_hash, threshold.float().contiguous(), inverse_temperature, vocab,
                                        logits.stride(0), best_key, best_index, *tops_totals,
                                        SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     tokens = best_index.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()  # first part on ties
-    picked = logits.gather(-1, tokens[:, None])[:, 0] / temperature
+    picked = logits.gather(-1, tokens[:, None])[:, 0] * inverse_temperature
     kept_top, kept_total, full_top, full_total = tops_totals
     return (tokens, picked - _combine_logsumexp(kept_top, kept_total),
             picked - _combine_logsumexp(full_top, full_total))

@@ -49,9 +49,10 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return ((h >> 8).to(torch.float64) + 0.5) / float(1 << 24)
 
 
-# Pivots per pass of the nucleus search: 7 passes at top-p 0.9 over 151,936 tokens. A pass costs
-# one read of the row and m compare-adds per token; benchmarks/sampler_bench.py times other m.
-NUCLEUS_PIVOTS = 15
+# Pivots per pass of the nucleus search: 10 passes at top-p 0.9 over 151,936 tokens. A pass costs
+# one read of the row and m compare-adds per token; on an H200 m = 7 beat 3 and 15
+# (benchmarks/sampler_bench.py times other m).
+NUCLEUS_PIVOTS = 7
 _ONE_BITS = 127 << 23  # the int32 bit pattern of float32 1.0
 
 
@@ -193,9 +194,10 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     """Pick one token per row: (tokens [B], log-probs [B], untruncated log-probs [B]).
 
     log-probs are under the distribution sampled from, softmax(truncate(logits / T));
-    untruncated log-probs under softmax(logits / T) over the whole vocabulary.
+    untruncated log-probs under softmax(logits / T) over the whole vocabulary. (logits / T is
+    computed as logits · `inverse_temperature(T)`.)
     temperature == 0 is greedy, with the log-probs of the temperature-1 distribution.
-    fused: divide, hash the noise and pick in one Triton kernel, `fused_gumbel_pick` (default: on
+    fused: scale, hash the noise and pick in one Triton kernel, `fused_gumbel_pick` (default: on
     CUDA). Same tokens either way; log-probs agree to float32 rounding. On CUDA the nucleus
     passes are Triton kernels too, with no host sync, so the whole sampler can be captured in a
     CUDA graph.
@@ -205,12 +207,22 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
         tokens = logits.argmax(-1)
         logprobs = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
         return tokens, logprobs, logprobs
+    inverse = inverse_temperature(temperature)
     if not (logits.is_cuda if fused is None else fused):
-        scaled = logits / temperature
+        scaled = logits * inverse
         return gumbel_pick(scaled, cut_threshold(scaled, top_k, top_p), seeds, positions)
     if fused_gumbel_pick is None:
         raise RuntimeError("the fused sampler needs triton (it comes with CUDA builds of torch); pass fused=False")
     threshold = logits.new_full((logits.shape[0], 1), float("-inf"))
-    if top_k > 0 or top_p < 1.0:  # the division is folded into the pick unless the cut needs it
-        threshold = cut_threshold(logits / temperature, top_k, top_p)
-    return fused_gumbel_pick(logits.contiguous(), temperature, threshold, noise_row_hash(seeds, positions))
+    if top_k > 0 or top_p < 1.0:  # the scaling is folded into the pick unless the cut needs it
+        threshold = cut_threshold(logits * inverse, top_k, top_p)
+    return fused_gumbel_pick(logits.contiguous(), inverse, threshold, noise_row_hash(seeds, positions))
+
+
+def inverse_temperature(temperature: float) -> float:
+    """1 / T rounded to float32: the sampler scales logits by multiplying with it.
+
+    One product, rounded once, is the same number on every device and in the fused kernel.
+    (torch's `logits / T` divides on the CPU but multiplies by a reciprocal on CUDA.)
+    """
+    return torch.tensor(temperature, dtype=torch.float32).reciprocal().item()
