@@ -6,9 +6,9 @@ at temperature 0.6. Timed with CUDA events after a warm-up, each figure the mean
 
     sort threshold            the previous nucleus_threshold (sort, softmax, cumsum)
     search (m=..)             nucleus_threshold (its passes are Triton kernels), for each --pivots
-    sample_next old / new     the whole sampler after the logits at top-p 0.9 and 1.0 (the cut by
-                              sorting / by the search, the Gumbel pick compiled), called and
-                              replayed from a CUDA graph
+    sample_next old / new     the whole sampler after the logits at top-p 0.9 and 1.0: the cut by
+                              sorting and the Gumbel pick compiled / the cut by the search and
+                              the fused Triton pick; called, and replayed from a CUDA graph
 
 Also prints how often the kept sets of the old and new thresholds differ, and how many of those
 rows have their boundary within float32 rounding of top_p (a float64 sort decides). Appends one
