@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -74,6 +75,10 @@ def main() -> None:
                                  "shape": {"prompts": args.prompts, "samples": args.samples,
                                            "new_tokens": args.new_tokens},
                                  "steps": steps, "peak_bytes": peak})
+        # The final checkpoint (fp32 masters and AdamW state, ~50 GB with a critic) is not needed
+        # here; two methods' checkpoints filled a 64 GB disk.
+        shutil.rmtree(work / method / "checkpoints", ignore_errors=True)
+    shutil.rmtree(work / "policy", ignore_errors=True)
 
 
 if __name__ == "__main__":
