@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 
-from caspo.rollout import sampling
 from caspo.rollout.sampling import (_masses, _nucleus_plan, cut_threshold, gumbel_pick, inverse_temperature,
                                     nucleus_threshold, sample_next, truncate_logits)
 
@@ -241,45 +240,6 @@ def test_mass_kernel_equals_the_torch_sums(vocab, m):
     got = mass_above(e.to(device), levels.to(device), shift).cpu()
     assert torch.equal(got, _masses(e, levels, shift))
     assert got[0, 0] == (e[0] * 2.0 ** shift).to(torch.int64).sum()
-
-
-@pytest.mark.parametrize("capacity", [4096, 300])  # every row fits; rows 1 and 2 overflow
-def test_compacted_passes_equal_the_torch_sums(capacity):
-    """Passes over each row's candidates in [lo, hi] plus the mass above hi give the full rows' sums."""
-    device = needs_triton()
-    from caspo.rollout.mass_above import compact, mass_above
-
-    vocab = 20000
-    x = random_logits(3, vocab, 2.0, seed=5).float()
-    x[2, :5000] = x[2, 0]  # a tie group across parts
-    e = torch.exp(x - x.amax(-1, keepdim=True))
-    shift = 62 - (vocab - 1).bit_length()
-    ordered = e.sort(-1, descending=True).values
-    ends = torch.tensor([[200, 100], [3000, 2500], [3000, 2500]])  # row 0's narrow interval fits either buffer
-    positions = torch.stack([torch.linspace(int(a), int(b), 9).round().long() for a, b in ends])
-    levels = ordered.gather(-1, positions)  # the interval's ends and points inside it
-    lo, hi = levels[:, :1], levels[:, -1:]
-    candidates = compact(e.to(device), lo.to(device), hi.to(device), shift, capacity)
-    inside = ((e >= lo) & (e <= hi)).sum(-1)
-    assert torch.equal(candidates.count.cpu().long(), inside)
-    assert (inside[1:] > 300).all() and inside[0] <= 300
-    got = mass_above(e.to(device), levels.to(device), shift, candidates).cpu()
-    assert torch.equal(got, _masses(e, levels, shift))
-
-
-@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.5), (300, 0.95)])
-def test_search_with_kernels_equals_the_torch_search(monkeypatch, top_k, top_p):
-    """The CUDA path of the search (kernels, compaction after two passes; triton's interpreter on the
-    CPU) returns the torch path's thresholds, on rows that fit the candidate buffer and rows that do not."""
-    needs_triton()
-    if torch.cuda.is_available():
-        pytest.skip("the interpreter check runs on CPU-only machines; the GPU tests cover CUDA")
-    logits = random_logits(4, 20000, 2.0, seed=21).float()
-    logits[3] = 0.0  # one flat row: every entry stays a candidate, more than the buffer holds
-    expected = cut_threshold(logits, top_k, top_p)
-    monkeypatch.setattr(sampling, "_use_kernels", lambda e: True)
-    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 4096)
-    assert torch.equal(cut_threshold(logits, top_k, top_p), expected)
 
 
 # ---------------------------------------------------------------- GPU

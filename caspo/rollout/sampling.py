@@ -14,9 +14,9 @@ import torch
 
 try:
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
-    from caspo.rollout.mass_above import compact, mass_above
+    from caspo.rollout.mass_above import mass_above
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
-    fused_gumbel_pick = mass_above = compact = None
+    fused_gumbel_pick = mass_above = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -53,10 +53,6 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 # one read of the row and m compare-adds per token; on an H200 m = 7 beat 3 and 15
 # (benchmarks/sampler_bench.py times other m).
 NUCLEUS_PIVOTS = 7
-# On CUDA the passes after the first NUCLEUS_COMPACT_AFTER read only the entries inside the
-# interval left (up to NUCLEUS_CANDIDATES per row; a row with more reads its whole row).
-NUCLEUS_COMPACT_AFTER = 2
-NUCLEUS_CANDIDATES = 16384
 _ONE_BITS = 127 << 23  # the int32 bit pattern of float32 1.0
 
 
@@ -124,9 +120,6 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     `pivots` = m the search takes ceil(log_{m+1}(E 2^23)) passes (the last one with fewer
     pivots where that suffices): at top_p 0.9 and V = 151,936 (E = 23), 7 passes for m = 15,
     10 for m = 7. Around them: the row max, the exponentials, the mass sum and the final min.
-    On CUDA, after NUCLEUS_COMPACT_AFTER passes each row's entries inside [lo, hi] are copied
-    to a small buffer with the mass above hi (`mass_above.compact`), and the later passes read
-    the buffer: every pivot lies in [lo, hi], where W(c) = mass above hi + candidates' mass >= c.
 
     Against the float32 sort (softmax, cumsum): (1) tokens under 2^-S of the top token weigh
     nothing and each weight is truncated by under 2^-S, in all under V 2^-S <= 2^(2 ceil(log2
@@ -139,41 +132,31 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     x = logits.float()
     e = torch.exp(x - x.amax(-1, keepdim=True))
     shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
-    weight = None if _use_kernels(e) else (e * 2.0 ** shift).to(torch.int64)  # the kernel derives it per read
+    weight = None if e.is_cuda else (e * 2.0 ** shift).to(torch.int64)  # the kernel derives it per read
     total = _masses(e, e.new_zeros(e.shape[0], 1), shift, weight)
     target = (total.double() * top_p).ceil().to(torch.int64)
     lo = torch.full_like(target, first)
     hi = torch.full_like(target, _ONE_BITS)
-    candidates = None
-    for index, m in enumerate(plan):
-        if _use_kernels(e) and index == NUCLEUS_COMPACT_AFTER:  # later passes read only the entries in [lo, hi]
-            bounds = [bits.to(torch.int32).view(torch.float32) for bits in (lo, hi)]
-            candidates = compact(e, *bounds, shift, NUCLEUS_CANDIDATES)
+    for m in plan:
         width = hi - lo + 1
         cuts = lo + width * torch.arange(1, m + 1, device=x.device) // (m + 1)  # [B, m] int64 patterns
-        reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight, candidates) >= target
+        reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight) >= target
         count = reached.sum(-1, keepdim=True)
         lo, hi = lo + width * count // (m + 1), lo + width * (count + 1) // (m + 1) - 1
     kept = e >= lo.to(torch.int32).view(torch.float32)
     return torch.where(kept, logits, float("inf")).amin(-1, keepdim=True)
 
 
-def _use_kernels(e: torch.Tensor) -> bool:
-    """Whether the nucleus search runs its Triton kernels (on CUDA) or torch reductions (elsewhere)."""
-    return e.is_cuda
-
-
-def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Tensor | None = None,
-            candidates=None) -> torch.Tensor:
+def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Tensor | None = None) -> torch.Tensor:
     """W [B, m] int64: the sum of floor(e_i 2^shift) over {i : e_i >= levels[:, j]}, exact in any order.
 
-    On CUDA one Triton kernel reads e once for all m levels (`mass_above`), or only the rows'
-    candidates once they are compacted; torch reductions would read e once per level.
+    On CUDA one Triton kernel reads e once for all m levels (`mass_above`); torch reductions
+    would read it once per level.
     """
-    if _use_kernels(e):
+    if e.is_cuda:
         if mass_above is None:
             raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
-        return mass_above(e, levels, shift, candidates)
+        return mass_above(e, levels, shift)
     if weight is None:
         weight = (e * 2.0 ** shift).to(torch.int64)  # exact scaling by a power of two, then truncation
     return torch.cat([torch.where(e >= levels[:, j:j + 1], weight, 0).sum(-1, keepdim=True)
