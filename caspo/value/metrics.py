@@ -17,9 +17,10 @@ Read ρ against the label noise it is measured through. With the embedded base p
 the true success probability of a prefix is nearly two-valued: about 0.14 (SD across
 prefixes ≈ 0.02) until the final operation is written, about 1 after it. Ranking the
 ~90% of prefixes in the low class against J-continuation p̂ then ranks binomial noise,
-so even the exact p scores a pooled ρ of only ≈ 0.3 at J = 16 (within-response ≈ 0.4),
-and more J helps slowly (≈ 0.33 at J = 32): measured by simulating p̂ from a J = 128
-relabelling of held-out prefixes, with its own binomial noise removed.
+so even the exact p scores a pooled ρ of only ≈ 0.3–0.45 at J = 16 depending on the label
+set (within-response ≈ 0.4–0.5), and more J helps slowly (+0.05 at J = 32): measured by
+simulating p̂ from a J = 128 relabelling of held-out prefixes, with its own binomial noise
+removed.
 """
 
 from __future__ import annotations
