@@ -137,3 +137,39 @@ def test_merged_copies_give_the_same_loss_gradient_and_values(tiny_model):
     assert merged_loss == pytest.approx(loss, rel=1e-5) and torch.allclose(merged_grads, grads, rtol=1e-4, atol=1e-7)
     assert not any(v != v for v in values)  # every copy's rows got its value
     assert values[0] == values[2] == values[6] and values[1] == values[3] == values[7] and values[1] != values[5]
+
+
+def test_state_temperature_changes_only_the_base_rollouts_sampler():
+    from types import SimpleNamespace
+
+    from caspo.config import load_config
+    from caspo.rollout.base import Completion, SamplingParams
+    from caspo.value.collect import base_rollouts
+
+    seen = []
+
+    class RecordingEngine:
+        def generate(self, requests, sampling):
+            seen.append(sampling)
+            return [Completion(tokens=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop", policy_version=0)
+                    for _ in requests]
+
+    run_sampling = SamplingParams(temperature=1.0, top_p=0.9, stop_token_ids=[0])
+    setup = SimpleNamespace(engine=RecordingEngine(), sampling=run_sampling, decode=lambda t: "x")
+    data = SimpleNamespace(train_prompts=[[5], [6]], train=[SimpleNamespace(label="1")] * 2)
+    scorer = lambda texts, labels, finished: [0.0] * len(texts)  # noqa: E731
+    cfg = load_config("tests")
+    base_rollouts(cfg, setup, data, [0, 1], 2, scorer)
+    base_rollouts(cfg, setup, data, [0, 1], 2, scorer, temperature=2.0)
+    assert seen[0] is run_sampling
+    assert seen[1].temperature == 2.0 and seen[1].top_p == 0.9 and seen[1].stop_token_ids == [0]
+    assert run_sampling.temperature == 1.0  # the run's sampler (continuations, labels) is untouched
+
+
+def test_collect_refuses_a_non_positive_state_temperature(tmp_path):
+    from caspo.config import load_config
+    from caspo.value.collect import CollectSpec, collect
+
+    with pytest.raises(ValueError, match="state temperature must be > 0"):
+        collect(load_config("tests"), CollectSpec(prompts=2, k=2, j=2, boundaries=1, state_temperature=0.0),
+                tmp_path / "labels.jsonl")

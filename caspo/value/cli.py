@@ -36,13 +36,16 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
             k: Optional[int] = typer.Option(None, help="base rollouts per prompt"),
             j: Optional[int] = typer.Option(None, help="continuations per labelled prefix"),
             boundaries: Optional[int] = typer.Option(None, help="labelled step boundaries per rollout (S)"),
-            splitter: Optional[str] = typer.Option(None, help="newline | latex (default: newline for arith)")):
+            splitter: Optional[str] = typer.Option(None, help="newline | latex (default: newline for arith)"),
+            state_temperature: Optional[float] = typer.Option(
+                None, help="sample the base rollouts (the labelled states) at this temperature; continuations, "
+                           "and so the labels, keep the preset's (default: the preset's)")):
     """Label response prefixes with Monte Carlo success rates of the preset's policy."""
     from caspo.value.collect import RECIPES, collect as run_collect, parse_shard
 
     if recipe not in RECIPES:
         raise typer.BadParameter(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
-    sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries}
+    sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries, "state_temperature": state_temperature}
     spec = dataclasses.replace(RECIPES[recipe], **{key: v for key, v in sizes.items() if v is not None})
     header = run_collect(config_or_exit(preset, overrides), spec, out, parse_shard(shard), splitter)
     typer.echo(json.dumps({key: v for key, v in header.items() if key != "provenance"}, indent=2))

@@ -2,7 +2,9 @@
 
 For each training prompt of the shard:
 
-1. sample K base rollouts with the run's rollout sampler and score them;
+1. sample K base rollouts with the run's rollout sampler and score them (optionally at a
+   higher `state_temperature`, to label states the policy rarely visits yet: the labels
+   p̂ stay success rates of the run's sampler, only the choice of states changes);
 2. keep the prompt only if its outcomes are mixed (some right, some wrong): a prompt
    the policy always or never solves teaches a prefix value nothing;
 3. split each rollout into steps (newline splitter for the arithmetic task, LaTeX
@@ -21,6 +23,7 @@ refresh after RL step n, so no two collections share their noise.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -53,6 +56,7 @@ class CollectSpec:
     j: int  # continuations per labelled prefix
     boundaries: int  # S: labelled step boundaries per rollout
     chunk: int = 32  # prompts per round of generation (the progress bar's unit)
+    state_temperature: Optional[float] = None  # base rollouts' temperature (None: the run's); continuations keep the run's
 
 
 RECIPES = {
@@ -102,6 +106,9 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
     splitter = splitter or default_splitter(cfg)
     if splitter not in SPLITTERS:
         raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
+    if spec.state_temperature is not None and not spec.state_temperature > 0:
+        raise ValueError(f"state temperature must be > 0, got {spec.state_temperature}; leave it unset to sample "
+                         "base rollouts like the run")
     setup = rollout_setup(cfg)
     data = load_task_data(cfg, setup.tokenizer)
     if spec.prompts > len(data.train):
@@ -117,7 +124,8 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
         task = progress.add_task(f"collect {shard[0]}/{shard[1]}", total=len(indices), status="")
         for start in range(0, len(indices), spec.chunk):
             chunk = indices[start:start + spec.chunk]
-            rollouts, rewards = base_rollouts(cfg, setup, data, chunk, spec.k, scorer, seed_step)
+            rollouts, rewards = base_rollouts(cfg, setup, data, chunk, spec.k, scorer, seed_step,
+                                              spec.state_temperature)
             stats["base_rollouts"] += len(rollouts)
             pending = []  # (row fields, prefix) of every prefix to label in this chunk
             for n, i in enumerate(chunk):
@@ -154,12 +162,15 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
     return header
 
 
-def base_rollouts(cfg: Config, setup, data, chunk: list[int], k: int, scorer,
-                  seed_step: int = COLLECT_STEP) -> tuple[list[list[int]], list[float]]:
-    """K rollouts of each prompt of ``chunk`` (prompt-major) and their rewards; seeds from (run seed, prompt, sample)."""
+def base_rollouts(cfg: Config, setup, data, chunk: list[int], k: int, scorer, seed_step: int = COLLECT_STEP,
+                  temperature: Optional[float] = None) -> tuple[list[list[int]], list[float]]:
+    """K rollouts of each prompt of ``chunk`` (prompt-major) and their rewards; seeds from (run seed, prompt, sample).
+
+    ``temperature`` replaces the run's sampling temperature for these rollouts only."""
+    sampling = setup.sampling if temperature is None else dataclasses.replace(setup.sampling, temperature=temperature)
     requests = [Request(data.train_prompts[i], sample_seed(cfg.train.seed, seed_step, i, s),
                         cfg.rollout.max_new_tokens) for i in chunk for s in range(k)]
-    completions = setup.engine.generate(requests, setup.sampling)
+    completions = setup.engine.generate(requests, sampling)
     rewards = scorer([setup.decode(c.tokens) for c in completions], [data.train[i].label for i in chunk for _ in range(k)],
                      [c.finish_reason == "stop" for c in completions])
     return [c.tokens for c in completions], rewards
