@@ -95,7 +95,8 @@ def test_collect_train_probe_end_to_end(tmp_path):
     invoke("train", tmp_path / "labels.jsonl", "--policy", "embedded:tiny-arith", "--out", out,
            "--val-split", "prompt", "--val-fraction", 0.5, "--epochs", 1, "--batch-size", 8)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert {"spearman", "within_response_spearman", "auc_outcome", "calibration", "history"} <= set(metrics)
+    assert {"spearman", "within_response_spearman", "auc_outcome", "above_ceiling", "calibration",
+            "history"} <= set(metrics)
     assert (out / "calibration.png").stat().st_size > 1000
     assert json.loads((out / "value_config.json").read_text())["provenance"]["reference"].startswith("w:")
 
@@ -173,3 +174,55 @@ def test_collect_refuses_a_non_positive_state_temperature(tmp_path):
     with pytest.raises(ValueError, match="state temperature must be > 0"):
         collect(load_config("tests"), CollectSpec(prompts=2, k=2, j=2, boundaries=1, state_temperature=0.0),
                 tmp_path / "labels.jsonl")
+
+
+def test_probability_ceiling_by_hand():
+    import math
+
+    import torch
+
+    from caspo.models.prefix_value import probability_ceiling
+    from caspo.value.probe import ceiling_metrics
+
+    ceiling = probability_ceiling(torch.tensor([math.log(0.25), 0.0, math.log(1e-6)]))
+    assert torch.allclose(ceiling, torch.tensor([1 / 1.25, 0.5, 1 / (1 + 1e-6)]))
+    m = ceiling_metrics([0.5, 0.9], [1.0, 0.5])
+    assert m["above_ceiling"] == 0.5 and m["mean_ceiling_sure"] == 0.5
+
+
+def test_a_sure_phi_reaches_the_ceiling_and_no_phi_passes_it(tiny_model):
+    """π_φ(y_i) = 1 on every response token gives V = −β log π_ref(prefix) exactly: the ceiling."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from caspo.models.prefix_value import PrefixValueModel
+    from caspo.value.labels import group_responses
+    from caspo.value.probe import boundary_values
+
+    class SureOfEveryNextToken(torch.nn.Module):
+        def get_decoder(self):
+            def decoder(input_ids, **_):
+                hidden = torch.zeros(*input_ids.shape, 100)
+                hidden[:, :-1] = 60.0 * torch.nn.functional.one_hot(input_ids[:, 1:], 100)
+                return SimpleNamespace(last_hidden_state=hidden)
+            return decoder
+
+        def get_output_embeddings(self):
+            return torch.nn.Identity()
+
+    rows = [LabelRow(prompt_id="p0", prompt_index=0, sample=0, prompt_tokens=[5, 6], response_tokens=[7, 8, 9, 10],
+                     boundary=b, step=b, p_hat=1.0, j=4, base_reward=1.0, label="3", provenance=PROVENANCE)
+            for b in (1, 2, 3)]
+    responses = group_responses(rows)
+    sure = PrefixValueModel(SureOfEveryNextToken(), tiny_model)
+    values, _, ceiling = boundary_values(sure, responses, 0, with_ceiling=True)
+    assert torch.allclose(torch.sigmoid(values / sure.beta), ceiling, atol=1e-5)
+    assert ceiling[0, 0] > 0.5 and (ceiling[0, 1:] > ceiling[0, :-1]).all()  # longer prefixes: less likely, higher
+
+    perturbed = PrefixValueModel.from_reference(tiny_model)
+    with torch.no_grad():
+        for p in perturbed.policy.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    values, _, ceiling = boundary_values(perturbed, responses, 0, with_ceiling=True)
+    assert (torch.sigmoid(values / perturbed.beta) <= ceiling + 1e-6).all()

@@ -11,6 +11,14 @@ every response token carries its own term, so training against per-prefix target
 gives each token a gradient. V of the empty response prefix is 0; at φ = ref every V
 is 0, i.e. σ(V/β) = 1/2.
 
+What φ can express is bounded by the reference: π_φ(y_{<j}) ≤ 1 gives
+
+    V(y_{<j}) ≤ −β · log π_ref(y_{<j}),   so   σ(V/β) ≤ 1 / (1 + π_ref(y_{<j} | x)).
+
+A prefix the reference writes almost surely (π_ref ≈ 1) can never be valued above
+about 1/2, however sure its success; only surprising prefixes can be valued high
+(``probability_ceiling``).
+
 Indexing (the off-by-one to avoid): ``cumulative_values`` is inclusive,
 C[t] = β·Σ_{i≤t} d_i, the value of the prefix that *ends with* token t. The value of
 the prefix holding the first j response tokens is therefore C[j−1] (0 for j = 0):
@@ -173,6 +181,16 @@ def step_values(cumulative: torch.Tensor, token_step_ids: torch.Tensor) -> tuple
     mask = steps[None, :] < counts[:, None]
     values = prefix_values(cumulative, torch.where(mask, starts, torch.zeros_like(starts)))
     return values * mask, mask.float()
+
+
+def probability_ceiling(ref_prefix_logprobs: torch.Tensor) -> torch.Tensor:
+    """The highest σ(V/β) any φ can give a prefix, from its log-probability under the reference:
+
+        σ(V/β) ≤ σ(−log π_ref(y_{<j})) = 1 / (1 + π_ref(y_{<j}))
+
+    (π_φ(y_{<j}) ≤ 1, so V ≤ −β log π_ref(y_{<j})). The empty prefix gets 1/2.
+    """
+    return torch.sigmoid(-ref_prefix_logprobs)
 
 
 def transform_values(values: torch.Tensor, kind: str, beta: float) -> torch.Tensor:

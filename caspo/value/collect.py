@@ -56,7 +56,7 @@ class CollectSpec:
     j: int  # continuations per labelled prefix
     boundaries: int  # S: labelled step boundaries per rollout
     chunk: int = 32  # prompts per round of generation (the progress bar's unit)
-    state_temperature: Optional[float] = None  # base rollouts' temperature (None: the run's); continuations keep the run's
+    state_temperature: Optional[float] = None  # of the base rollouts only (None: the run's temperature)
 
 
 RECIPES = {

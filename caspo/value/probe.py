@@ -1,7 +1,9 @@
 """Read a prefix value model's values at labelled prefixes, and judge them against the labels.
 
 One forward per base rollout reads the values of all its labelled prefixes (the model
-is causal): V(y_{<b}) = C[b − 1] of the rollout's cumulative values.
+is causal): V(y_{<b}) = C[b − 1] of the rollout's cumulative values. The same reference
+forward gives each prefix's ceiling, the highest success probability any φ on this
+reference could give it (``caspo.models.prefix_value.probability_ceiling``).
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values
+from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values, probability_ceiling
+from caspo.train.forward import response_logprobs
 from caspo.value.labels import LabelRow, ResponseLabels, group_responses, merge_duplicates
 from caspo.value.metrics import calibration_bins, value_metrics
 
 
 def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels], pad_token_id: int,
-                    device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """V at every labelled boundary of each rollout, ``[B, N]``, and the mask of real boundaries."""
+                    device: str | torch.device = "cpu",
+                    with_ceiling: bool = False) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, ...]:
+    """V at every labelled boundary of each rollout, ``[B, N]``, and the mask of real boundaries;
+    with ``with_ceiling``, also each boundary's probability ceiling ``[B, N]``."""
     batch = pack_responses([r.prompt_tokens for r in responses], [r.response_tokens for r in responses],
                            pad_token_id).to(device)
     N = max(len(r.boundaries) for r in responses)
@@ -30,23 +35,32 @@ def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels]
     for i, r in enumerate(responses):
         boundaries[i, :len(r.boundaries)] = torch.tensor(r.boundaries)
         mask[i, :len(r.boundaries)] = 1.0
-    values = prefix_values(model.cumulative(batch), boundaries.to(device))
-    return values, mask.to(device)
+    boundaries, mask = boundaries.to(device), mask.to(device)
+    with torch.no_grad():
+        ref = response_logprobs(model.reference, batch, temperature=1.0)
+    values = prefix_values(model.cumulative(batch, ref), boundaries)
+    if not with_ceiling:
+        return values, mask
+    ref_prefix = prefix_values(torch.where(batch.response_mask.bool(), ref, 0.0).cumsum(-1), boundaries)
+    return values, mask, probability_ceiling(ref_prefix)
 
 
 @torch.no_grad()
 def predict(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
-            device: str | torch.device = "cpu") -> np.ndarray:
-    """V of every row's prefix, in row order (copies of one rollout read once)."""
-    out = np.full(len(rows), math.nan)
+            device: str | torch.device = "cpu",
+            with_ceiling: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """V of every row's prefix, in row order (copies of one rollout read once); with
+    ``with_ceiling``, also each prefix's probability ceiling."""
+    out, ceiling = np.full(len(rows), math.nan), np.full(len(rows), math.nan)
     responses = merge_duplicates(group_responses(rows))
     for start in range(0, len(responses), batch_size):
         chunk = responses[start:start + batch_size]
-        values, _ = boundary_values(model, chunk, pad_token_id, device)
+        values, _, ceilings = boundary_values(model, chunk, pad_token_id, device, with_ceiling=True)
         for i, r in enumerate(chunk):
             for indices in (r.rows, *r.duplicate_rows):
                 out[indices] = values[i, :len(r.rows)].double().cpu().numpy()
-    return out
+                ceiling[indices] = ceilings[i, :len(r.rows)].double().cpu().numpy()
+    return (out, ceiling) if with_ceiling else out
 
 
 def evaluate(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
@@ -54,11 +68,25 @@ def evaluate(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: in
     """``value_metrics`` of the model on ``rows``, and the values themselves."""
     if not rows:
         raise ValueError("no labelled prefixes to evaluate on")
-    values = predict(model, rows, pad_token_id, batch_size, device)
+    values, ceiling = predict(model, rows, pad_token_id, batch_size, device, with_ceiling=True)
     groups = [rollout_id(r) for r in rows]
     metrics = value_metrics(values, [r.p_hat for r in rows], [r.base_reward for r in rows], groups,
                             [r.boundary for r in rows], model.beta)
-    return metrics, values
+    return {**metrics, **ceiling_metrics(ceiling, [r.p_hat for r in rows])}, values
+
+
+def ceiling_metrics(ceiling, p_hat, margin: float = 0.05) -> dict:
+    """How far the labels lie out of any φ's reach on this reference:
+
+    - ``above_ceiling``: share of prefixes with p̂ > ceiling + margin;
+    - ``mean_ceiling_sure``: the mean ceiling over prefixes with p̂ ≥ 0.9.
+    """
+    ceiling, p_hat = np.asarray(ceiling, dtype=np.float64), np.asarray(p_hat, dtype=np.float64)
+    sure = p_hat >= 0.9
+    return {
+        "above_ceiling": float((p_hat > ceiling + margin).mean()),
+        "mean_ceiling_sure": float(ceiling[sure].mean()) if sure.any() else math.nan,
+    }
 
 
 def rollout_id(row: LabelRow) -> int:
