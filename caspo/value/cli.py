@@ -9,6 +9,8 @@ caspo value train labels.jsonl --policy embedded:tiny-arith --out value/ --val-s
 caspo value probe value/ labels.jsonl
 
 caspo value check-mc arith-tiny --prompts 200
+
+caspo value check-spurious value/
 """
 
 from __future__ import annotations
@@ -143,3 +145,37 @@ def check_mc(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         out.write_text(json.dumps(report, indent=2) + "\n")
     if not report["calibration_passed"]:
         raise typer.Exit(1)
+
+
+@value_app.command("check-spurious")
+def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value model folder"),
+                   preset: str = typer.Option("arith-tiny", help="preset whose arithmetic held-out problems to read"),
+                   problems: int = typer.Option(100, help="held-out problems ending in + or −"),
+                   threads: int = typer.Option(1, help=THREADS_HELP)):
+    """Does the value model rank a spurious extra line below the correct state? (arithmetic task)"""
+    import torch
+
+    from caspo.data.build import load_task_data
+    from caspo.data.templates import TEMPLATES
+    from caspo.models.prefix_value import load_prefix_value
+    from caspo.models.tokenizer import load_tokenizer
+    from caspo.value.provenance import tokenizer_hash
+    from caspo.value.spurious import spurious_line_check
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = config_or_exit(preset, [])
+    if cfg.data.source != "arith":
+        raise typer.BadParameter(f"preset {preset!r} reads data.source={cfg.data.source!r}; the check builds "
+                                 "arithmetic solutions, use an arith preset")
+    model = load_prefix_value(checkpoint, None)
+    tokenizer = load_tokenizer(checkpoint)
+    prompt_format = (TEMPLATES.get(cfg.data.template, cfg.data.template), cfg.data.add_bos, tokenizer_hash(tokenizer))
+    trained_on = (model.provenance.prompt_template, model.provenance.add_bos, model.provenance.tokenizer_hash)
+    if prompt_format != trained_on:
+        raise typer.BadParameter(f"the value model was trained on prompts {trained_on}, preset {preset!r} builds "
+                                 f"{prompt_format}; pass the preset it was trained with")
+    data = load_task_data(cfg, tokenizer)
+    report = spurious_line_check(model, tokenizer, data.eval_prompts, [e.meta["solution"] for e in data.eval],
+                                 problems)
+    typer.echo(json.dumps(report, indent=2))
