@@ -65,6 +65,9 @@ def test_merge_refuses_missing_shards_and_other_collections(tmp_path):
     c = write_label_file(tmp_path / "c.jsonl", header("1/2", j=8), [row(1)])
     with pytest.raises(LabelFileError, match="another collection.*j"):
         merge_label_files([a, c], tmp_path / "m3.jsonl")
+    hot = write_label_file(tmp_path / "hot.jsonl", header("1/2", state_temperature=2.0), [row(1)])
+    with pytest.raises(LabelFileError, match="another collection.*state_temperature"):
+        merge_label_files([a, hot], tmp_path / "m4.jsonl")
 
 
 def test_a_truncated_label_file_is_refused(tmp_path):

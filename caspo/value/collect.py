@@ -4,7 +4,8 @@ For each training prompt of the shard:
 
 1. sample K base rollouts with the run's rollout sampler and score them (optionally at a
    higher `state_temperature`, to label states the policy rarely visits yet: the labels
-   p̂ stay success rates of the run's sampler, only the choice of states changes);
+   p̂ stay success rates of the run's sampler; the choice of states, the mixed-outcome
+   test of step 2 and each row's `base_reward` follow the hotter rollouts);
 2. keep the prompt only if its outcomes are mixed (some right, some wrong): a prompt
    the policy always or never solves teaches a prefix value nothing;
 3. split each rollout into steps (newline splitter for the arithmetic task, LaTeX
