@@ -121,6 +121,7 @@ class CaspoConfig:
     refresh_k: int = 4  # base rollouts per prompt
     refresh_j: int = 4  # continuations per labelled prefix
     refresh_boundaries: int = 2  # labelled step boundaries per rollout
+    refresh_state_temperature: float = 0.0  # base rollouts' temperature (0: the run's; labels keep the run's)
     refresh_lr: float = 3e-4  # value training: AdamW learning rate (1.5B full fine-tunes want ~5e-6)
     refresh_epochs: int = 2
     refresh_batch_size: int = 16  # rollouts per value-model optimizer step
@@ -448,6 +449,9 @@ def validate_refresh(m: MethodConfig) -> None:
         raise ConfigError(f"method.caspo.refresh_lr must be > 0, got {c.refresh_lr}")
     if not 0 < c.refresh_val_fraction < 1:
         raise ConfigError(f"method.caspo.refresh_val_fraction must be in (0, 1), got {c.refresh_val_fraction}")
+    if c.refresh_state_temperature < 0:
+        raise ConfigError(f"method.caspo.refresh_state_temperature must be > 0, or 0 for the run's temperature; "
+                          f"got {c.refresh_state_temperature}")
 
 
 def to_dict(cfg: Config) -> dict:

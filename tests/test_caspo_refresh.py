@@ -65,6 +65,7 @@ def plain_run(tmp_path_factory, value_model_folder):
     (["method.caspo.refresh_every=2", "method.caspo.refresh_epochs=0"], "refresh_epochs must be >= 1"),
     (["method.caspo.refresh_every=2", "method.caspo.refresh_lr=0"], "refresh_lr must be > 0"),
     (["method.caspo.refresh_every=2", "method.caspo.refresh_val_fraction=1"], "refresh_val_fraction"),
+    (["method.caspo.refresh_every=2", "method.caspo.refresh_state_temperature=-1"], "refresh_state_temperature"),
 ])
 def test_refresh_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -76,6 +77,13 @@ def test_refresh_config_accepts_a_caspo_run():
     assert cfg.method.caspo.refresh_every == 2
     # sizes are only checked when refreshes happen
     load_config("tests", ["method.name=caspo", "method.caspo.value_model=v", "method.caspo.refresh_k=0"])
+
+
+def test_refresh_collects_at_the_state_temperature_it_is_given():
+    base = ["method.name=caspo", "method.caspo.value_model=v", "method.caspo.refresh_every=2"]
+    assert refresh.collect_spec(load_config("tests", base)).state_temperature is None  # 0: the run's
+    hot = refresh.collect_spec(load_config("tests", [*base, "method.caspo.refresh_state_temperature=2.0"]))
+    assert hot.state_temperature == 2.0 and hot.k == 4
 
 
 def test_refresh_is_due_every_n_steps_but_never_after_the_last():

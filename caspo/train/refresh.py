@@ -52,7 +52,8 @@ def refresh_dir(run_dir: str | Path, step: int) -> Path:
 
 def collect_spec(cfg: Config) -> CollectSpec:
     c = cfg.method.caspo
-    return CollectSpec(prompts=c.refresh_prompts, k=c.refresh_k, j=c.refresh_j, boundaries=c.refresh_boundaries)
+    return CollectSpec(prompts=c.refresh_prompts, k=c.refresh_k, j=c.refresh_j, boundaries=c.refresh_boundaries,
+                       state_temperature=c.refresh_state_temperature or None)
 
 
 def train_spec(cfg: Config, beta: float) -> TrainSpec:
