@@ -36,3 +36,21 @@ def test_values_are_read_at_the_end_of_each_prefix():
 def test_a_split_without_usable_problems_is_refused():
     with pytest.raises(ValueError, match="no problem ends in"):
         spurious_line_check(SimpleNamespace(beta=10.0), None, [[5]], ["2 * 3 = 6\n\\boxed{6}"])
+
+
+def test_check_spurious_command(value_model_folder):
+    """φ = reference values every prefix at 1/2; a preset with another prompt format is refused."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from caspo.value.cli import value_app
+
+    runner = CliRunner()
+    result = runner.invoke(value_app, ["check-spurious", str(value_model_folder), "tests", "--problems", "5"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["problems"] == 5 and report["share_spurious_above_correct"] == 0.0
+    assert all(report[f"mean_prob_{n}"] == pytest.approx(0.5) for n in ("correct", "skipped", "spurious"))
+    refused = runner.invoke(value_app, ["check-spurious", str(value_model_folder), "tests", "data.template=plain"])
+    assert refused.exit_code != 0 and "trained on prompts" in refused.output

@@ -10,7 +10,7 @@ caspo value probe value/ labels.jsonl
 
 caspo value check-mc arith-tiny --prompts 200
 
-caspo value check-spurious value/
+caspo value check-spurious value/ arith-tiny
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def check_mc(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
 
 @value_app.command("check-spurious")
 def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value model folder"),
-                   preset: str = typer.Option("arith-tiny", help="preset whose arithmetic held-out problems to read"),
+                   preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
                    problems: int = typer.Option(100, help="held-out problems ending in + or −"),
                    threads: int = typer.Option(1, help=THREADS_HELP)):
     """Does the value model rank a spurious extra line below the correct state? (arithmetic task)"""
@@ -164,7 +164,7 @@ def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value mod
 
     if threads:
         torch.set_num_threads(threads)
-    cfg = config_or_exit(preset, [])
+    cfg = config_or_exit(preset, overrides)
     if cfg.data.source != "arith":
         raise typer.BadParameter(f"preset {preset!r} reads data.source={cfg.data.source!r}; the check builds "
                                  "arithmetic solutions, use an arith preset")
