@@ -219,7 +219,7 @@ def test_a_sure_phi_reaches_the_ceiling_and_no_phi_passes_it(tiny_model):
             for b in (1, 2, 3)]
     responses = group_responses(rows)
     sure = PrefixValueModel(SureOfEveryNextToken(), tiny_model)
-    values, _, ceiling = boundary_values(sure, responses, 0, with_ceiling=True)
+    values, _, ceiling = boundary_values(sure, responses, 0)
     assert torch.allclose(torch.sigmoid(values / sure.beta), ceiling, atol=1e-5)
     assert ceiling[0, 0] > 0.5 and (ceiling[0, 1:] > ceiling[0, :-1]).all()  # longer prefixes: less likely, higher
 
@@ -227,5 +227,5 @@ def test_a_sure_phi_reaches_the_ceiling_and_no_phi_passes_it(tiny_model):
     with torch.no_grad():
         for p in perturbed.policy.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    values, _, ceiling = boundary_values(perturbed, responses, 0, with_ceiling=True)
+    values, _, ceiling = boundary_values(perturbed, responses, 0)
     assert (torch.sigmoid(values / perturbed.beta) <= ceiling + 1e-6).all()

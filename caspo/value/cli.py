@@ -157,7 +157,7 @@ def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value mod
 
     from caspo.data.build import load_task_data
     from caspo.data.templates import TEMPLATES
-    from caspo.models.prefix_value import load_prefix_value
+    from caspo.models.prefix_value import load_prefix_value, provenance_mismatches
     from caspo.models.tokenizer import load_tokenizer
     from caspo.value.provenance import tokenizer_hash
     from caspo.value.spurious import spurious_line_check
@@ -170,11 +170,14 @@ def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value mod
                                  "arithmetic solutions, use an arith preset")
     model = load_prefix_value(checkpoint, None)
     tokenizer = load_tokenizer(checkpoint)
-    prompt_format = (TEMPLATES.get(cfg.data.template, cfg.data.template), cfg.data.add_bos, tokenizer_hash(tokenizer))
-    trained_on = (model.provenance.prompt_template, model.provenance.add_bos, model.provenance.tokenizer_hash)
-    if prompt_format != trained_on:
-        raise typer.BadParameter(f"the value model was trained on prompts {trained_on}, preset {preset!r} builds "
-                                 f"{prompt_format}; pass the preset it was trained with")
+    # only the prompts must match: the check reads values, it samples nothing
+    prompts_here = dataclasses.replace(model.provenance, prompt_template=TEMPLATES.get(cfg.data.template,
+                                                                                       cfg.data.template),
+                                       add_bos=cfg.data.add_bos, tokenizer_hash=tokenizer_hash(tokenizer))
+    differ = provenance_mismatches(prompts_here, model.provenance)
+    if differ:
+        raise typer.BadParameter(f"the value model was trained on prompts of another format than preset {preset!r} "
+                                 f"builds ({'; '.join(differ)}); pass the preset it was trained with")
     data = load_task_data(cfg, tokenizer)
     report = spurious_line_check(model, tokenizer, data.eval_prompts, [e.meta["solution"] for e in data.eval],
                                  problems)

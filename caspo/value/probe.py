@@ -23,10 +23,9 @@ from caspo.value.metrics import calibration_bins, value_metrics
 
 
 def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels], pad_token_id: int,
-                    device: str | torch.device = "cpu",
-                    with_ceiling: bool = False) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, ...]:
-    """V at every labelled boundary of each rollout, ``[B, N]``, and the mask of real boundaries;
-    with ``with_ceiling``, also each boundary's probability ceiling ``[B, N]``."""
+                    device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V at every labelled boundary of each rollout, ``[B, N]``, the mask of real boundaries, and
+    each boundary's probability ceiling ``[B, N]``."""
     batch = pack_responses([r.prompt_tokens for r in responses], [r.response_tokens for r in responses],
                            pad_token_id).to(device)
     N = max(len(r.boundaries) for r in responses)
@@ -39,8 +38,6 @@ def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels]
     with torch.no_grad():
         ref = response_logprobs(model.reference, batch, temperature=1.0)
     values = prefix_values(model.cumulative(batch, ref), boundaries)
-    if not with_ceiling:
-        return values, mask
     ref_prefix = prefix_values(torch.where(batch.response_mask.bool(), ref, 0.0).cumsum(-1), boundaries)
     return values, mask, probability_ceiling(ref_prefix)
 
@@ -55,7 +52,7 @@ def predict(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int
     responses = merge_duplicates(group_responses(rows))
     for start in range(0, len(responses), batch_size):
         chunk = responses[start:start + batch_size]
-        values, _, ceilings = boundary_values(model, chunk, pad_token_id, device, with_ceiling=True)
+        values, _, ceilings = boundary_values(model, chunk, pad_token_id, device)
         for i, r in enumerate(chunk):
             for indices in (r.rows, *r.duplicate_rows):
                 out[indices] = values[i, :len(r.rows)].double().cpu().numpy()

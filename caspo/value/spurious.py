@@ -26,7 +26,7 @@ from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_v
 def probe_responses(solution: str) -> dict[str, str] | None:
     """The three prefixes of one reference solution, or None if its last operation is a multiplication."""
     lines = solution.split("\n")[:-1]  # the computation lines; the last line is the box
-    a, op, b, _, result = lines[-1].split()
+    _, op, _, _, result = lines[-1].split()  # "a op b = result"
     if op == "*":
         return None
     r = int(result)

@@ -159,7 +159,7 @@ def train_step(model: PrefixValueModel, optimizer: torch.optim.Optimizer, batch,
     loss_sum = 0.0
     for start in range(0, len(batch), spec.micro_batch_size):
         micro = batch[start:start + spec.micro_batch_size]
-        values, mask = boundary_values(model, micro, pad_token_id, device)
+        values, mask, _ = boundary_values(model, micro, pad_token_id, device)
         targets = torch.zeros_like(values)
         for i, r in enumerate(micro):
             targets[i, :len(r.p_hats)] = torch.tensor(r.p_hats)
