@@ -235,6 +235,7 @@ class SftConfig:
     weight_decay: float = 0.01
     skip_last_prob: float = 0.5
     skip_last_when: str = "any"
+    slip_prob: float = 0.0
     seed: int = 0
     eval_every: int = 200
 

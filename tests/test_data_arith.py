@@ -114,7 +114,7 @@ def test_reference_solution_format(train):
 def test_spec_validation():
     for knobs in [dict(min_ops=0), dict(min_ops=3, max_ops=2), dict(max_start=0), dict(max_start=300),
                   dict(max_addend=0), dict(mul_factors=(1,)), dict(max_value=1),
-                  dict(skip_last_prob=1.5), dict(skip_last_when="last")]:
+                  dict(skip_last_prob=1.5), dict(skip_last_when="last"), dict(slip_prob=-0.1)]:
         knob = next(iter(knobs))
         with pytest.raises(ValueError, match=knob):
             ArithSpec(**knobs)
@@ -175,3 +175,44 @@ def test_sft_examples(task, train):
     assert [q for q, _ in examples] == [p.question for p in train[:300]]
     assert [t for _, t in examples] != [t for _, t in task.sft_examples(300, seed=8)]
     assert all(t.count("\\boxed{") == 1 and t.endswith("}") for _, t in examples)
+
+
+def computed(step):
+    return {"+": step.a + step.b, "-": step.a - step.b, "*": step.a * step.b}[step.op]
+
+
+def test_sft_slips_carry_forward(train):
+    task = ArithTask(ArithSpec(skip_last_prob=0.0, slip_prob=0.2), seed=0)
+    rng = random.Random(0)
+    lines = slips = wrong_answers = 0
+    for p in train[:1000]:
+        target = task.sft_solution(p, rng)
+        *body, boxed = target.split("\n")
+        assert len(body) == len(p.steps)
+        parsed = [tuple(int(x) for x in re.fullmatch(r"(\d+) [-+*] (\d+) = (\d+)", line).groups()) for line in body]
+        assert parsed[0][0] == p.steps[0].a
+        value = p.steps[0].a
+        for (a, b, result), step in zip(parsed, p.steps):
+            assert (a, b) == (value, step.b)  # each line starts from the value the line before wrote
+            slip = result - computed(step._replace(a=a))
+            assert slip == 0 or 1 <= slip <= 3
+            slips += slip != 0
+            value = result
+        lines += len(body)
+        assert boxed == f"\\boxed{{{value}}}"
+        wrong_answers += value != p.answer
+        assert (value != p.answer) == any(r - computed(s._replace(a=a)) for (a, _, r), s in zip(parsed, p.steps))
+    assert 0.17 < slips / lines < 0.23
+    assert wrong_answers > 0
+
+
+def test_sft_slips_spare_the_skip_stream(train):
+    """Slip coins come after the skip coin: the same seed skips the same problems with or without slips."""
+    plain = ArithTask(ArithSpec(skip_last_prob=0.5), seed=0)
+    slips = ArithTask(ArithSpec(skip_last_prob=0.5, slip_prob=0.3), seed=0)
+    for i, p in enumerate(train[:300]):
+        lines = len(slips.sft_solution(p, random.Random(i)).split("\n")) - 1
+        assert lines == (len(p.steps) if plain.sft_solution(p, random.Random(i)) == p.solution else len(p.steps) - 1)
+    one_op = ArithTask(ArithSpec(min_ops=1, max_ops=1, skip_last_prob=1.0, slip_prob=0.5), seed=0)
+    p = one_op.problem("train", 0)
+    assert one_op.sft_solution(p, random.Random(0)) == f"\\boxed{{{p.steps[0].a}}}"  # skipped to nothing

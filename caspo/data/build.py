@@ -24,7 +24,8 @@ def arith_task(cfg: Config) -> ArithTask:
     a = cfg.data.arith
     spec = ArithSpec(min_ops=a.min_ops, max_ops=a.max_ops, max_start=a.max_start, max_addend=a.max_addend,
                      mul_factors=tuple(a.mul_factors), max_value=a.max_value,
-                     skip_last_prob=cfg.sft.skip_last_prob, skip_last_when=cfg.sft.skip_last_when)
+                     skip_last_prob=cfg.sft.skip_last_prob, skip_last_when=cfg.sft.skip_last_when,
+                     slip_prob=cfg.sft.slip_prob)
     return ArithTask(spec, seed=a.seed, train_size=a.train_size, heldout_size=a.heldout_size)
 
 

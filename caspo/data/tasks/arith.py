@@ -84,6 +84,7 @@ class ArithSpec:
     max_value: int = 200  # every intermediate and final value stays in [0, max_value]
     skip_last_prob: float = 0.5  # chance an SFT target skips its last computation
     skip_last_when: str = "any"  # which problems may skip: "any" or "last_op_{add,sub,mul}"
+    slip_prob: float = 0.0  # chance each line of an SFT target writes a result 1-3 too high, carried on
 
     def __post_init__(self):
         def check(ok: bool, knob: str, why: str):
@@ -100,6 +101,7 @@ class ArithSpec:
         check(all(isinstance(f, int) and not isinstance(f, bool) and f >= 2 for f in self.mul_factors),
               "mul_factors", "must be ints >= 2 (use () to disable multiplication)")
         check(0.0 <= self.skip_last_prob <= 1.0, "skip_last_prob", "must be in [0, 1]")
+        check(0.0 <= self.slip_prob <= 1.0, "slip_prob", "must be in [0, 1]")
         ops = self.skip_last_when.removeprefix("last_op_").split("_")
         check(self.skip_last_when == "any" or (self.skip_last_when.startswith("last_op_")
                                                and set(ops) <= set(OP_NAMES.values())),
@@ -140,6 +142,22 @@ class ArithProblem:
 
 def solution_text(steps, boxed: int) -> str:
     return "".join(step.line() + "\n" for step in steps) + f"\\boxed{{{boxed}}}"
+
+
+def slipped_steps(steps, rng: random.Random, prob: float) -> tuple[Step, ...]:
+    """`steps` recomputed along the chain, each result raised by 1-3 with probability `prob`.
+
+    Raising a value never makes a later +, - or * result negative, so every line stays a
+    well-formed computation on the value the line before it wrote.
+    """
+    out, value = [], steps[0].a
+    for step in steps:
+        result = {"+": value + step.b, "-": value - step.b, "*": value * step.b}[step.op]
+        if rng.random() < prob:
+            result += rng.randint(1, 3)
+        out.append(Step(value, step.op, step.b, result))
+        value = result
+    return tuple(out)
 
 
 def derive_seed(*parts) -> int:
@@ -258,7 +276,8 @@ class ArithTask:
         return when == "any" or OP_NAMES[problem.last_op] in when.removeprefix("last_op_").split("_")
 
     def sft_solution(self, problem: ArithProblem, rng: random.Random) -> str:
-        """The SFT target: the reference solution, or (with prob. skip_last_prob) one line short.
+        """The SFT target: the reference solution, (with prob. skip_last_prob) one line short,
+        and (with prob. slip_prob per line) arithmetic slips.
 
         The short version omits the last computation and boxes the intermediate result. This
         plants a behavioural mistake in the SFT policy that lives at one step of an otherwise
@@ -266,11 +285,17 @@ class ArithTask:
         slips barely move under RL; this failure does, so it gives credit assignment something
         real to find: the reward must be traced back to the single line where the answer was
         boxed too early.
+
+        A slip writes a result 1-3 too high; the lines after it compute correctly from the
+        wrong value, so one slip anywhere makes the boxed answer wrong. A policy trained on
+        slips fails at any step, and a state's chance of success falls with every line still
+        to write: the testbed for prefix values whose truth is not two-valued.
         """
         skip = rng.random() < self.spec.skip_last_prob  # always drawn, so the RNG stream is stable
-        if skip and self.skip_qualifies(problem):
-            return solution_text(problem.steps[:-1], problem.steps[-1].a)
-        return problem.solution
+        steps = problem.steps[:-1] if skip and self.skip_qualifies(problem) else problem.steps
+        if self.spec.slip_prob > 0 and steps:  # no draws without slips: slip-free targets stay as they were
+            steps = slipped_steps(steps, rng, self.spec.slip_prob)
+        return solution_text(steps, steps[-1].result if steps else problem.steps[0].a)
 
     def sft_examples(self, n: int, seed: int) -> list[tuple[str, str]]:
         """(question, SFT target) for train problems 0..n-1; the skip coins depend on `seed`."""
