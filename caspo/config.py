@@ -213,6 +213,7 @@ class EvalConfig:
     heldout_size: int = 500
     max_new_tokens: int = 96
     batch_size: int = 250
+    samples: int = 0  # > 0: also avg@k, the mean reward of this many samples per problem at the run's sampler
     every: int = 0
     before: bool = True
     after: bool = True

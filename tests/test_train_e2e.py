@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_three_step_grpo_run(tmp_path):
-    cfg = load_config("tests", [f"train.output_dir={tmp_path}"])
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "eval.samples=2"])
     summary = loop.train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "t_step" in r]
@@ -31,6 +31,9 @@ def test_three_step_grpo_run(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert 0 <= summary["after"]["eval_accuracy"] <= 1
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    assert all(r["eval_sampled_n"] == 2 * r["eval_n"] and 0 <= r["eval_sampled_accuracy"] <= 1 for r in evals)
 
 
 def test_checkpoint_reloads_identical_logits(tmp_path):

@@ -1,4 +1,5 @@
-"""Greedy held-out accuracy: one greedy completion per problem, scored by the verifier."""
+"""Held-out accuracy: one greedy completion per problem, or the mean reward of k samples per
+problem (avg@k) from the training sampler, scored by the verifier."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ from dataclasses import dataclass
 
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Request, SamplingParams
+from caspo.rollout.sampling import sample_seed
+
+EVAL_SEED_STEP = -(2 ** 31)  # the `step` of held-out sample seeds: never an RL or a collection step
+EVAL_RUN_SEED = 0  # the same for every run, so every run is judged on the same random numbers
 
 
 @dataclass
@@ -26,6 +31,25 @@ def greedy_accuracy(engine, tokenizer, prompt_ids: list[list[int]], labels: list
                     *, max_new_tokens: int, stop_token_ids: list[int], stop_strings: list[str] = ()) -> EvalResult:
     requests = [Request(p, seed=0, max_new_tokens=max_new_tokens) for p in prompt_ids]
     sampling = SamplingParams(temperature=0.0, stop_token_ids=stop_token_ids, stop_strings=list(stop_strings))
+    return _score(engine, tokenizer, requests, sampling, labels, pool)
+
+
+def sampled_accuracy(engine, tokenizer, prompt_ids: list[list[int]], labels: list[str], pool: RewardPool,
+                     *, samples: int, sampling: SamplingParams, max_new_tokens: int) -> EvalResult:
+    """avg@k: the mean reward of `samples` completions per problem drawn with `sampling`.
+
+    Sample s of problem i always has the seed (EVAL_RUN_SEED, EVAL_SEED_STEP, i, s), whatever the
+    run's seed: every checkpoint of every run is judged on the same random numbers.
+    """
+    if samples < 1:
+        raise ValueError(f"samples per held-out problem must be >= 1, got {samples}")
+    requests = [Request(p, seed=sample_seed(EVAL_RUN_SEED, EVAL_SEED_STEP, i, s), max_new_tokens=max_new_tokens)
+                for i, p in enumerate(prompt_ids) for s in range(samples)]
+    return _score(engine, tokenizer, requests, sampling, [label for label in labels for _ in range(samples)], pool)
+
+
+def _score(engine, tokenizer, requests: list[Request], sampling: SamplingParams, labels: list[str],
+           pool: RewardPool) -> EvalResult:
     completions = engine.generate(requests, sampling)
     texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     finished = [c.finish_reason == "stop" for c in completions]

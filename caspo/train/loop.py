@@ -19,7 +19,7 @@ import torch
 from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config, to_yaml
-from caspo.eval.heldout import greedy_accuracy
+from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
 from caspo.models.critic import critic_values
 from caspo.report.curves import plot_run
 from caspo.rollout.base import Request
@@ -188,7 +188,17 @@ def evaluate(tr: Trainer) -> dict:
     result = greedy_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
                              tr.pool, max_new_tokens=cfg.eval.max_new_tokens,
                              stop_token_ids=[tr.tokenizer.eos_token_id], stop_strings=cfg.rollout.stop)
-    return {f"eval_{k}": v for k, v in result.summary().items()}
+    metrics = {f"eval_{k}": v for k, v in result.summary().items()}
+    if cfg.eval.samples:
+        sampled = sampled_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
+                                   tr.pool, samples=cfg.eval.samples, sampling=tr.sampling,
+                                   max_new_tokens=cfg.eval.max_new_tokens)
+        metrics |= {f"eval_sampled_{k}": v for k, v in sampled.summary().items()}
+    return metrics
+
+
+def sampled_note(metrics: dict) -> str:
+    return f"; sampled avg@k {metrics['eval_sampled_accuracy']:.3f}" if "eval_sampled_accuracy" in metrics else ""
 
 
 def train(cfg: Config, resume: str | None = None) -> dict:
@@ -215,7 +225,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             metrics.write({"step": 0, **before, **timer.reset()})
             summary["before"] = before
             console.print(f"held-out greedy before: accuracy {before['eval_accuracy']:.3f}, "
-                          f"boxed {before['eval_boxed_rate']:.3f} (n={before['eval_n']})")
+                          f"boxed {before['eval_boxed_rate']:.3f} (n={before['eval_n']}){sampled_note(before)}")
         train_time = 0.0
         with progress_bar() as progress:
             task = progress.add_task("train", total=cfg.train.steps, completed=tr.step, status="")
@@ -249,7 +259,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
             metrics.write({"step": tr.step, **after, **timer.reset()})
             summary["after"] = after
             console.print(f"held-out greedy after {tr.step} steps: accuracy {after['eval_accuracy']:.3f}, "
-                          f"boxed {after['eval_boxed_rate']:.3f}")
+                          f"boxed {after['eval_boxed_rate']:.3f}{sampled_note(after)}")
     metrics.close()
     samples.close()
     summary["curves"] = str(plot_run(tr.run_dir))
