@@ -281,10 +281,10 @@ class ArithTask:
 
         The short version omits the last computation and boxes the intermediate result. This
         plants a behavioural mistake in the SFT policy that lives at one step of an otherwise
-        correct solution and that a final-answer reward can see. A converged policy's arithmetic
-        slips barely move under RL; this failure does, so it gives credit assignment something
-        real to find: the reward must be traced back to the single line where the answer was
-        boxed too early.
+        correct solution and that a final-answer reward can see. The rare arithmetic errors of a
+        converged policy trained without slips barely move under RL; this failure does, so it
+        gives credit assignment something real to find: the reward must be traced back to the
+        single line where the answer was boxed too early.
 
         A slip writes a result 1-3 too high; the lines after it compute correctly from the
         wrong value, so one slip anywhere makes the boxed answer wrong. A policy trained on
@@ -298,7 +298,7 @@ class ArithTask:
         return solution_text(steps, steps[-1].result if steps else problem.steps[0].a)
 
     def sft_examples(self, n: int, seed: int) -> list[tuple[str, str]]:
-        """(question, SFT target) for train problems 0..n-1; the skip coins depend on `seed`."""
+        """(question, SFT target) for train problems 0..n-1; the skip and slip coins depend on `seed`."""
         if not 0 <= n <= self.train_size:
             raise ValueError(f"n={n} must be in [0, train_size={self.train_size}]")
         examples = []
