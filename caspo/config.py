@@ -409,6 +409,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
     if r.staleness < 0:
         raise ConfigError(f"rollout.staleness must be >= 0, got {r.staleness}")
+    if cfg.eval.samples < 0:
+        raise ConfigError(f"eval.samples must be >= 0 (0 = greedy accuracy only), got {cfg.eval.samples}")
+    if not 0.0 <= cfg.sft.slip_prob <= 1.0:
+        raise ConfigError(f"sft.slip_prob must be in [0, 1], got {cfg.sft.slip_prob}")
     if (method.group_baseline or (method.advantage == "terminal" and m.terminal_scope == "group")) \
             and r.samples_per_prompt < 2:
         raise ConfigError(

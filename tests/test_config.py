@@ -21,6 +21,8 @@ def test_preset_and_overrides():
     ("rollout.stop=5", "rollout.stop: expected a list"),
     ("method.name=reinforce", "method.name: unknown method"),
     ("train.steps", "key.path=value"),
+    ("eval.samples=-1", "eval.samples must be >= 0"),
+    ("sft.slip_prob=1.5", "sft.slip_prob must be in"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
