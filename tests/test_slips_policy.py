@@ -33,6 +33,6 @@ def test_shipped_slips_policy_slips_only_when_sampling():
     assert len(greedy_slips) >= 2 * len(prompts) and len(sampled_slips) >= 8 * len(prompts)
     assert sum(d != 0 for d in greedy_slips) <= 1  # the mode of each line is its right result
     rate = sum(d != 0 for d in sampled_slips) / len(sampled_slips)
-    assert 0.08 < rate < 0.25  # the SFT data slipped 15% of its lines
+    assert 0.1 < rate < 0.3  # its SFT data slipped 15% of their lines; the model slips a little more (22% here)
     wrong = [d for d in sampled_slips if d != 0]
     assert sum(1 <= d <= 3 for d in wrong) >= 0.8 * len(wrong)  # mostly upwards, by 1-3, as in its SFT data
