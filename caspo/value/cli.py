@@ -156,10 +156,9 @@ def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value mod
     import torch
 
     from caspo.data.build import load_task_data
-    from caspo.data.templates import TEMPLATES
     from caspo.models.prefix_value import load_prefix_value, provenance_mismatches
     from caspo.models.tokenizer import load_tokenizer
-    from caspo.value.provenance import tokenizer_hash
+    from caspo.value.provenance import prompt_format
     from caspo.value.spurious import spurious_line_check
 
     if threads:
@@ -171,9 +170,7 @@ def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value mod
     model = load_prefix_value(checkpoint, None)
     tokenizer = load_tokenizer(checkpoint)
     # only the prompts must match: the check reads values, it samples nothing
-    prompts_here = dataclasses.replace(model.provenance, prompt_template=TEMPLATES.get(cfg.data.template,
-                                                                                       cfg.data.template),
-                                       add_bos=cfg.data.add_bos, tokenizer_hash=tokenizer_hash(tokenizer))
+    prompts_here = dataclasses.replace(model.provenance, **prompt_format(cfg, tokenizer))
     differ = provenance_mismatches(prompts_here, model.provenance)
     if differ:
         raise typer.BadParameter(f"the value model was trained on prompts of another format than preset {preset!r} "

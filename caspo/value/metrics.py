@@ -94,6 +94,11 @@ def calibration_bins(predicted, targets, bins: int = 10) -> list[dict]:
     return out
 
 
+def success_probability(values, beta: float) -> np.ndarray:
+    """σ(V/β): the success probability a value on the β·Σ log-ratio scale stands for."""
+    return 1.0 / (1.0 + np.exp(-np.asarray(values, dtype=np.float64) / beta))
+
+
 def value_metrics(values, p_hat, outcome, groups, positions, beta: float) -> dict:
     """The judgement of a value model on labelled prefixes (see the module docstring).
 
@@ -103,7 +108,7 @@ def value_metrics(values, p_hat, outcome, groups, positions, beta: float) -> dic
     """
     values = np.asarray(values, dtype=np.float64)
     p_hat, outcome = np.asarray(p_hat, dtype=np.float64), np.asarray(outcome, dtype=np.float64)
-    prob = 1.0 / (1.0 + np.exp(-values / beta))
+    prob = success_probability(values, beta)
     eps = 1e-7
     clipped = np.clip(prob, eps, 1 - eps)
     dv, dp = within_group_deltas(values, p_hat, groups, positions)

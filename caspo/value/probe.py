@@ -19,7 +19,7 @@ import torch
 from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values, probability_ceiling
 from caspo.train.forward import response_logprobs
 from caspo.value.labels import LabelRow, ResponseLabels, group_responses, merge_duplicates
-from caspo.value.metrics import calibration_bins, value_metrics
+from caspo.value.metrics import calibration_bins, success_probability, value_metrics
 
 
 def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels], pad_token_id: int,
@@ -42,12 +42,16 @@ def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels]
     return values, mask, probability_ceiling(ref_prefix)
 
 
-@torch.no_grad()
 def predict(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
-            device: str | torch.device = "cpu",
-            with_ceiling: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """V of every row's prefix, in row order (copies of one rollout read once); with
-    ``with_ceiling``, also each prefix's probability ceiling."""
+            device: str | torch.device = "cpu") -> np.ndarray:
+    """V of every row's prefix, in row order (copies of one rollout read once)."""
+    return read_prefixes(model, rows, pad_token_id, batch_size, device)[0]
+
+
+@torch.no_grad()
+def read_prefixes(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
+                  device: str | torch.device = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """V and the probability ceiling of every row's prefix, in row order."""
     out, ceiling = np.full(len(rows), math.nan), np.full(len(rows), math.nan)
     responses = merge_duplicates(group_responses(rows))
     for start in range(0, len(responses), batch_size):
@@ -57,7 +61,7 @@ def predict(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int
             for indices in (r.rows, *r.duplicate_rows):
                 out[indices] = values[i, :len(r.rows)].double().cpu().numpy()
                 ceiling[indices] = ceilings[i, :len(r.rows)].double().cpu().numpy()
-    return (out, ceiling) if with_ceiling else out
+    return out, ceiling
 
 
 def evaluate(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
@@ -65,7 +69,7 @@ def evaluate(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: in
     """``value_metrics`` of the model on ``rows``, and the values themselves."""
     if not rows:
         raise ValueError("no labelled prefixes to evaluate on")
-    values, ceiling = predict(model, rows, pad_token_id, batch_size, device, with_ceiling=True)
+    values, ceiling = read_prefixes(model, rows, pad_token_id, batch_size, device)
     groups = [rollout_id(r) for r in rows]
     metrics = value_metrics(values, [r.p_hat for r in rows], [r.base_reward for r in rows], groups,
                             [r.boundary for r in rows], model.beta)
@@ -101,7 +105,7 @@ def write_report(out_dir: str | Path, metrics: dict, values: np.ndarray, rows: S
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    predicted = 1.0 / (1.0 + np.exp(-np.asarray(values) / beta))
+    predicted = success_probability(values, beta)
     bins = calibration_bins(predicted, [r.p_hat for r in rows])
     metrics_path = out_dir / "metrics.json"
     metrics_path.write_text(json.dumps({**metrics, "calibration": bins, **(extra or {})}, indent=2) + "\n")

@@ -28,13 +28,17 @@ def tokenizer_hash(tokenizer) -> str:
     return "t:" + hashlib.sha256((backend.to_str() + specials).encode()).hexdigest()[:16]
 
 
+def prompt_format(cfg: Config, tokenizer) -> dict:
+    """The provenance fields that fix how ``cfg`` turns a problem into prompt tokens."""
+    return dict(prompt_template=TEMPLATES.get(cfg.data.template, cfg.data.template), add_bos=cfg.data.add_bos,
+                tokenizer_hash=tokenizer_hash(tokenizer))
+
+
 def label_provenance(cfg: Config, tokenizer, policy: torch.nn.Module) -> Provenance:
     """The conditions under which ``policy``'s rollouts for ``cfg`` define values."""
     r = cfg.rollout
     return Provenance(
-        prompt_template=TEMPLATES.get(cfg.data.template, cfg.data.template),
-        add_bos=cfg.data.add_bos,
-        tokenizer_hash=tokenizer_hash(tokenizer),
+        **prompt_format(cfg, tokenizer),
         verifier_version=VERIFIER_VERSION,
         temperature=r.temperature,
         top_p=r.top_p,

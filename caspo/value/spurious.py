@@ -17,10 +17,10 @@ spurious > correct.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values
+from caspo.value.metrics import success_probability
 
 
 def probe_responses(solution: str) -> dict[str, str] | None:
@@ -53,7 +53,7 @@ def spurious_line_check(model: PrefixValueModel, tokenizer, prompts: list[list[i
             break
     if not values["correct"]:
         raise ValueError("no problem ends in + or −: the check needs the arithmetic task's held-out split")
-    prob = {name: 1.0 / (1.0 + np.exp(-np.asarray(v) / model.beta)) for name, v in values.items()}
+    prob = {name: success_probability(v, model.beta) for name, v in values.items()}
     return {"problems": len(values["correct"]),
             **{f"mean_prob_{name}": float(prob[name].mean()) for name in names},
             "share_spurious_above_correct": float((prob["spurious"] > prob["correct"]).mean())}
