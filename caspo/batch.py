@@ -15,6 +15,10 @@ import torch
 
 from caspo.rollout.base import Completion
 
+SEQUENCE_FRAME = ("input_ids", "attention_mask", "position_ids")  # [B, P+R]
+RESPONSE_FRAME = ("responses", "response_mask", "behaviour_logprobs", "old_logprobs", "ref_logprobs", "values",
+                  "returns", "advantages", "step_ids")  # [B, R]
+
 
 @dataclass
 class RolloutBatch:
@@ -33,6 +37,8 @@ class RolloutBatch:
     policy_versions: list[int]
     finish_reasons: list[str]
     texts: list[str]
+    prompt_ids: list[list[int]] = field(default_factory=list)  # each sample's prompt tokens, unpadded
+    labels: list[str] = field(default_factory=list)  # each sample's reference answer
     # filled by later phases
     rewards: Optional[torch.Tensor] = None  # [B]
     old_logprobs: Optional[torch.Tensor] = None  # [B, R]
@@ -40,7 +46,13 @@ class RolloutBatch:
     values: Optional[torch.Tensor] = None  # [B, R] critic values before the update
     returns: Optional[torch.Tensor] = None  # [B, R] GAE returns
     advantages: Optional[torch.Tensor] = None  # [B, R]
-    extras: dict = field(default_factory=dict)
+    true_rewards: Optional[torch.Tensor] = None  # [B] the verifier's rewards when a control replaced them
+    # step-level methods: the step of each response token, and per-step tensors [B, S]
+    step_ids: Optional[torch.Tensor] = None  # [B, R] step index of each response token, −1 on padding
+    step_values: Optional[torch.Tensor] = None  # [B, S] values the step TD reads (V(s_k), or CASPO's T(V(s_k)))
+    step_mask: Optional[torch.Tensor] = None  # [B, S]
+    step_advantages: Optional[torch.Tensor] = None  # [B, S]
+    stats: dict = field(default_factory=dict)  # batch-level counts for the run log (not per sample)
 
     @property
     def size(self) -> int:
@@ -53,7 +65,7 @@ class RolloutBatch:
     @classmethod
     def from_completions(cls, prompts: Sequence[list[int]], completions: Sequence[Completion], *,
                          group_ids: Sequence[int], example_ids: Sequence[str], sample_seeds: Sequence[int],
-                         texts: Sequence[str], pad_token_id: int) -> "RolloutBatch":
+                         texts: Sequence[str], pad_token_id: int, labels: Sequence[str] = ()) -> "RolloutBatch":
         B = len(completions)
         P = max(len(p) for p in prompts)
         R = max(1, max(len(c.tokens) for c in completions))
@@ -86,6 +98,8 @@ class RolloutBatch:
             policy_versions=[c.policy_version for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
             texts=list(texts),
+            prompt_ids=[list(p) for p in prompts],
+            labels=list(labels),
         )
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
@@ -94,22 +108,27 @@ class RolloutBatch:
         return replace(self, **moved)
 
     def select(self, index: torch.Tensor | Sequence[int]) -> "RolloutBatch":
-        """Rows `index`, with the response frame trimmed to their longest response."""
+        """Rows `index` of every per-sample field, with the response frame trimmed to their longest response."""
         idx = torch.as_tensor(index, dtype=torch.long)
         R = max(1, int(self.response_mask[idx].sum(-1).max()))
-        P = self.prompt_width
+        width = {**dict.fromkeys(SEQUENCE_FRAME, self.prompt_width + R), **dict.fromkeys(RESPONSE_FRAME, R)}
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[idx]
-                if value.dim() == 2 and f.name in ("input_ids", "attention_mask", "position_ids"):
-                    value = value[:, :P + R]
-                elif value.dim() == 2:
-                    value = value[:, :R]
-            elif isinstance(value, list):
+                if f.name in width:
+                    value = value[:, :width[f.name]]
+            elif isinstance(value, list) and value:
                 value = [value[i] for i in idx.tolist()]
             elif isinstance(value, dict):
                 value = dict(value)
             out[f.name] = value
         return replace(self, **out)
+
+    def micro_batches(self, size: int, rows: torch.Tensor | None = None):
+        """(row indices, the selected micro-batch) for consecutive chunks of `rows` (default: every row)."""
+        rows = torch.arange(self.size) if rows is None else rows
+        for start in range(0, len(rows), size):
+            idx = rows[start:start + size]
+            yield idx, self.select(idx)

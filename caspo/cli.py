@@ -24,7 +24,7 @@ def config(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
 def train(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
           resume: Optional[str] = typer.Option(None, help="checkpoint folder, run folder, or 'latest'")):
     """Train a policy with the configured method."""
-    from caspo.train.loop import train as run_train
+    from caspo.value.refresh import train as run_train
 
     summary = run_train(config_or_exit(preset, overrides), resume=resume)
     typer.echo(json.dumps(summary, indent=2))

@@ -1,63 +1,103 @@
-"""The method table: each method is one row naming its credit signal, its loss and its schedule.
+"""The method table: each method is one row that holds what it does.
 
-A method is data, not a subclass: the outer step reads the row to decide which
-phases run (critic values, proximal or frozen-old scores) and which pure functions
-of `caspo.algo` turn rewards into advantages and advantages into a loss.
+    advantages  fn(batch, token_rewards, method config) -> (advantages, returns)   caspo.train.advantages
+    loss        the policy loss of one micro-batch                                 caspo.train.policy_losses
+    whiten      token whitening when method.adv_whiten=auto: "batch" or "none"
+    schedule    "minibatches": train.epochs_per_rollout × minibatches of train.minibatch_size;
+                "halves": one epoch of two optimizer steps, each on half the completions
+    state       the method-owned state and its hooks (caspo.train.method_state): a critic, a
+                Monte Carlo value source, a prefix value model, a frozen old policy
 
-    advantage  group     group-relative terminal reward (s - mean_g) / std_g
-               terminal  terminal reward standardised over batch | group | off
-               gae       GAE on a learned critic's values
-               step_td   A_k = r_k + V(s_{k+1}) − V(s_k) on step values (Monte Carlo or learned)
-    loss       ppo_clip        clipped surrogate on trainer-recomputed old log-probs
-               decoupled       clipped surrogate on r = π/π_prox, weighted by clamp(π_prox/μ)
-               divergence_gate full-vocabulary KL(old‖new) gate, frozen old policy
-               dppo_binary     Divergence-PPO binary TV / KL trust-region mask
+Adding a method is one row here (or `register(Method(...))` from anywhere) plus, at
+most, one new pure function.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Literal
+
+from caspo.config import Config, ConfigError
+from caspo.train import advantages as adv
+from caspo.train import policy_losses as losses
+from caspo.train.critic import Critic, CriticAndFrozenOld
+from caspo.train.method_state import MethodState
+from caspo.train.policy_losses import PolicyLoss
+from caspo.train.step_values import MonteCarloValues, PrefixValues
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
-    advantage: str
-    loss: str
-    group_baseline: bool = False  # needs G >= 2 samples per prompt
-    needs_critic: bool = False
-    divergence: str = ""  # dppo_binary: "tv" | "kl"
-    halves: bool = False
-    step_values: str = ""  # step_td: "mc" (VinePPO) | "prefix" (CASPO's learned prefix values)  # two optimizer steps per rollout, each on half the completions
+    advantages: Callable[..., adv.Advantages]
+    loss: PolicyLoss
+    whiten: Literal["none", "batch"] = "none"
+    schedule: Literal["minibatches", "halves"] = "minibatches"
+    state: type[MethodState] = MethodState
+    group_baseline: bool = False  # compares samples within a prompt group: needs G >= 2
     doc: str = ""
 
 
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in [
-        Method("grpo", "group", "ppo_clip", group_baseline=True,
-               doc="group-relative terminal reward (DeepSeekMath); no second batch-wide whitening"),
-        Method("ppo", "terminal", "ppo_clip",
-               doc="PPO with the terminal reward standardised over batch, group or not at all"),
-        Method("ppo_critic", "gae", "ppo_clip", needs_critic=True,
-               doc="PPO with a learned scalar critic and GAE (Schulman et al. 2017)"),
-        Method("dppo", "gae", "decoupled", needs_critic=True,
-               doc="decoupled PPO: behaviour log-probs from the engine, proximal ones recomputed, bounded weight"),
-        Method("flow_dppo", "gae", "divergence_gate", needs_critic=True, halves=True,
-               doc="categorical divergence gate against frozen old-policy distributions; two steps on halves"),
-        Method("vineppo", "step_td", "ppo_clip", step_values="mc",
-               doc="VinePPO: step values = mean reward of K Monte Carlo continuations from each step boundary"),
-        Method("caspo", "step_td", "ppo_clip", step_values="prefix",
-               doc="step TD on values from a learned prefix value model (IPVRM-style), frozen or online"),
-        Method("dppo_tv", "group", "dppo_binary", group_baseline=True, divergence="tv",
-               doc="Divergence-PPO binary total-variation mask, group-relative advantages"),
-        Method("dppo_kl", "group", "dppo_binary", group_baseline=True, divergence="kl",
-               doc="Divergence-PPO binary KL mask, group-relative advantages"),
-    ]
-}
-
+METHODS: dict[str, Method] = {}
 ALIASES = {"flow-dppo": "flow_dppo"}  # the looped recipe's spelling
 
 
+def register(method: Method) -> Method:
+    METHODS[method.name] = method
+    return method
+
+
+for _row in [
+    Method("grpo", adv.group_relative, losses.PPO_CLIP, group_baseline=True,
+           doc="group-relative terminal reward (DeepSeekMath); no second batch-wide whitening"),
+    Method("ppo", adv.terminal, losses.PPO_CLIP,
+           doc="PPO with the terminal reward standardised over batch, group or not at all"),
+    Method("ppo_critic", adv.gae, losses.PPO_CLIP, whiten="batch", state=Critic,
+           doc="PPO with a learned scalar critic and GAE (Schulman et al. 2017)"),
+    Method("dppo", adv.gae, losses.DECOUPLED, whiten="batch", state=Critic,
+           doc="decoupled PPO: behaviour log-probs from the engine, proximal ones recomputed, bounded weight"),
+    Method("flow_dppo", adv.gae, losses.DIVERGENCE_GATE, whiten="batch", schedule="halves", state=CriticAndFrozenOld,
+           doc="categorical divergence gate against frozen old-policy distributions; two steps on halves"),
+    Method("vineppo", adv.mc_step_td, losses.PPO_CLIP, whiten="batch", state=MonteCarloValues,
+           doc="VinePPO: step values = mean reward of K Monte Carlo continuations from each step boundary"),
+    Method("caspo", adv.prefix_step_td, losses.PPO_CLIP, state=PrefixValues,
+           doc="step TD on values from a learned prefix value model (IPVRM-style), frozen or online"),
+    Method("dppo_tv", adv.group_relative, losses.DPPO_TV, group_baseline=True,
+           doc="Divergence-PPO binary total-variation mask, group-relative advantages"),
+    Method("dppo_kl", adv.group_relative, losses.DPPO_KL, group_baseline=True,
+           doc="Divergence-PPO binary KL mask, group-relative advantages"),
+]:
+    register(_row)
+
+
 def get_method(name: str) -> Method:
-    return METHODS[ALIASES.get(name, name)]
+    name = ALIASES.get(name, name)
+    if name not in METHODS:
+        raise ConfigError(f"method.name: unknown method {name!r}; methods: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def resolve_method(cfg: Config) -> Method:
+    """The row of `cfg.method.name`, after the checks that depend on it; raises ConfigError naming the fix."""
+    r, t, m = cfg.rollout, cfg.train, cfg.method
+    method = get_method(m.name)
+    m.name = method.name
+    n = cfg.responses_per_step
+    if method.schedule == "halves" and (t.epochs_per_rollout != 1 or 2 * t.minibatch_size != n):
+        raise ConfigError(
+            f"{m.name} takes two optimizer steps per rollout, each on half the completions, in one epoch: "
+            f"set train.minibatch_size={n // 2} and train.epochs_per_rollout=1 "
+            f"(got {t.minibatch_size} and {t.epochs_per_rollout})"
+        )
+    groups = method.group_baseline or (method.advantages is adv.terminal and m.terminal_scope == "group")
+    if groups and r.samples_per_prompt < 2:
+        raise ConfigError(
+            f"method {m.name} compares samples within a prompt group: rollout.samples_per_prompt must be >= 2, "
+            f"got {r.samples_per_prompt}"
+        )
+    if method.state is PrefixValues and not m.caspo.value_model:
+        raise ConfigError(f"method {m.name} needs method.caspo.value_model=PATH (a folder from `caspo value train`)")
+    if m.caspo.refresh_every and method.state is not PrefixValues:
+        raise ConfigError(f"method.caspo.refresh_every refreshes CASPO's prefix value model; it needs "
+                          f"method.name=caspo, got {m.name}")
+    return method

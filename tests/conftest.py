@@ -26,9 +26,10 @@ def value_model_folder(tmp_path_factory):
     """A fresh prefix value model for the tests preset (φ = reference, so every V starts at 0)."""
     from caspo.config import load_config
     from caspo.models.policy import load_policy, resolve_model_path
-    from caspo.models.prefix_value import PrefixValueModel, model_identity
+    from caspo.models.prefix_value import PrefixValueModel
+    from caspo.models.provenance import model_identity
     from caspo.models.tokenizer import load_tokenizer
-    from caspo.value.provenance import label_provenance
+    from caspo.models.provenance import label_provenance
 
     cfg = load_config("tests")
     base = load_policy(cfg.model.policy)

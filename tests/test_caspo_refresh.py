@@ -9,18 +9,28 @@ import torch
 from safetensors.torch import load_file
 
 from caspo.config import ConfigError, load_config
+from caspo.methods import resolve_method
 from caspo.models.policy import load_policy
-from caspo.models.prefix_value import check_provenance, load_prefix_value, model_identity
+from caspo.models.prefix_value import load_prefix_value
+from caspo.models.provenance import check_provenance, model_identity
 from caspo.train import checkpoint as ckpt
-from caspo.train import loop, refresh
+from caspo.train import loop
+from caspo.value import refresh
 from caspo.train.verify_resume import digest
-from caspo.value.provenance import label_provenance
+from caspo.models.provenance import label_provenance
 
 pytestmark = pytest.mark.timeout(300)
 
 # small enough for seconds per refresh on 2 cores, large enough for a held-out prompt in both refreshes
 SMALL = ["method.caspo.refresh_prompts=24", "method.caspo.refresh_k=4", "method.caspo.refresh_j=2",
          "method.caspo.refresh_boundaries=2", "method.caspo.refresh_epochs=1"]
+
+
+def checked_config(preset, overrides=()):
+    """load_config, then the checks of the method's row (as the CLI and the trainer run them)."""
+    cfg = load_config(preset, overrides)
+    resolve_method(cfg)
+    return cfg
 
 
 def caspo_config(run_dir, value_model, *overrides):
@@ -38,7 +48,7 @@ def refreshed_run(tmp_path_factory, value_model_folder):
     """Three steps with a refresh after steps 1 and 2."""
     run_dir = tmp_path_factory.mktemp("refreshed")
     cfg = caspo_config(run_dir, value_model_folder, "method.caspo.refresh_every=1")
-    loop.train(cfg)
+    refresh.train(cfg)
     return cfg, run_dir
 
 
@@ -69,7 +79,7 @@ def plain_run(tmp_path_factory, value_model_folder):
 ])
 def test_refresh_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config("tests", ["method.name=caspo", "method.caspo.value_model=v", *overrides])
+        checked_config("tests", ["method.name=caspo", "method.caspo.value_model=v", *overrides])
 
 
 def test_refresh_config_accepts_a_caspo_run():
@@ -140,19 +150,19 @@ def test_steps_after_a_refresh_use_the_new_value_model(refreshed_run, plain_run)
     # a trainer resumed after the refreshes holds the last refreshed model, and its step advantages differ
     cfg, run_dir = refreshed_run
     tr = loop.build_trainer(cfg)
-    configured = tr.value_model
+    configured = tr.method_state.model
     loop.restore(tr, run_dir / "checkpoints" / "step_000003")
     refreshed = load_prefix_value(run_dir / "refresh" / "step_000002" / "value", None)
-    assert digest(dict(tr.value_model.policy.named_parameters())) == \
+    assert digest(dict(tr.method_state.model.policy.named_parameters())) == \
         digest(dict(refreshed.policy.named_parameters())) != digest(dict(configured.policy.named_parameters()))
     with tr.pool:
         batch = loop.generate(tr, tr.cursor.take(cfg.rollout.prompts_per_step))
         batch.rewards = loop.reward(tr, batch)
         batch.old_logprobs = loop.score(tr.policy, batch, cfg)
         advantages = []
-        for model in (tr.value_model, configured):
-            tr.value_model = model
-            loop.values(tr, batch)
+        for model in (tr.method_state.model, configured):
+            tr.method_state.model = model
+            tr.method_state.values(tr, batch)
             advantages.append(loop.compute_advantages(batch, cfg, tr.method)[0])
     assert not torch.allclose(*advantages)
 
@@ -163,7 +173,7 @@ def test_a_value_model_named_anew_on_resume_wins_over_the_recorded_one(tmp_path,
     shutil.copytree(value_model_folder, other)
     tr = loop.build_trainer(caspo_config(run_dir, other))
     loop.restore(tr, run_dir / "checkpoints" / "step_000003")
-    assert tr.value_source.path == str(other)
+    assert tr.method_state.source.path == str(other)
 
 
 def test_state_continues_across_a_refresh_as_without_one(refreshed_run, plain_run):
@@ -199,10 +209,10 @@ def test_a_refresh_resumes_exactly_from_its_checkpoint(tmp_path, value_model_fol
                   "scheduler": digest(tr.actor.scheduler.state_dict()), "cursor": tr.cursor.state_dict(),
                   "update_rng": tr.update_rng.get_state(), "torch_rng": torch.get_rng_state(),
                   "counters": (tr.step, tr.version)}
-        configured = tr.value_model
+        configured = tr.method_state.model
         torch.rand(7)  # whatever ran in between, the refresh resumes with the checkpoint's RNG
         record = refresh.refresh(tr, folder)
-    assert tr.value_model is not configured and tr.value_source.path == record["refresh_value_model"]
+    assert tr.method_state.model is not configured and tr.method_state.source.path == record["refresh_value_model"]
     assert digest(dict(tr.policy.named_parameters())) == before["policy"]
     assert tr.engine.version == tr.version  # the restored weights were published again
     assert digest(dict(tr.ref.named_parameters())) == base  # the KL anchor stays the original base
@@ -229,7 +239,7 @@ def test_a_resumed_pipeline_redoes_or_reuses_the_refresh_of_its_checkpoint(tmp_p
                         (lambda: (folder / "refresh.json").unlink(), "labels"),  # stopped while training φ
                         (lambda: None, "all")]:  # stopped after it
         cut()
-        loop.train(cfg, resume=str(run_dir / "checkpoints" / "step_000002"))
+        refresh.train(cfg, resume=str(run_dir / "checkpoints" / "step_000002"))
         metrics = read_jsonl(run_dir / "metrics.jsonl")
         assert [(r["step"], r["refresh_reused"]) for r in metrics if "refresh_value_model" in r] == \
             [(1, "none"), (2, reused)]  # each refresh logged once

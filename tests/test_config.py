@@ -1,6 +1,14 @@
 import pytest
 
 from caspo.config import ConfigError, load_config
+from caspo.methods import resolve_method
+
+
+def checked_config(preset, overrides=()):
+    """load_config, then the checks of the method's row (as the CLI and the trainer run them)."""
+    cfg = load_config(preset, overrides)
+    resolve_method(cfg)
+    return cfg
 
 
 def test_preset_and_overrides():
@@ -26,29 +34,29 @@ def test_preset_and_overrides():
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config("tests", [override])
+        checked_config("tests", [override])
 
 
 def test_minibatches_must_be_whole():
     # tests preset: 4 prompts × 2 samples = 8 responses
     with pytest.raises(ConfigError, match="does not divide the 8 responses"):
-        load_config("tests", ["train.minibatch_size=3"])
+        checked_config("tests", ["train.minibatch_size=3"])
     with pytest.raises(ConfigError, match="micro_batch_size=3 does not divide"):
-        load_config("tests", ["train.minibatch_size=4", "train.micro_batch_size=3"])
+        checked_config("tests", ["train.minibatch_size=4", "train.micro_batch_size=3"])
 
 
 def test_grpo_needs_groups_of_two():
     with pytest.raises(ConfigError, match="samples_per_prompt must be >= 2"):
-        load_config("tests", ["rollout.samples_per_prompt=1", "train.minibatch_size=4"])
+        checked_config("tests", ["rollout.samples_per_prompt=1", "train.minibatch_size=4"])
 
 
 def test_unknown_preset_lists_presets():
     with pytest.raises(ConfigError, match="arith-tiny"):
-        load_config("no-such-preset")
+        checked_config("no-such-preset")
 
 
 def test_yaml_file_errors(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  steps: 3\n  bogus: 1\n")
     with pytest.raises(ConfigError, match="unknown key train.bogus"):
-        load_config(path)
+        checked_config(path)

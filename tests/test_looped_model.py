@@ -6,8 +6,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForTokenClassification,
                           LlamaForCausalLM)
 
 import caspo.models.looped as looped
-from caspo.models.looped import (CACHE_FIELD, LoopedCache, LoopedConfig, LoopedForCausalLM, LoopedForValue, from_upstream_config,
-                                 map_upstream_state_dict)
+from caspo.models.looped import CACHE_FIELD, LoopedCache, LoopedConfig, LoopedForCausalLM, LoopedForValue
+from caspo.models.looped_upstream import from_upstream_config, map_upstream_state_dict
 from caspo.models.policy import load_policy
 
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from caspo.models.looped import LoopedForCausalLM, from_upstream_config, load_upstream, map_upstream_state_dict
+from caspo.models.looped import LoopedForCausalLM
+from caspo.models.looped_upstream import from_upstream_config, load_upstream, map_upstream_state_dict
 
 V, HIDDEN, FFN, LAYERS, HEADS, HEAD_DIM, THETA, EPS = 53, 32, 40, 2, 4, 8, 1000.0, 1e-6
 

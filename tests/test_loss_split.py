@@ -8,8 +8,8 @@ from caspo.config import load_config
 from caspo.methods import get_method
 from caspo.train import loop
 from caspo.train.advantages import compute_advantages
-from caspo.train.precision import LossScaler
-from caspo.train.update import accumulate_gradients
+from caspo.precision import LossScaler
+from caspo.train.update import accumulate_gradients, actor_loss
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,7 +37,8 @@ def test_gradients_agree_across_micro_batch_splits(rollout, mode):
         cfg = load_config("tests", ["train.minibatch_size=8", f"train.micro_batch_size={micro}",
                                     f"method.loss_agg={mode}", "method.kl_coef=0.1"])
         tr.policy.zero_grad(set_to_none=True)
-        accumulate_gradients(tr.policy, batch, torch.arange(8), cfg, LossScaler("fp32"), batch.responses.shape[1])
+        accumulate_gradients(tr.policy, batch, torch.arange(8), cfg, LossScaler("fp32"), batch.responses.shape[1],
+                             actor_loss(tr.method, tr.method_state, batch.responses.shape[1]))
         grads[micro] = torch.cat([p.grad.flatten() for p in tr.policy.parameters()])
     assert grads[8].abs().max() > 0
     for micro in (4, 1):

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from caspo.config import ConfigError, load_config
+from caspo.methods import resolve_method
 from caspo.train import loop
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,6 +19,13 @@ METHOD_METRICS = {
     "dppo_tv": ["dppo_masked_frac"],
     "dppo_kl": ["dppo_masked_frac"],
 }
+
+
+def checked_config(preset, overrides=()):
+    """load_config, then the checks of the method's row (as the CLI and the trainer run them)."""
+    cfg = load_config(preset, overrides)
+    resolve_method(cfg)
+    return cfg
 
 
 def run(tmp_path, *overrides, steps=5):
@@ -67,8 +75,8 @@ def test_flow_dppo_gate_blocks_tokens(tmp_path):
 
 def test_flow_dppo_needs_two_half_batches():
     with pytest.raises(ConfigError, match="two optimizer steps per rollout"):
-        load_config("tests", ["method.name=flow_dppo", "train.minibatch_size=8"])
-    assert load_config("tests", ["method.name=flow-dppo"]).method.name == "flow_dppo"
+        checked_config("tests", ["method.name=flow_dppo", "train.minibatch_size=8"])
+    assert checked_config("tests", ["method.name=flow-dppo"]).method.name == "flow_dppo"
 
 
 def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
@@ -95,7 +103,7 @@ def test_caspo_runs_each_transform_frozen_and_online(tmp_path, value_model_folde
 
 
 def test_caspo_refuses_a_value_model_from_other_conditions(tmp_path, value_model_folder):
-    from caspo.models.prefix_value import ProvenanceError
+    from caspo.models.provenance import ProvenanceError
 
     with pytest.raises(ProvenanceError, match="temperature"):
         run(tmp_path, "method.name=caspo", f"method.caspo.value_model={value_model_folder}",
@@ -117,7 +125,9 @@ def test_shuffled_values_keep_their_multiset():
 
     values = torch.tensor([[0.1, 0.2, 9.0], [0.3, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    out = loop.shuffled_within_batch(values, mask, seed=3)
+    from caspo.train.step_values import shuffled_within_batch
+
+    out = shuffled_within_batch(values, mask, seed=3)
     assert sorted(out[mask.bool()].tolist()) == pytest.approx([0.1, 0.2, 0.3])
     assert torch.equal(out[~mask.bool()], values[~mask.bool()])  # padding untouched
-    assert any(not torch.equal(loop.shuffled_within_batch(values, mask, seed=s), values) for s in range(5))
+    assert any(not torch.equal(shuffled_within_batch(values, mask, seed=s), values) for s in range(5))

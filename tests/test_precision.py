@@ -7,8 +7,8 @@ from caspo.config import load_config
 from caspo.methods import get_method
 from caspo.train import loop
 from caspo.train.advantages import compute_advantages
-from caspo.train.precision import LossScaler, autocast
-from caspo.train.update import accumulate_gradients, update
+from caspo.precision import LossScaler, autocast
+from caspo.train.update import accumulate_gradients, actor_loss, update
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,7 +57,8 @@ def test_fp16_with_loss_scale_matches_fp32(tmp_path):
     grads = {}
     for tr in (tr32, tr16):
         tr.policy.zero_grad(set_to_none=True)
-        accumulate_gradients(tr.policy, batch, torch.arange(batch.size), tr.cfg, tr.scaler, batch.responses.shape[1])
+        accumulate_gradients(tr.policy, batch, torch.arange(batch.size), tr.cfg, tr.scaler, batch.responses.shape[1],
+                             actor_loss(tr.method, tr.method_state, batch.responses.shape[1]))
         assert tr.scaler.unscale_and_check(tr.policy.parameters())
         grads[tr.cfg.train.precision] = torch.cat([p.grad.flatten() for p in tr.policy.parameters()])
         assert all(p.grad.dtype == torch.float32 for p in tr.policy.parameters())  # fp32 accumulation
@@ -70,7 +71,7 @@ def test_fp16_with_loss_scale_matches_fp32(tmp_path):
 def test_fp16_overflow_step_is_skipped_and_counted(tmp_path):
     tr, batch = first_batch(["train.precision=fp16", "train.loss_scale=1e38"], tmp_path)
     before = copy.deepcopy(tr.policy.state_dict())
-    stats = update(tr.actor, None, batch, tr.cfg, tr.method, torch.Generator().manual_seed(0), tr.scaler)
+    stats = update(tr.actor, batch, tr.cfg, tr.method, tr.method_state, torch.Generator().manual_seed(0), tr.scaler)
     assert stats["skipped_steps"] == tr.cfg.responses_per_step // tr.cfg.train.minibatch_size
     for name, value in tr.policy.state_dict().items():
         assert torch.equal(value, before[name])

@@ -88,7 +88,7 @@ def test_a_fresh_model_values_everything_at_zero(tiny_model):
 
 
 def test_passed_reference_logprobs_replace_the_reference_forward(tiny_model):
-    from caspo.train.forward import response_logprobs
+    from caspo.models.forward import response_logprobs
 
     model = perturbed_value_model(tiny_model)
     batch = pack_responses([[5, 6], [7]], [[7, 8, 9], [4]], pad_token_id=0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from caspo.rollout.base import Completion, SamplingParams
-from caspo.value.mc import (
+from caspo.train.monte_carlo import (
     Prefix,
     continuation_seed,
     estimate_prefixes,

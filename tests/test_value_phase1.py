@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from caspo.models.prefix_value import Provenance
+from caspo.models.provenance import Provenance
 from caspo.value.cli import value_app
 from caspo.value.collect import choose_boundaries, parse_shard
 from caspo.value.labels import LabelFileError, LabelRow, merge_label_files, read_label_file, write_label_file

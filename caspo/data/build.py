@@ -9,7 +9,7 @@ from caspo.data.examples import Example, arith_examples, load_jsonl
 from caspo.data.prompts import encode_prompts
 from caspo.data.tasks.arith import ArithSpec, ArithTask
 from caspo.data.templates import render_prompt
-from caspo.train.runlog import console
+from caspo.runlog import console
 
 
 @dataclass

@@ -354,7 +354,4 @@ AutoConfig.register(LoopedConfig.model_type, LoopedConfig, exist_ok=True)
 AutoModelForCausalLM.register(LoopedConfig, LoopedForCausalLM, exist_ok=True)
 AutoModelForTokenClassification.register(LoopedConfig, LoopedForValue, exist_ok=True)
 
-from caspo.models.looped_upstream import from_upstream_config, load_upstream, map_upstream_state_dict  # noqa: E402
-
-__all__ = ["LoopedConfig", "LoopedCache", "LoopedModel", "LoopedForCausalLM", "LoopedForValue", "LoopedValueOutput",
-           "from_upstream_config", "map_upstream_state_dict", "load_upstream"]
+__all__ = ["LoopedConfig", "LoopedCache", "LoopedModel", "LoopedForCausalLM", "LoopedForValue", "LoopedValueOutput"]

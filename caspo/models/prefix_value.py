@@ -46,7 +46,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from caspo.train.forward import response_logprobs
+from caspo.models.forward import response_logprobs
+from caspo.models.provenance import Provenance, ProvenanceError, check_provenance, model_identity
 
 FORMAT = "caspo-prefix-value/1"
 CONFIG_FILE = "value_config.json"
@@ -54,81 +55,6 @@ DEFAULT_BETA = 10.0
 TRANSFORMS = ("value", "prob", "logprob")
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------- provenance
-
-
-class ProvenanceError(ValueError):
-    """A value model or label set made under other conditions than the caller's."""
-
-
-@dataclass(frozen=True)
-class Provenance:
-    """What defines the values a model was trained on; any change makes it stale."""
-
-    prompt_template: str  # the template text, with its {query} placeholder
-    add_bos: bool
-    tokenizer_hash: str
-    verifier_version: str  # caspo.reward.VERIFIER_VERSION
-    temperature: float  # the sampler whose success probability the values estimate
-    top_p: float
-    top_k: int
-    stop_strings: tuple[str, ...]
-    max_new_tokens: int  # response budget: continuations that hit it score 0
-    label_policy: str  # model_identity of the policy whose rollouts made the labels
-    reference: Optional[str] = None  # model_identity of the value model's frozen reference; None for a label set
-
-    def with_reference(self, reference: str) -> "Provenance":
-        return dataclasses.replace(self, reference=reference)
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["stop_strings"] = list(self.stop_strings)
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "Provenance":
-        names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - set(raw) - {"reference"})
-        unknown = sorted(set(raw) - names)
-        if missing or unknown:
-            raise ProvenanceError(f"provenance record has missing fields {missing} and unknown fields {unknown}")
-        return cls(**{**raw, "stop_strings": tuple(raw["stop_strings"])})
-
-
-def provenance_mismatches(expected: Provenance, found: Provenance, ignore: Sequence[str] = ()) -> list[str]:
-    """One line per field that differs: 'field: expected X, found Y'."""
-    want, have = expected.to_dict(), found.to_dict()
-    return [f"{name}: expected {want[name]!r}, found {have[name]!r}"
-            for name in want if name not in ignore and want[name] != have[name]]
-
-
-def check_provenance(expected: Provenance, found: Provenance, what: str, allow_mismatch: bool = False,
-                     ignore: Sequence[str] = ()) -> None:
-    """Raise ProvenanceError listing every differing field, or only log them when allowed."""
-    lines = provenance_mismatches(expected, found, ignore)
-    if not lines:
-        return
-    message = f"{what} was made under other conditions:\n  " + "\n  ".join(lines)
-    if not allow_mismatch:
-        raise ProvenanceError(message + "\nre-collect and retrain it, or pass allow_mismatch to use it anyway")
-    log.warning("%s (used anyway: allow_mismatch)", message)
-
-
-def model_identity(model: torch.nn.Module) -> str:
-    """A fingerprint of a model's weights: sha256 over the name, shape, dtype and bytes of every parameter.
-
-    The stored bytes, not sums of them: a float reduction depends on the device's summation
-    order, and the same weights must have the same identity on any device. Weights rounded
-    to another dtype are other weights.
-    """
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-            h.update(p.detach().contiguous().cpu().view(torch.uint8).numpy())
-    return "w:" + h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- pure functions

@@ -6,7 +6,7 @@ import torch
 
 from caspo.config import Config
 from caspo.rollout.base import SamplingParams
-from caspo.train.precision import compute_dtype
+from caspo.precision import compute_dtype
 
 
 def engine_dtype(cfg: Config) -> torch.dtype:

@@ -1,5 +1,6 @@
 """Step segmentation: text splitters -> character offsets -> token step ids."""
 
+from caspo.segment.factory import splitter_name, step_splitter
 from caspo.segment.latex import latex_step_starts
 from caspo.segment.newline import newline_step_starts
 from caspo.segment.token_steps import (
@@ -23,5 +24,7 @@ __all__ = [
     "newline_step_starts",
     "pad_step_ids",
     "segment_response",
+    "splitter_name",
+    "step_splitter",
     "token_step_ids",
 ]

@@ -1,36 +1,36 @@
 """The outer training step, phase by phase, as the data path of DESIGN.md:
 
-    prompts  = cursor.take(P)                 resumable prompt cursor
-    batch    = engine.generate(prompts × G)   t_roll    tokens + behaviour log-probs + policy version
-    batch    = reward(batch)                  t_reward  verifier in a process pool
-    batch    = old / ref log-probs            t_old, t_ref  (trainer recomputes, no grad)
-    batch    = advantages(batch)              pure tensor functions of caspo.algo
-    stats    = update(batch)                  t_pol
-    engine.publish(policy, version + 1)       t_sync
-    checkpoint / log / eval                   t_ckpt, t_eval
+    prompts  = cursor.take(P)                    resumable prompt cursor
+    batch    = engine.generate(prompts × G)      t_roll    tokens + behaviour log-probs + policy version
+    batch    = reward(batch)                     t_reward  verifier in a process pool
+    batch    = old / ref log-probs               t_old, t_ref  (trainer recomputes, no grad)
+    batch    = method_state.values(batch)        t_value   critic | Monte Carlo | prefix-model values
+    batch    = method.advantages(batch)          pure tensor functions of caspo.algo
+    method_state.after_advantages(batch)         t_value_update  (CASPO online: one value-model step)
+    stats    = update(batch, method.loss)        t_pol     the policy, then the method's learners
+    engine.publish(policy, version + 1)          t_sync
+    checkpoint / log / eval                      t_ckpt, t_eval
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from caspo import algo
 from caspo.batch import RolloutBatch
-from caspo.config import Config, to_yaml
+from caspo.config import Config, ConfigError, to_yaml
 from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
-from caspo.models.critic import critic_values
 from caspo.report.curves import plot_run
 from caspo.rollout.base import Request
 from caspo.rollout.sampling import sample_seed
+from caspo.runlog import JsonlWriter, console, progress_bar
 from caspo.train import checkpoint as ckpt
 from caspo.train.advantages import compute_advantages
-from caspo.train.forward import response_logprobs
-from caspo.train.precision import autocast
-from caspo.train import refresh, step_values
-from caspo.train.runlog import JsonlWriter, console, progress_bar
-from caspo.train.step_values import online_value_step
+from caspo.train.scoring import score
+from caspo.train.step_values import control_seed
 from caspo.train.timers import PhaseTimer
 from caspo.train.trainer import Trainer, build_trainer, publish_current, restore, save
 from caspo.train.update import update
@@ -42,7 +42,7 @@ __all__ = ["Trainer", "build_trainer", "evaluate", "outer_step", "restore", "sav
 
 
 def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
-    cfg, timer = tr.cfg, PhaseTimer()
+    cfg, timer, state = tr.cfg, PhaseTimer(), tr.method_state
     with timer("t_step"):
         indices = tr.cursor.take(cfg.rollout.prompts_per_step)
         with timer("t_roll"):
@@ -55,37 +55,18 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
             if tr.ref is not None:
                 batch.ref_logprobs = score(tr.ref, batch, cfg)
         with timer("t_value"):
-            value_stats = values(tr, batch)
+            value_stats = state.values(tr, batch)
         batch.advantages, batch.returns = compute_advantages(batch, cfg, tr.method)
-        if tr.value is not None:  # caspo online: after this batch's advantages, one value-model step
-            with timer("t_value_update"):
-                value_stats.update(online_value_step(tr, batch, batch.extras["step_ids"]))
+        with timer("t_value_update"):
+            value_stats.update(state.after_advantages(tr, batch))
         with timer("t_pol"):
-            if tr.old is not None:  # flow_dppo: freeze the old policy once per rollout
-                tr.old.load_state_dict(tr.policy.state_dict())
-            stats = update(tr.actor, tr.critic, batch, cfg, tr.method, tr.update_rng, tr.scaler, tr.old)
+            state.before_update(tr)
+            stats = update(tr.actor, batch, cfg, tr.method, state, tr.update_rng, tr.scaler)
             tr.version += 1
         with timer("t_sync"):
             publish_current(tr)
     tr.step += 1
     return batch, {**stats, **value_stats, **batch_stats(batch), **timer.reset()}
-
-
-def values(tr: Trainer, batch: RolloutBatch) -> dict:
-    """The method's value source: a critic's token values, or step values (Monte Carlo / prefix model)."""
-    if tr.critic is not None:
-        batch.values = no_grad_pass(tr.critic.model, batch, tr.cfg, critic_values)
-    if not tr.method.step_values:
-        return {}
-    step_ids = step_values.segment(tr, batch)
-    source = step_values.monte_carlo_values if tr.method.step_values == "mc" else step_values.prefix_model_values
-    values, mask, stats = source(tr, batch, step_ids)
-    if tr.method.step_values == "prefix" and tr.cfg.method.caspo.shuffle_values:
-        values = shuffled_within_batch(values, mask, seed=tr.cfg.train.seed * 1_000_003 + tr.step)
-    batch.extras.update(step_ids=step_ids, step_values=values, step_mask=mask,
-                        beta=tr.value_model.beta if tr.value_model is not None else None)
-    return {**stats, "steps_mean": float(mask.sum(-1).mean()),
-            "step_value_mean": float(algo.masked_mean(values, mask))}
 
 
 def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
@@ -103,53 +84,25 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
     requests = [Request(p, s, cfg.rollout.max_new_tokens) for p, s in zip(prompts, seeds)]
     completions = tr.engine.generate(requests, tr.sampling)
     texts = [tr.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+    labels = [tr.data.train[item].label for item in indices for _ in range(G)]
     batch = RolloutBatch.from_completions(prompts, completions, group_ids=groups, example_ids=ids,
-                                          sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id)
-    batch = batch.to(tr.device)
-    batch.extras["prompts"] = prompts
-    batch.extras["labels"] = [tr.data.train[item].label for item in indices for _ in range(G)]
-    return batch
+                                          sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id,
+                                          labels=labels)
+    return batch.to(tr.device)
 
 
 def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
     if tr.cfg.reward.synthetic:
-        batch.extras["reward_timeouts"] = 0
+        batch.stats["reward_timeouts"] = 0
         return ((batch.responses * batch.response_mask.long()).sum(-1) % 2 == 0).float()
-    result = tr.pool.score(batch.texts, batch.extras["labels"], batch.finished.tolist())
+    result = tr.pool.score(batch.texts, batch.labels, batch.finished.tolist())
     rewards = torch.tensor(result.rewards, dtype=torch.float32, device=tr.device)
-    batch.extras["reward_timeouts"] = result.timeouts
+    batch.stats["reward_timeouts"] = result.timeouts
     if tr.cfg.reward.shuffle_within_batch:  # the control: same rewards, no longer tied to the samples
-        g = torch.Generator().manual_seed(tr.cfg.train.seed * 1_000_003 + tr.step)
-        batch.extras["true_rewards"] = rewards
+        g = torch.Generator().manual_seed(control_seed(tr.cfg, tr.step))
+        batch.true_rewards = rewards
         rewards = rewards[torch.randperm(len(rewards), generator=g).to(tr.device)]
     return rewards
-
-
-@torch.no_grad()
-def no_grad_pass(model: torch.nn.Module, batch: RolloutBatch, cfg: Config, fn, *args) -> torch.Tensor:
-    """`fn(model, micro_batch, *args)` -> [b, R] over the batch, micro-batch by micro-batch, no grad."""
-    out = torch.zeros_like(batch.behaviour_logprobs)
-    mb = cfg.train.micro_batch_size
-    for start in range(0, batch.size, mb):
-        idx = torch.arange(start, min(start + mb, batch.size))
-        micro = batch.select(idx)
-        with autocast(cfg.train.precision, micro.input_ids.device):
-            out[idx, :micro.responses.shape[1]] = fn(model, micro, *args).float()
-    return out
-
-
-def score(model: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
-    """Response log-probs under `model` (temperature-scaled), no grad."""
-    return no_grad_pass(model, batch, cfg, response_logprobs, cfg.rollout.temperature)
-
-
-def shuffled_within_batch(values: torch.Tensor, mask: torch.Tensor, seed: int) -> torch.Tensor:
-    """The valid entries of `values` permuted among themselves (a control that keeps their distribution)."""
-    valid = mask.bool()
-    g = torch.Generator().manual_seed(seed)
-    out = values.clone()
-    out[valid] = values[valid][torch.randperm(int(valid.sum()), generator=g).to(values.device)]
-    return out
 
 
 def batch_stats(batch: RolloutBatch) -> dict:
@@ -158,17 +111,17 @@ def batch_stats(batch: RolloutBatch) -> dict:
         "reward_mean": float(batch.rewards.mean()),
         "response_len_mean": float(lengths.mean()),
         "truncated_frac": float((~batch.finished).float().mean()),
-        "reward_timeouts": batch.extras.get("reward_timeouts", 0),
+        "reward_timeouts": batch.stats.get("reward_timeouts", 0),
         "behaviour_vs_old_logp_absdiff": float(
             algo.masked_mean((batch.behaviour_logprobs - batch.old_logprobs).abs(), batch.response_mask)),
     }
-    if "true_rewards" in batch.extras:
-        stats["true_reward_mean"] = float(batch.extras["true_rewards"].mean())
+    if batch.true_rewards is not None:
+        stats["true_reward_mean"] = float(batch.true_rewards.mean())
     return stats
 
 
 def sample_records(tr: Trainer, batch: RolloutBatch, step: int) -> list[dict]:
-    rewards = batch.extras.get("true_rewards", batch.rewards).tolist()
+    rewards = (batch.true_rewards if batch.true_rewards is not None else batch.rewards).tolist()
     lengths = batch.response_lengths.tolist()
     tokens = batch.responses.tolist()
     return [
@@ -201,7 +154,28 @@ def sampled_note(metrics: dict) -> str:
     return f"; sampled avg@k {metrics['eval_sampled_accuracy']:.3f}" if "eval_sampled_accuracy" in metrics else ""
 
 
-def train(cfg: Config, resume: str | None = None) -> dict:
+class BetweenSegments(Protocol):
+    """What runs between two segments of a run: CASPO's refresh (`caspo.value.refresh.Refresh`)."""
+
+    def due(self, step: int) -> bool: ...
+
+    def record_at(self, step: int) -> Callable[[dict], bool]: ...
+
+    def __call__(self, tr: Trainer, checkpoint) -> dict: ...
+
+
+class NoRefresh:
+    def due(self, step: int) -> bool:
+        return False
+
+
+def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegments] = None) -> dict:
+    """The run: evaluation before, outer steps with checkpoints, logs and evaluation, evaluation after.
+    `refresh` runs between segments; a config with method.caspo.refresh_every needs one."""
+    if cfg.method.caspo.refresh_every and refresh is None:
+        raise ConfigError("method.caspo.refresh_every needs the refresh pipeline: run `caspo train`, or pass "
+                          "refresh=caspo.value.refresh.Refresh(cfg) to train()")
+    refresh = refresh or NoRefresh()
     tr = build_trainer(cfg)
     tr.run_dir.mkdir(parents=True, exist_ok=True)
     (tr.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -212,7 +186,7 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         console.print(f"resumed from {checkpoint} at step {tr.step}, policy version {tr.version}")
     truncate = tr.step if resume else -1
     # a run resumed at a refresh step does that refresh again (reusing what it finds) and logs it again
-    redo = refresh.record_at(tr.step) if resume and refresh.due(cfg, tr.step) else None
+    redo = refresh.record_at(tr.step) if resume and refresh.due(tr.step) else None
     metrics = JsonlWriter(tr.run_dir / "metrics.jsonl", truncate_after_step=truncate, drop=redo)
     samples = JsonlWriter(tr.run_dir / "samples.jsonl", truncate_after_step=truncate)
     summary: dict = {"run_dir": str(tr.run_dir)}
@@ -230,16 +204,16 @@ def train(cfg: Config, resume: str | None = None) -> dict:
         with progress_bar() as progress:
             task = progress.add_task("train", total=cfg.train.steps, completed=tr.step, status="")
             while tr.step < last:
-                if refresh.due(cfg, tr.step):  # caspo: a fresh value model for the next segment
+                if refresh.due(tr.step):  # caspo: a fresh value model for the next segment
                     progress.stop()  # the refresh shows its own progress bars
-                    metrics.write(refresh.refresh(tr, checkpoint))
+                    metrics.write(refresh(tr, checkpoint))
                     progress.start()
                 batch, stats = outer_step(tr)
                 train_time += stats["t_step"]
                 record = {"step": tr.step, **stats}
                 timer = PhaseTimer()
                 if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or tr.step == last \
-                        or refresh.due(cfg, tr.step):
+                        or refresh.due(tr.step):
                     with timer("t_ckpt"):
                         checkpoint = save(tr)
                 if cfg.eval.every and tr.step % cfg.eval.every == 0 and tr.step != cfg.train.steps:

@@ -1,12 +1,34 @@
-"""Optimizer and learning-rate schedule, built after any model wrapping."""
+"""Optimizer and learning-rate schedule, built after any model wrapping; a model with both is a Learner."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
-from caspo.config import OptimConfig
+from caspo.config import Config, OptimConfig
+
+
+@dataclass
+class Learner:
+    """A model with its optimizer and schedule."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None, schedule: str | None = None) -> Learner:
+    """Optimizer and schedule for `model` (built after the model is final, ready for FSDP2 wrapping first);
+    the schedule spans every optimizer step of the run."""
+    optim = cfg.optim if lr is None else dataclasses.replace(cfg.optim, lr=lr)
+    optim = optim if schedule is None else dataclasses.replace(optim, schedule=schedule, warmup_steps=0)
+    updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
+    optimizer = build_optimizer(model.parameters(), optim)
+    return Learner(model, optimizer, build_scheduler(optimizer, warmup=optim.warmup_steps, total=updates,
+                                                     schedule=optim.schedule))
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -24,7 +24,7 @@ from caspo.models.tokenizer import build_char_tokenizer, load_tokenizer, save_to
 from caspo.reward.pool import RewardPool
 from caspo.rollout.hf import HFEngine
 from caspo.train.optim import build_scheduler
-from caspo.train.runlog import JsonlWriter, console, progress_bar
+from caspo.runlog import JsonlWriter, console, progress_bar
 
 
 def sft_batch(tokenizer, pairs: list[tuple[str, str]], device) -> tuple[torch.Tensor, ...]:

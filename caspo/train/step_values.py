@@ -1,94 +1,189 @@
 """Step-level values for `vineppo` and `caspo`: split each response into steps, value the states.
 
-    token_step_ids  [B, R]  the step of each response token (−1 on padding), read off the
-                            generated ids (caspo.segment), never a re-tokenization
-    step_values     [B, S]  V(s_k), the state before step k; the state after the last step is
-                            terminal (value 0) and is not stored
-    vineppo         V(s_k) = mean 0/1 reward of K continuations from s_k (engine requests only)
-    caspo           V(s_k) = β Σ_{tokens of steps < k} log π_φ/π_ref, from the prefix value model
+    step_ids     [B, R]  the step of each response token (−1 on padding), read off the
+                         generated ids (caspo.segment), never a re-tokenization
+    step_values  [B, S]  V(s_k), the state before step k; the state after the last step is
+                         terminal (value 0) and is not stored
+    vineppo      V(s_k) = mean 0/1 reward of K continuations from s_k (engine requests only)
+    caspo        V(s_k) = β Σ_{tokens of steps < k} log π_φ/π_ref, from the prefix value model,
+                 stored as T(V(s_k)) for the step TD (method.caspo.transform)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from caspo import algo
 from caspo.batch import RolloutBatch
-from caspo.models.prefix_value import step_values as read_step_values
-from caspo.segment import pad_step_ids, segment_response
-from caspo.value.mc import continuation_seed, mc_step_values, step_start_indices
+from caspo.config import Config
+from caspo.models.policy import load_policy
+from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_values, transform_values
+from caspo.models.provenance import label_provenance
+from caspo.runlog import console
+from caspo.segment import pad_step_ids, step_splitter
+from caspo.train.method_state import MethodState
+from caspo.train.monte_carlo import continuation_seed, mc_step_values, step_start_indices
+from caspo.train.optim import Learner, learner
+
+if TYPE_CHECKING:
+    from caspo.train.trainer import Trainer
 
 
-def splitter(cfg) -> str:
-    s = cfg.method.step_splitter
-    return s if s != "auto" else ("newline" if cfg.data.source == "arith" else "latex")
+def control_seed(cfg: Config, step: int) -> int:
+    """The seed of a control's permutation at `step` (shuffled rewards, shuffled values)."""
+    return cfg.train.seed * 1_000_003 + step
 
 
-def segment(tr, batch: RolloutBatch) -> torch.Tensor:
+def segment(tr: "Trainer", batch: RolloutBatch) -> torch.Tensor:
     """[B, R] step id of every response token, −1 on padding."""
-    m = tr.cfg.method
-    decode = partial(tr.tokenizer.decode, skip_special_tokens=True)
+    split = step_splitter(tr.cfg, partial(tr.tokenizer.decode, skip_special_tokens=True))
     lengths = batch.response_lengths.tolist()
-    rows = [segment_response(decode, batch.responses[b, :lengths[b]].tolist(), splitter=splitter(tr.cfg),
-                             max_steps=m.max_steps or None, after_final_box=m.after_final_box).token_step_ids
-            for b in range(batch.size)]
+    rows = [split(batch.responses[b, :lengths[b]].tolist()) for b in range(batch.size)]
     step_ids, _ = pad_step_ids(rows, seq_len=batch.responses.shape[1])
     return step_ids.to(batch.responses.device)
 
 
-def monte_carlo_values(tr, batch: RolloutBatch, step_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """VinePPO values: K continuations per distinct prefix, sampled by the rollout engine."""
-    cfg = tr.cfg
-    lengths = batch.response_lengths.tolist()
-    responses = [batch.responses[b, :lengths[b]].tolist() for b in range(batch.size)]
-    starts = [step_start_indices(step_ids[b, :lengths[b]].tolist()) for b in range(batch.size)]
-    mc = mc_step_values(
-        tr.engine, batch.extras["prompts"], responses, starts, batch.extras["labels"], k=cfg.method.vineppo_k,
-        sampling=tr.sampling, max_new_tokens=cfg.rollout.max_new_tokens,
-        seed_fn=partial(continuation_seed, cfg.train.seed, tr.step),
-        scorer=lambda texts, labels, finished: tr.pool.score(texts, labels, finished).rewards,
-        decode=partial(tr.tokenizer.decode, skip_special_tokens=True),
-    )
-    stats = {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes}
-    return mc.values.to(batch.responses.device), mc.step_mask.to(batch.responses.device), stats
+def step_stats(batch: RolloutBatch, values: torch.Tensor) -> dict:
+    return {"steps_mean": float(batch.step_mask.sum(-1).mean()),
+            "step_value_mean": float(algo.masked_mean(values, batch.step_mask))}
 
 
-def micro_batches(tr, batch: RolloutBatch, step_ids: torch.Tensor):
-    """(micro-batch, its step ids) pairs, with the response frame trimmed as `select` trims it."""
-    mb = tr.cfg.train.micro_batch_size
-    for start in range(0, batch.size, mb):
-        idx = torch.arange(start, min(start + mb, batch.size))
-        micro = batch.select(idx)
-        yield idx, micro, step_ids[idx, :micro.responses.shape[1]]
+class MonteCarloValues(MethodState):
+    """VinePPO: K continuations per distinct prefix, sampled by the rollout engine."""
+
+    def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
+        cfg = tr.cfg
+        batch.step_ids = segment(tr, batch)
+        lengths = batch.response_lengths.tolist()
+        responses = [batch.responses[b, :lengths[b]].tolist() for b in range(batch.size)]
+        starts = [step_start_indices(batch.step_ids[b, :lengths[b]].tolist()) for b in range(batch.size)]
+        mc = mc_step_values(
+            tr.engine, batch.prompt_ids, responses, starts, batch.labels, k=cfg.method.vineppo_k,
+            sampling=tr.sampling, max_new_tokens=cfg.rollout.max_new_tokens,
+            seed_fn=partial(continuation_seed, cfg.train.seed, tr.step),
+            scorer=lambda texts, labels, finished: tr.pool.score(texts, labels, finished).rewards,
+            decode=partial(tr.tokenizer.decode, skip_special_tokens=True),
+        )
+        device = batch.responses.device
+        batch.step_values, batch.step_mask = mc.values.to(device), mc.step_mask.to(device)
+        return {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes,
+                **step_stats(batch, batch.step_values)}
 
 
-@torch.no_grad()
-def prefix_model_values(tr, batch: RolloutBatch, step_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """CASPO values from the prefix value model."""
-    S = max(int(step_ids.max()) + 1, 1)
-    values = torch.zeros(batch.size, S, device=step_ids.device)
-    mask = torch.zeros_like(values)
-    for idx, micro, ids in micro_batches(tr, batch, step_ids):
-        v, m = read_step_values(tr.value_model.cumulative(micro), ids)
-        values[idx, :v.shape[1]], mask[idx, :m.shape[1]] = v, m
-    return values, mask, {}
+@dataclass(frozen=True)
+class ValueSource:
+    """Where CASPO's value model comes from, recorded in every checkpoint: a refresh replaces it."""
+
+    path: str  # the value model folder
+    label_policy: str  # the model spec of the policy whose rollouts labelled it (its provenance must match)
 
 
-def online_value_step(tr, batch: RolloutBatch, step_ids: torch.Tensor) -> dict:
-    """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
-    step boundaries k >= 1 (V(s_0) = 0 whatever φ is)."""
-    learner, beta = tr.value, tr.value_model.beta
-    boundaries = float((step_ids.max(-1).values.clamp(min=0)).sum())  # steps after the first, per row
-    learner.optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for idx, micro, ids in micro_batches(tr, batch, step_ids):
-        v, m = read_step_values(tr.value_model.cumulative(micro), ids)
-        target = batch.rewards[idx].float()[:, None].expand_as(v)
-        bce = torch.nn.functional.binary_cross_entropy_with_logits(v / beta, target, reduction="none")
-        loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0)
-        loss.backward()
-        total += loss.detach().item()
-    learner.optimizer.step()
-    learner.scheduler.step()
-    return {"value_bce": total, "value_boundaries": boundaries}
+def load_value_model(cfg: Config, tokenizer, source: ValueSource, label_policy: torch.nn.Module,
+                     device) -> PrefixValueModel:
+    """CASPO's prefix value model, refused if it was trained under other conditions than this run's
+    sampling of `label_policy` (the base policy, or the policy of the checkpoint a refresh labelled)."""
+    c = cfg.method.caspo
+    model = load_prefix_value(source.path, label_provenance(cfg, tokenizer, label_policy),
+                              allow_mismatch=c.allow_provenance_mismatch, device=device)
+    model.policy.requires_grad_(c.online).train(False)
+    return model
+
+
+class PrefixValues(MethodState):
+    """CASPO: step values from a prefix value model, frozen, trained online, or replaced by a refresh."""
+
+    def __init__(self, cfg: Config, tokenizer, source: ValueSource, label_policy: torch.nn.Module, device):
+        super().__init__()
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
+        self.source = source
+        self.model = load_value_model(cfg, tokenizer, source, label_policy, device)
+        self.online: Optional[Learner] = None
+        if cfg.method.caspo.online:  # φ with its optimizer, saved in <checkpoint>/value/
+            self.online = learner(self.model.policy, cfg, lr=cfg.method.caspo.online_value_lr, schedule="constant")
+            self.learners = {"value": self.online}
+
+    @classmethod
+    def build(cls, cfg: Config, policy_path: str, policy: torch.nn.Module, tokenizer, device: torch.device):
+        return cls(cfg, tokenizer, ValueSource(cfg.method.caspo.value_model, cfg.model.policy), policy, device)
+
+    @torch.no_grad()
+    def read(self, batch: RolloutBatch, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """V(s_k) [B, S] and the step mask, micro-batch by micro-batch."""
+        S = max(int(batch.step_ids.max()) + 1, 1)
+        values = torch.zeros(batch.size, S, device=batch.step_ids.device)
+        mask = torch.zeros_like(values)
+        for idx, micro in batch.micro_batches(micro_batch_size):
+            v, m = step_values(self.model.cumulative(micro), micro.step_ids)
+            values[idx, :v.shape[1]], mask[idx, :m.shape[1]] = v, m
+        return values, mask
+
+    def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
+        c = tr.cfg.method.caspo
+        batch.step_ids = segment(tr, batch)
+        values, batch.step_mask = self.read(batch, tr.cfg.train.micro_batch_size)
+        if c.shuffle_values:
+            values = shuffled_within_batch(values, batch.step_mask, seed=control_seed(tr.cfg, tr.step))
+        batch.step_values = transform_values(values, c.transform, self.model.beta)
+        return step_stats(batch, values)
+
+    def after_advantages(self, tr: "Trainer", batch: RolloutBatch) -> dict:
+        return self.online_step(batch, tr.cfg.train.micro_batch_size) if self.online is not None else {}
+
+    def online_step(self, batch: RolloutBatch, micro_batch_size: int) -> dict:
+        """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
+        step boundaries k >= 1 (V(s_0) = 0 whatever φ is)."""
+        beta = self.model.beta
+        boundaries = float((batch.step_ids.max(-1).values.clamp(min=0)).sum())  # steps after the first, per row
+        self.online.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for idx, micro in batch.micro_batches(micro_batch_size):
+            v, m = step_values(self.model.cumulative(micro), micro.step_ids)
+            target = micro.rewards.float()[:, None].expand_as(v)
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(v / beta, target, reduction="none")
+            loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0)
+            loss.backward()
+            total += loss.detach().item()
+        self.online.optimizer.step()
+        self.online.scheduler.step()
+        return {"value_bce": total, "value_boundaries": boundaries}
+
+    def install(self, source: ValueSource) -> None:
+        """Replace the frozen value model by the one at `source` (a refreshed one), checking its provenance."""
+        if self.online is not None:
+            raise ValueError(f"cannot replace the value model by {source.path}: this run trains its value model "
+                             "online (method.caspo.online=true), and a refreshed model needs a frozen run")
+        label_policy = load_policy(source.label_policy, self.device)
+        self.model = load_value_model(self.cfg, self.tokenizer, source, label_policy, self.device)
+        self.source = source
+
+    def state_dict(self) -> dict:
+        return {"value_source": {"path": self.source.path, "label_policy": self.source.label_policy}}
+
+    def load_state_dict(self, tr: "Trainer", state: dict) -> None:
+        """Continue with the value model the checkpoint trained with (after a refresh, the refreshed one),
+        unless this run's config names another model than the checkpoint's run did."""
+        recorded = state.get("value_source")
+        if recorded is None:  # written before value sources were recorded: the configured model, already loaded
+            return
+        recorded = ValueSource(**recorded)
+        if recorded == self.source:
+            return
+        if state["config"]["method"]["caspo"]["value_model"] != self.cfg.method.caspo.value_model:
+            console.print(f"value model: {self.source.path}, as configured (the checkpoint trained with "
+                          f"{recorded.path})")
+            return
+        self.install(recorded)
+        console.print(f"value model: {recorded.path}, as the checkpoint trained with")
+
+
+def shuffled_within_batch(values: torch.Tensor, mask: torch.Tensor, seed: int) -> torch.Tensor:
+    """The valid entries of `values` permuted among themselves (a control that keeps their distribution)."""
+    valid = mask.bool()
+    g = torch.Generator().manual_seed(seed)
+    out = values.clone()
+    out[valid] = values[valid][torch.randperm(int(valid.sum()), generator=g).to(values.device)]
+    return out

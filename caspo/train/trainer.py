@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import random
 from dataclasses import dataclass, field
@@ -11,47 +10,34 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from caspo.config import Config, to_dict, to_yaml
 from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
-from caspo.methods import Method, get_method
-from caspo.models.critic import load_critic
+from caspo.methods import Method, resolve_method
 from caspo.models.policy import enable_recompute, load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
+from caspo.precision import LossScaler, compute_dtype
 from caspo.reward.pool import RewardPool
-from caspo.rollout.base import SamplingParams, publish
+from caspo.rollout.base import Engine, SamplingParams, publish
 from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
 from caspo.train import checkpoint as ckpt
-from caspo.train.optim import build_optimizer, build_scheduler
-from caspo.train.precision import LossScaler, compute_dtype
-from caspo.train.runlog import console
-from caspo.train.update import Learner
-
-
-@dataclass(frozen=True)
-class ValueSource:
-    """Where CASPO's value model comes from, recorded in every checkpoint: a refresh replaces it."""
-
-    path: str  # the value model folder
-    label_policy: str  # the model spec of the policy whose rollouts labelled it (its provenance must match)
+from caspo.train.method_state import MethodState
+from caspo.train.optim import Learner, learner
 
 
 @dataclass
 class Trainer:
     cfg: Config
-    method: Method
+    method: Method  # the row: advantage function, loss, whitening, schedule
     run_dir: Path
     device: torch.device
-    tokenizer: object
-    actor: Learner
-    critic: Learner | None
+    tokenizer: PreTrainedTokenizerBase
+    actor: Learner  # the policy with its optimizer
     ref: torch.nn.Module | None  # frozen original base: the KL anchor, never the resumed weights
-    old: torch.nn.Module | None  # flow_dppo's frozen old policy, refreshed before each update
-    value_model: object | None  # caspo: the prefix value model (PrefixValueModel)
-    value_source: ValueSource | None  # caspo: where value_model was loaded from
-    value: Learner | None  # caspo online: its φ with its optimizer
-    engine: object  # an Engine (caspo.rollout.base)
+    method_state: MethodState  # what the method owns: critic, value model, frozen old policy, ...
+    engine: Engine
     cursor: PromptCursor
     update_rng: torch.Generator
     data: TaskData
@@ -85,69 +71,26 @@ def set_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def load_value_model(cfg: Config, tokenizer, source: ValueSource, label_policy: torch.nn.Module, device):
-    """CASPO's prefix value model, refused if it was trained under other conditions than this run's
-    sampling of `label_policy` (the base policy, or the policy of the checkpoint a refresh labelled)."""
-    from caspo.models.prefix_value import load_prefix_value
-    from caspo.value.provenance import label_provenance
-
-    c = cfg.method.caspo
-    model = load_prefix_value(source.path, label_provenance(cfg, tokenizer, label_policy),
-                              allow_mismatch=c.allow_provenance_mismatch, device=device)
-    model.policy.requires_grad_(c.online).train(False)
-    return model
-
-
-def install_value_model(tr: "Trainer", source: ValueSource) -> None:
-    """Replace the frozen value model by the one at `source` (a refreshed one), checking its provenance."""
-    if tr.value is not None:
-        raise ValueError(f"cannot replace the value model by {source.path}: this run trains its value model "
-                         "online (method.caspo.online=true), and a refreshed model needs a frozen run")
-    label_policy = load_policy(source.label_policy, tr.device)
-    tr.value_model = load_value_model(tr.cfg, tr.tokenizer, source, label_policy, tr.device)
-    tr.value_source = source
-
-
-def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None, schedule: str | None = None) -> Learner:
-    """Optimizer and schedule, built after the model is final (ready for FSDP2 wrapping first)."""
-    optim = cfg.optim if lr is None else dataclasses.replace(cfg.optim, lr=lr)
-    optim = optim if schedule is None else dataclasses.replace(optim, schedule=schedule, warmup_steps=0)
-    updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
-    optimizer = build_optimizer(model.parameters(), optim)
-    return Learner(model, optimizer, build_scheduler(optimizer, warmup=optim.warmup_steps, total=updates,
-                                                     schedule=optim.schedule))
-
-
 def build_trainer(cfg: Config) -> Trainer:
+    method = resolve_method(cfg)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     if cfg.train.deterministic:
         set_deterministic()
     seed_everything(cfg.train.seed)
-    method = get_method(cfg.method.name)
     device = resolve_device(cfg.model.device)
     path = resolve_model_path(cfg.model.policy)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, device).eval()
     if cfg.train.recompute:
         enable_recompute(policy)
-    needs_ref = cfg.method.kl_coef > 0 or cfg.method.kl_reward_coef > 0
-    critic = load_critic(path, device).eval() if method.needs_critic else None
-    if critic is not None and cfg.train.recompute:
-        enable_recompute(critic)
     data = load_task_data(cfg, tokenizer)
-    value_source = ValueSource(cfg.method.caspo.value_model, cfg.model.policy) \
-        if method.step_values == "prefix" else None
-    value_model = load_value_model(cfg, tokenizer, value_source, policy, device) if value_source else None
+    needs_ref = cfg.method.kl_coef > 0 or cfg.method.kl_reward_coef > 0
     tr = Trainer(
         cfg=cfg, method=method, run_dir=Path(cfg.train.output_dir), device=device, tokenizer=tokenizer,
         actor=learner(policy, cfg),
-        critic=learner(critic, cfg, lr=cfg.method.critic_lr) if critic is not None else None,
         ref=copy.deepcopy(policy).requires_grad_(False) if needs_ref else None,
-        old=copy.deepcopy(policy).requires_grad_(False) if method.loss == "divergence_gate" else None,
-        value_model=value_model, value_source=value_source,
-        value=learner(value_model.policy, cfg, lr=cfg.method.caspo.online_value_lr, schedule="constant")
-        if value_model is not None and cfg.method.caspo.online else None,
+        method_state=method.state.build(cfg, path, policy, tokenizer, device),
         engine=build_engine(cfg, policy, tokenizer, max_seq_len(cfg)),
         cursor=PromptCursor(len(data.train), cfg.train.seed),
         update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
@@ -184,9 +127,8 @@ def export(model: torch.nn.Module, precision: str) -> torch.nn.Module:
 
 
 def learners(tr: Trainer) -> dict[str, Learner]:
-    """The trained models, each saved in its own folder; GRPO-like methods save only the actor."""
-    return {"policy": tr.actor, **({"critic": tr.critic} if tr.critic is not None else {}),
-            **({"value": tr.value} if tr.value is not None else {})}
+    """The trained models, each saved in its own folder; GRPO-like methods save only the policy."""
+    return {"policy": tr.actor, **tr.method_state.learners}
 
 
 def trainer_state(tr: Trainer) -> dict:
@@ -197,7 +139,7 @@ def trainer_state(tr: Trainer) -> dict:
         "schedulers": {k: lr.scheduler.state_dict() for k, lr in learners(tr).items()},
         "loss_scaler": tr.scaler.state_dict(), "cursor": tr.cursor.state_dict(),
         "update_rng": tr.update_rng.get_state(), "rng": ckpt.rng_state(), "snapshots": tr.snapshots,
-        "value_source": dataclasses.asdict(tr.value_source) if tr.value_source is not None else None,
+        **tr.method_state.state_dict(),
     }
     if tr.cfg.train.precision != "fp32":
         state["master_weights"] = {k: lr.model.state_dict() for k, lr in learners(tr).items()}
@@ -213,31 +155,12 @@ def save(tr: Trainer) -> Path:
     )
 
 
-def restore_value_model(tr: Trainer, state: dict) -> None:
-    """Continue with the value model the checkpoint trained with (after a CASPO refresh, the refreshed
-    one), unless this run's config names another model than the checkpoint's run did."""
-    recorded = state.get("value_source")
-    if recorded is None:  # written before value sources were recorded: the config's model, which tr holds
-        return
-    recorded = ValueSource(**recorded)
-    if recorded == tr.value_source:
-        return
-    configured_then = state["config"]["method"]["caspo"]["value_model"]
-    if configured_then != tr.cfg.method.caspo.value_model:
-        console.print(f"value model: {tr.value_source.path}, as configured (the checkpoint trained with "
-                      f"{recorded.path})")
-        return
-    install_value_model(tr, recorded)
-    console.print(f"value model: {recorded.path}, as the checkpoint trained with")
-
-
 def restore(tr: Trainer, checkpoint: Path) -> None:
     """Load weights and state, then publish the restored weights before anything generates."""
     from safetensors.torch import load_model
 
     state = ckpt.load_trainer_state(checkpoint)
-    if tr.value_model is not None:
-        restore_value_model(tr, state)
+    tr.method_state.load_state_dict(tr, state)
     for name, lr in learners(tr).items():
         if "master_weights" in state:
             lr.model.load_state_dict(state["master_weights"][name])

@@ -20,7 +20,7 @@ import torch
 from rich.table import Table
 
 from caspo.train.checkpoint import load_trainer_state, resolve_checkpoint
-from caspo.train.runlog import console
+from caspo.runlog import console
 
 STEPS = 3
 STOP_AFTER = 2

@@ -102,7 +102,8 @@ def probe(checkpoint: Path = typer.Argument(..., help="prefix value model folder
     """Spearman ρ, within-response ρ, AUC and accuracy of a value model on a label file."""
     import torch
 
-    from caspo.models.prefix_value import check_provenance, load_prefix_value
+    from caspo.models.prefix_value import load_prefix_value
+    from caspo.models.provenance import check_provenance
     from caspo.models.tokenizer import load_tokenizer
     from caspo.value.labels import read_label_file
     from caspo.value.probe import evaluate, write_report
@@ -156,9 +157,10 @@ def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value mod
     import torch
 
     from caspo.data.build import load_task_data
-    from caspo.models.prefix_value import load_prefix_value, provenance_mismatches
+    from caspo.models.prefix_value import load_prefix_value
+    from caspo.models.provenance import provenance_mismatches
     from caspo.models.tokenizer import load_tokenizer
-    from caspo.value.provenance import prompt_format
+    from caspo.models.provenance import prompt_format
     from caspo.value.spurious import spurious_line_check
 
     if threads:

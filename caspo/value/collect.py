@@ -11,7 +11,7 @@ For each training prompt of the shard:
 3. split each rollout into steps (newline splitter for the arithmetic task, LaTeX
    splitter otherwise) and pick S of its interior step boundaries, evenly spaced;
 4. label each picked prefix with p̂, the mean reward of J continuations
-   (``caspo.value.mc.estimate_prefixes``: same sampler, remaining budget, a
+   (``caspo.train.monte_carlo.estimate_prefixes``: same sampler, remaining budget, a
    continuation that hits the budget scores 0, identical prefixes estimated once).
 
 The empty prefix is never labelled: a log-ratio value model gives it V = 0 whatever
@@ -35,11 +35,11 @@ from caspo.data.build import load_task_data
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Request
 from caspo.rollout.sampling import sample_seed
-from caspo.segment import SPLITTERS, segment_response
-from caspo.train.runlog import console, progress_bar
+from caspo.segment import SPLITTERS, splitter_name, step_splitter
+from caspo.runlog import console, progress_bar
 from caspo.value.labels import LabelRow, write_label_file
-from caspo.value.mc import Prefix, continuation_seed, estimate_prefixes, step_start_indices
-from caspo.value.provenance import label_provenance
+from caspo.train.monte_carlo import Prefix, continuation_seed, estimate_prefixes, step_start_indices
+from caspo.models.provenance import label_provenance
 from caspo.value.rollout import rollout_setup
 
 COLLECT_STEP = -1  # the `step` of phase-1 seeds: no outer RL step has run
@@ -96,17 +96,15 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def default_splitter(cfg: Config) -> str:
-    """One computation per line for the arithmetic task; LaTeX-aware steps for anything else."""
-    return "newline" if cfg.data.source == "arith" else "latex"
-
-
 def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, int] = (0, 1),
             splitter: Optional[str] = None, seed_step: int = COLLECT_STEP) -> dict:
-    """Write the label file of one shard; returns its header."""
-    splitter = splitter or default_splitter(cfg)
-    if splitter not in SPLITTERS:
-        raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
+    """Write the label file of one shard; returns its header. Responses split into steps as training splits
+    them (method.step_splitter, max_steps, after_final_box); `splitter` overrides method.step_splitter."""
+    if splitter is not None:
+        if splitter not in SPLITTERS:
+            raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
+        cfg = dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, step_splitter=splitter))
+    splitter = splitter_name(cfg)
     if spec.state_temperature is not None and not spec.state_temperature > 0:
         raise ValueError(f"state temperature must be > 0, got {spec.state_temperature}; leave it unset to sample "
                          "base rollouts like the run")
@@ -122,6 +120,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
 
     with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool, progress_bar() as progress:
         scorer = setup.scorer(pool)
+        split = step_splitter(cfg, setup.decode)
         task = progress.add_task(f"collect {shard[0]}/{shard[1]}", total=len(indices), status="")
         for start in range(0, len(indices), spec.chunk):
             chunk = indices[start:start + spec.chunk]
@@ -136,7 +135,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
                 stats["mixed_prompts"] += 1
                 example, prompt = data.train[i], data.train_prompts[i]
                 for s, tokens in enumerate(rollouts[n * spec.k:(n + 1) * spec.k]):
-                    starts = step_start_indices(segment_response(setup.decode, tokens, splitter).token_step_ids)
+                    starts = step_start_indices(split(tokens))
                     for boundary in choose_boundaries(starts, spec.boundaries):
                         fields = dict(prompt_id=example.id, prompt_index=i, sample=s, prompt_tokens=list(prompt),
                                       response_tokens=list(tokens), boundary=boundary, step=starts.index(boundary),

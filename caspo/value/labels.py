@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from caspo.models.prefix_value import Provenance
+from caspo.models.provenance import Provenance
 
 FORMAT = "caspo-value-labels/1"
 

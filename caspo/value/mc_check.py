@@ -1,4 +1,4 @@
-"""Is ``caspo.value.mc`` an unbiased estimator? Two checks against the real policy.
+"""Is ``caspo.train.monte_carlo`` an unbiased estimator? Two checks against the real policy.
 
 1. Calibration of V(prompt). For n held-out prompts, V_i (K continuations through
    ``estimate_prefixes``) is compared with q_i, the success rate of M independent
@@ -28,8 +28,8 @@ from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Request
 from caspo.rollout.sampling import sample_seed
 from caspo.segment import segment_response
-from caspo.train.runlog import console
-from caspo.value.mc import Prefix, continuation_seed, estimate_prefixes, mc_step_values, step_start_indices
+from caspo.runlog import console
+from caspo.train.monte_carlo import Prefix, continuation_seed, estimate_prefixes, mc_step_values, step_start_indices
 from caspo.value.rollout import rollout_setup
 
 CHECK_STEP = -2  # seeds of this check are apart from training (≥ 0) and collection (−1) seeds

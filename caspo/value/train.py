@@ -26,12 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from caspo.models.policy import load_policy, resolve_model_path
-from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel, ProvenanceError, check_provenance, model_identity
+from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel
+from caspo.models.provenance import ProvenanceError, check_provenance, model_identity
 from caspo.models.tokenizer import load_tokenizer
-from caspo.train.runlog import console, progress_bar
+from caspo.runlog import console, progress_bar
 from caspo.value.labels import LabelRow, group_responses, merge_duplicates, read_label_file
 from caspo.value.probe import boundary_values, evaluate, write_report
-from caspo.value.provenance import tokenizer_hash
+from caspo.models.provenance import tokenizer_hash
 
 
 @dataclass

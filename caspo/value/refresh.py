@@ -28,16 +28,39 @@ from typing import Callable
 
 from caspo.config import Config
 from caspo.models.policy import load_policy
-from caspo.train.runlog import console
-from caspo.train.step_values import splitter
+from caspo.models.provenance import label_provenance
+from caspo.runlog import console
+from caspo.segment import splitter_name
+from caspo.train import loop
+from caspo.train.step_values import ValueSource
 from caspo.train.timers import PhaseTimer
-from caspo.train.trainer import Trainer, ValueSource, install_value_model, restore
+from caspo.train.trainer import Trainer, restore
 from caspo.value.collect import CollectSpec, collect, refresh_seed_step
 from caspo.value.labels import LabelFileError, read_label_file
-from caspo.value.provenance import label_provenance
 from caspo.value.train import TrainSpec, train_value
 
 MARKER = "refresh.json"
+
+
+class Refresh:
+    """The training loop's hook between segments (`caspo.train.loop.train(cfg, refresh=Refresh(cfg))`)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def due(self, step: int) -> bool:
+        return due(self.cfg, step)
+
+    def record_at(self, step: int) -> Callable[[dict], bool]:
+        return record_at(step)
+
+    def __call__(self, tr: Trainer, checkpoint: Path) -> dict:
+        return refresh(tr, checkpoint)
+
+
+def train(cfg: Config, resume: str | None = None) -> dict:
+    """A training run, with CASPO's refreshes when method.caspo.refresh_every asks for them."""
+    return loop.train(cfg, resume, refresh=Refresh(cfg) if cfg.method.caspo.refresh_every else None)
 
 
 def due(cfg: Config, step: int) -> bool:
@@ -67,7 +90,7 @@ def train_spec(cfg: Config, beta: float) -> TrainSpec:
 def conditions(cfg: Config, beta: float, step: int, provenance: dict) -> dict:
     """Everything the artifacts of the refresh after `step` depend on; reuse needs all of it equal."""
     return {"collect": asdict(collect_spec(cfg)), "train": asdict(train_spec(cfg, beta)),
-            "splitter": splitter(cfg), "seed": cfg.train.seed, "seed_step": refresh_seed_step(step),
+            "splitter": splitter_name(cfg), "seed": cfg.train.seed, "seed_step": refresh_seed_step(step),
             "provenance": provenance}
 
 
@@ -98,10 +121,10 @@ def refresh(tr: Trainer, checkpoint: Path) -> dict:
     timer = PhaseTimer()
     with timer("t_refresh"):
         provenance = label_provenance(tr.cfg, tr.tokenizer, load_policy(policy)).to_dict()
-        want = conditions(tr.cfg, tr.value_model.beta, step, provenance)
+        want = conditions(tr.cfg, tr.method_state.model.beta, step, provenance)
         summary, reused = artifacts(tr, step, policy, folder, want)
         restore(tr, checkpoint)  # optimizer, scheduler, step, cursor, RNG and weights as saved
-        install_value_model(tr, ValueSource(str(folder / "value"), policy))
+        tr.method_state.install(ValueSource(str(folder / "value"), policy))
     console.print(f"refresh after step {step}: {summary['label_rows']} labelled prefixes, value model "
                   f"val ρ {summary['val_spearman']:.3f} -> {folder / 'value'}"
                   + (f" (reused: {reused})" if reused != "none" else ""))
@@ -130,7 +153,7 @@ def artifacts(tr: Trainer, step: int, policy: str, folder: Path, want: dict) -> 
     shutil.rmtree(value, ignore_errors=True)  # a value training cut short leaves a partial folder
     with timer("train"):
         try:
-            trained = train_value(labels, policy, value, train_spec(tr.cfg, tr.value_model.beta), str(tr.device))
+            trained = train_value(labels, policy, value, train_spec(tr.cfg, tr.method_state.model.beta), str(tr.device))
         except (ValueError, RuntimeError) as err:
             raise RuntimeError(
                 f"refresh after step {step}: no value model could be trained on {labels}: {err}\n"

@@ -1,0 +1,77 @@
+"""The policy losses a method row can name, as functions of one micro-batch's tensors.
+
+Each takes `LossInputs` and the `method` config section and returns (loss, metrics),
+calling one pure loss of `caspo.algo`:
+
+    ppo_clip         clipped surrogate on r = π/π_old (π_old recomputed by the trainer)
+    decoupled        clipped surrogate on r = π/π_prox, weighted by clamp(π_prox/μ), μ the engine's scores
+    dppo_tv/_kl      Divergence-PPO's binary trust-region mask (total variation / KL)
+    divergence_gate  full-vocabulary KL(old‖new) gate against the frozen old policy's distributions
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from caspo import algo
+from caspo.batch import RolloutBatch
+from caspo.config import MethodConfig
+
+
+@dataclass
+class LossInputs:
+    logp: torch.Tensor  # [b, R] log-probs of the sampled tokens under the policy being trained (with grad)
+    batch: RolloutBatch  # the micro-batch: old / behaviour log-probs, advantages, mask
+    denom: Optional[torch.Tensor]  # the whole minibatch's normaliser (algo.aggregate_denom)
+    logp_full: Optional[torch.Tensor] = None  # [b, R, V] when the loss reads the vocabulary
+    old_full: Optional[torch.Tensor] = None  # [b, R, V] the frozen old policy's log-probs, no grad
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A loss and what it reads: the sampled tokens' log-probs, or the whole vocabulary's."""
+
+    fn: Callable[[LossInputs, MethodConfig], tuple[torch.Tensor, dict]]
+    full_vocab: bool = False
+
+
+def _clip(m: MethodConfig) -> dict:
+    return dict(clip_low=m.clip_low, clip_high=m.clip_high, dual_clip=m.dual_clip)
+
+
+def ppo_clip(x: LossInputs, m: MethodConfig):
+    b = x.batch
+    return algo.ppo_clip_loss(x.logp, b.old_logprobs, b.advantages, b.response_mask, **_clip(m),
+                              agg=m.loss_agg, denom=x.denom)
+
+
+def decoupled(x: LossInputs, m: MethodConfig):
+    b = x.batch
+    return algo.decoupled_ppo_loss(x.logp, b.old_logprobs, b.behaviour_logprobs, b.advantages, b.response_mask,
+                                   weight_bounds=(m.iw_low, m.iw_high), **_clip(m), agg=m.loss_agg, denom=x.denom)
+
+
+def dppo_binary(divergence: str):
+    def loss(x: LossInputs, m: MethodConfig):
+        b = x.batch
+        return algo.dppo_binary_loss(x.logp, b.old_logprobs, b.advantages, b.response_mask, divergence=divergence,
+                                     delta_low=m.dppo_delta_low, delta_high=m.dppo_delta_high,
+                                     ratio_cap=m.dppo_ratio_cap, agg=m.loss_agg, denom=x.denom)
+    loss.__name__ = f"dppo_binary_{divergence}"
+    return loss
+
+
+def divergence_gate(x: LossInputs, m: MethodConfig):
+    b = x.batch
+    return algo.divergence_gate_loss(x.logp_full, x.old_full, b.responses, b.advantages, b.response_mask,
+                                     threshold=m.gate_threshold, agg=m.loss_agg, denom=x.denom)
+
+
+PPO_CLIP = PolicyLoss(ppo_clip)
+DECOUPLED = PolicyLoss(decoupled)
+DPPO_TV = PolicyLoss(dppo_binary("tv"))
+DPPO_KL = PolicyLoss(dppo_binary("kl"))
+DIVERGENCE_GATE = PolicyLoss(divergence_gate, full_vocab=True)
