@@ -177,14 +177,14 @@ def test_value_loss_clipping_by_hand():
 def test_decoupled_ppo_weights_clamped_and_detached():
     # ρ = π_prox/μ = [3, 0.25, 1.5] → w = clamp(ρ, .5, 2) = [2, .5, 1.5]; π_θ = π_prox (r = 1)
     prox = row([math.log(0.6), math.log(0.1), math.log(0.3)])
-    behavior = torch.tensor([[math.log(0.2), math.log(0.4), math.log(0.2)]], dtype=f64, requires_grad=True)
+    behaviour = torch.tensor([[math.log(0.2), math.log(0.4), math.log(0.2)]], dtype=f64, requires_grad=True)
     logp = prox.clone().requires_grad_()
     A = row([1.0, 1.0, -1.0])
     mask = torch.ones(1, 3)
-    loss, metrics = decoupled_ppo_loss(logp, prox, behavior, A, mask, agg="token-sum")
+    loss, metrics = decoupled_ppo_loss(logp, prox, behaviour, A, mask, agg="token-sum")
     # ℓ = w·(−A·r) = [−2, −.5, 1.5]
     assert loss.item() == pytest.approx(-2.0 - 0.5 + 1.5)
-    g_logp, g_beh = torch.autograd.grad(loss, (logp, behavior), allow_unused=True)
+    g_logp, g_beh = torch.autograd.grad(loss, (logp, behaviour), allow_unused=True)
     torch.testing.assert_close(g_logp, row([-2.0, -0.5, 1.5]))
     assert g_beh is None  # the weight is a constant
     assert_detached_scalars(metrics)
@@ -195,7 +195,7 @@ def test_decoupled_ppo_weights_clamped_and_detached():
 
     # Passing the behaviour log-probs as proximal: w ≡ 1 and r = π/μ = [3, .25, 1.5], so
     # ℓ = [max(−3, −1.2), max(−.25, −.8), max(1.5, 1.2)] = [−1.2, −.25, 1.5]: a different loss.
-    merged, merged_metrics = decoupled_ppo_loss(logp, behavior.detach(), behavior.detach(), A, mask, agg="token-sum")
+    merged, merged_metrics = decoupled_ppo_loss(logp, behaviour.detach(), behaviour.detach(), A, mask, agg="token-sum")
     assert merged.item() == pytest.approx(-1.2 - 0.25 + 1.5)
     assert merged.item() != pytest.approx(loss.item())
     assert merged_metrics["iw_clamped_frac"].item() == 0.0
@@ -206,8 +206,8 @@ def test_decoupled_ppo_clips_then_weights():
     # dual clip: A = −1, r = 4 → min(max(4, 1.2), 3) = 3, weighted by w = .5 → 1.5
     logp = leaf([[math.log(1.5), math.log(4.0)]])
     prox = row([0.0, 0.0])
-    behavior = row([-math.log(2.0), math.log(2.0)])  # ρ = [2, .5]
-    loss, metrics = decoupled_ppo_loss(logp, prox, behavior, row([1.0, -1.0]), torch.ones(1, 2), dual_clip=3.0,
+    behaviour = row([-math.log(2.0), math.log(2.0)])  # ρ = [2, .5]
+    loss, metrics = decoupled_ppo_loss(logp, prox, behaviour, row([1.0, -1.0]), torch.ones(1, 2), dual_clip=3.0,
                                        agg="token-sum")
     assert loss.item() == pytest.approx(-2.4 + 1.5)
     torch.testing.assert_close(grad_of(loss, logp), row([0.0, 0.0]))

@@ -114,7 +114,7 @@ def value_loss(
 def decoupled_ppo_loss(
     logp: torch.Tensor,
     logp_prox: torch.Tensor,
-    logp_behavior: torch.Tensor,
+    logp_behaviour: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_low: float = 0.2,
@@ -128,23 +128,23 @@ def decoupled_ppo_loss(
     correct for the behaviour policy with a bounded, detached weight.
 
         r = exp(clamp(logp − logp_prox, ±20))                      π_θ / π_prox
-        ρ = exp(clamp(logp_prox − logp_behavior, ±20))             π_prox / μ
+        ρ = exp(clamp(logp_prox − logp_behaviour, ±20))             π_prox / μ
         w = sg(clamp(ρ, lo, hi))                                   (lo, hi) = weight_bounds
         loss = agg(w · ℓ_ppo(r, A))                                ℓ_ppo as in ppo_clip_loss
 
     The surrogate is clipped first, then weighted. ``logp_prox`` must be recomputed by
-    the trainer before the update; reusing ``logp_behavior`` makes w ≡ 1 and clips
+    the trainer before the update; reusing ``logp_behaviour`` makes w ≡ 1 and clips
     against the wrong policy. ``weight_bounds=None`` (or a None side) leaves ρ unbounded.
     Metrics: those of ``ppo_clip_loss`` (on r) plus ``iw_mean``, ``iw_min``, ``iw_max``
     of the raw ρ before clamping and ``iw_clamped_frac`` = mmean[w ≠ ρ].
     """
     keep = mask.bool()
-    logp, logp_prox, logp_behavior, advantages = (
-        masked_fill_zero(t, keep) for t in (logp, logp_prox, logp_behavior, advantages)
+    logp, logp_prox, logp_behaviour, advantages = (
+        masked_fill_zero(t, keep) for t in (logp, logp_prox, logp_behaviour, advantages)
     )
     ratio = _ratio(logp, logp_prox)
     per_token, clipped, lower = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
-    rho = _ratio(logp_prox, logp_behavior).detach()
+    rho = _ratio(logp_prox, logp_behaviour).detach()
     low, high = weight_bounds if weight_bounds is not None else (None, None)
     weight = rho.clamp(min=low, max=high) if (low is not None or high is not None) else rho
     loss = aggregate(weight * per_token, keep, agg, denom=denom)
