@@ -1,49 +1,11 @@
 """A fixed-depth recurrent ("looped") causal LM: one stack of L physical layers run `depth` times.
 
-Importing this module registers the model with the `transformers` Auto classes, so a saved
-checkpoint (`model_type: "caspo_looped"`) loads through `AutoModelForCausalLM.from_pretrained`,
-e.g. through `caspo.models.policy.load_policy`, once `caspo.models.looped` has been imported;
-`AutoModelForTokenClassification` (one label) gives its critic, `LoopedForValue`.
+    h_0 = Embed(x); h_t = RMSNorm_final(Block_L(…Block_1(h_{t−1}))), t = 1..T; logits = LMHead(h_T)
 
-Forward pass, for tokens x_1..x_n with the same RoPE positions in every loop:
-
-    h_0 = Embed(x)
-    for t = 1..T:                      # T = config.depth
-        z = h_{t-1}
-        for l = 1..L:  z = Block_l(z)  # the same L blocks in every loop
-        h_t = RMSNorm_final(z)         # the normed state replaces the stream
-    logits = LMHead(h_T)
-
-Two block layouts (`config.layout`):
-
-    "ouro"      sandwich norms:  z ← z + N2(Attn(N1 z));  z ← z + N4(MLP(N3 z))
-                (Ouro-1.4B / 2.6B; N1..N4 = input_layernorm, input_layernorm_2,
-                post_attention_layernorm, post_attention_layernorm_2)
-    "nanbeige"  pre-norm Llama:  z ← z + Attn(N1 z);      z ← z + MLP(N3 z)
-                (Nanbeige4.2; GQA, and q/o may be non-square: heads·head_dim ≠ hidden)
-
-MLP(z) = W_down(act(W_gate z) ⊙ W_up z) with act = silu in both checkpoints; attention is causal
-softmax(q kᵀ/√d) v with RoPE. The token embedding has no padding row (Ouro uses id 0 as bos, eos
-and pad), so every row trains.
-
-Ouro's exit gate λ_t = σ(w·h_t + b) defines an exit distribution over loops
-(p_t = λ_t ∏_{j<t}(1−λ_j) for t<T, p_T = ∏_{j<T}(1−λ_j)). At fixed depth with exit
-threshold 1.0 the logits come from the last loop, so the gate is built (its weights load and
-save) but frozen (requires_grad False) and never evaluated. With `labels`, the loss also uses
-the last loop's logits (upstream Ouro's HF code trains on exit-weighted logits instead).
-
-KV cache ("recurrence planes"): each (loop t, layer l) has its own keys/values in plane
-t·L + l, and loop t attends only to loop-t keys/values of earlier tokens. `LoopedCache` holds
-the T·L planes; a lazily growing `transformers.DynamicCache()` works as well.
-
-Recompute: with `config.recompute` or `model.activation_checkpointing_enable()` (formerly
-`gradient_checkpointing_enable()`), every block call in every loop runs under non-reentrant
-`torch.utils.checkpoint` while gradients are on.
-
-The parameter names follow the upstream HF remote code of Ouro and the Llama-style names of
-Nanbeige4.2, so upstream state dicts map onto this model one-to-one (see
-`caspo.models.looped_upstream`). Loading the released Ouro-1.4B / Nanbeige4.2-3B weights is
-unverified: only small fixtures saved under the upstream names have been loaded.
+Layouts "ouro" (sandwich norms) and "nanbeige" (pre-norm Llama). Ouro's exit gate is built (its
+weights load and save) but frozen and never evaluated: logits and loss use the last loop. KV cache:
+loop t, layer l uses plane t·L + l (`LoopedCache`). Importing this module registers `model_type:
+"caspo_looped"` with the Auto classes (critic: `LoopedForValue`). See docs/looped.md.
 """
 
 from __future__ import annotations

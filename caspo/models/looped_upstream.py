@@ -3,44 +3,9 @@
     model = load_upstream("/models/Ouro-1.4B")      # config.json + *.safetensors, upstream names
     model.save_pretrained("/ckpt/ouro-looped")        # then loads with AutoModelForCausalLM
 
-Config keys (upstream → ours):
-
-    Ouro (HF remote code, model_type "ouro")    total_ut_steps → depth; early_exit_threshold must be
-                                                1.0 (or absent) and early_exit_step absent: only
-                                                fixed-depth, last-loop logits are implemented
-    Nanbeige4.2 (Llama-style config)            num_loops → depth; skip_loop_final_norm must be
-                                                false (an absent key is read as false); the optional
-                                                features (shared-KV loops, depth attention, n-grams,
-                                                hyper-connections, per-loop losses) must be off
-    both                                        vocab_size, hidden_size, intermediate_size,
-                                                num_hidden_layers, num_attention_heads,
-                                                num_key_value_heads, head_dim (default
-                                                hidden/heads), hidden_act, max_position_embeddings,
-                                                rms_norm_eps, rope_theta (or rope_parameters with
-                                                rope_type "default"), tie_word_embeddings,
-                                                attention_bias, mlp_bias, bos/eos/pad token ids
-
-Unsupported settings (RoPE scaling, sliding-window layers, attention dropout, the options above)
-raise; keys not listed here are reported in a warning and ignored.
-
-Parameter names. Our modules carry the upstream names, so the mapping is the identity on names:
-
-    model.embed_tokens.weight                         model.norm.weight          lm_head.weight
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  (+ .bias with attention_bias)
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight   (+ .bias with mlp_bias)
-    model.layers.{i}.input_layernorm.weight           model.layers.{i}.post_attention_layernorm.weight
-    Ouro only: model.layers.{i}.input_layernorm_2.weight, model.layers.{i}.post_attention_layernorm_2.weight,
-               model.early_exit_gate.{weight,bias}
-
-`map_upstream_state_dict` drops the `rotary_emb.inv_freq` buffers some exports carry, supplies a
-tied head, and checks that the remaining tensors are exactly this model's, with its shapes.
-
-Status: the Ouro names and config keys above are those of a public copy of Ouro's HF remote code
-(modeling_ouro.py / configuration_ouro.py), not checked against the pinned checkpoint revision.
-The Nanbeige4.2 names are the Llama names that third-party ports (mlx-lm, llama.cpp) load it
-with; its `model_type` string is not pinned here (layout detection uses `num_loops`). Neither
-released checkpoint was available, so loading released weights is unverified; the tests load
-small fixtures written under these names.
+Depth comes from `total_ut_steps` (Ouro) or `num_loops` (Nanbeige4.2); parameter names map by
+identity. Unsupported settings raise; unknown keys warn and are ignored. Loading the released
+weights is unverified. Key table, names and status: docs/looped.md.
 """
 
 from __future__ import annotations

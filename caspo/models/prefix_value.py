@@ -1,35 +1,11 @@
 """CASPO's prefix value model (IPVRM-style): a value read off a log-likelihood ratio.
 
-A trainable copy φ of a causal LM and a frozen reference give every response prefix
-a value
+    V(x, y_{<j}) = β · Σ_{i<j} log( π_φ(y_i | x, y_{<i}) / π_ref(y_i | x, y_{<i}) ),  β = 10
 
-    V(x, y_{<j}) = β · Σ_{i<j} log( π_φ(y_i | x, y_{<i}) / π_ref(y_i | x, y_{<i}) ),
-
-with both log-probs from temperature-1 logits and β = 10 by default. One forward over
-a whole response gives the value of every prefix of it (the model is causal), and
-every response token carries its own term, so training against per-prefix targets
-gives each token a gradient. V of the empty response prefix is 0; at φ = ref every V
-is 0, i.e. σ(V/β) = 1/2.
-
-What φ can express is bounded by the reference: π_φ(y_{<j}) ≤ 1 gives
-
-    V(y_{<j}) ≤ −β · log π_ref(y_{<j}),   so   σ(V/β) ≤ 1 / (1 + π_ref(y_{<j} | x)).
-
-A prefix the reference writes almost surely (π_ref ≈ 1) can never be valued above
-about 1/2, however sure its success; only surprising prefixes can be valued high
-(``probability_ceiling``).
-
-Indexing (the off-by-one to avoid): ``cumulative_values`` is inclusive,
-C[t] = β·Σ_{i≤t} d_i, the value of the prefix that *ends with* token t. The value of
-the prefix holding the first j response tokens is therefore C[j−1] (0 for j = 0):
-the state after step k includes every token of steps ≤ k and none after.
-
-A value model is saved as a folder: φ in Hugging Face format (it loads in
-``transformers`` as it is) plus ``value_config.json`` holding β, where the reference
-can be loaded from, and the provenance of the labels it was trained on.
-``load_prefix_value`` refuses a model whose provenance differs from what the caller
-expects, listing every differing field, because a value model trained on other
-prompts, tokens, verifier or sampler still loads and runs, and is silently wrong.
+Ceiling: σ(V/β) ≤ 1 / (1 + π_ref(y_{<j} | x)) (``probability_ceiling``). Indexing:
+``cumulative_values`` is inclusive (C[t] ends with token t), so the prefix of the first j
+tokens has value C[j−1], and 0 for j = 0. ``load_prefix_value`` refuses a model whose label
+provenance differs from the caller's. See docs/prefix_value.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Phase 1, part one: Monte Carlo labels of response prefixes from the current policy.
 
-For each training prompt of the shard:
-
-1. sample K base rollouts with the run's rollout sampler and score them (optionally at a
-   higher `state_temperature`, to label states the policy rarely visits yet: the labels
-   p̂ stay success rates of the run's sampler; the choice of states, the mixed-outcome
-   test of step 2 and each row's `base_reward` follow the hotter rollouts);
-2. keep the prompt only if its outcomes are mixed (some right, some wrong): a prompt
-   the policy always or never solves teaches a prefix value nothing;
-3. split each rollout into steps (newline splitter for the arithmetic task, LaTeX
-   splitter otherwise) and pick S of its interior step boundaries, evenly spaced;
-4. label each picked prefix with p̂, the mean reward of J continuations
-   (``caspo.train.monte_carlo.estimate_prefixes``: same sampler, remaining budget, a
-   continuation that hits the budget scores 0, identical prefixes estimated once).
-
-The empty prefix is never labelled: a log-ratio value model gives it V = 0 whatever
-it learns. Seeds derive from (run seed, prompt index, sample) and from the prefix
-content, so shard i/n writes exactly the rows of an unsharded run that belong to its
-prompts (indices i, i+n, i+2n, …) and ``caspo value merge`` rebuilds that run. The
-`step` of those seeds is COLLECT_STEP for phase 1 and ``refresh_seed_step(n)`` for the
-refresh after RL step n, so no two collections share their noise.
+Per prompt: K base rollouts (optionally at `state_temperature`); keep mixed-outcome prompts;
+pick S interior step boundaries per rollout; label each with p̂, the mean reward of J
+continuations. The empty prefix is never labelled (V = 0 there). Seeds make shard i/n write
+exactly an unsharded run's rows for prompts i, i+n, …; their `step` is COLLECT_STEP for phase 1
+and ``refresh_seed_step(n)`` after RL step n. See docs/phase1_labels.md.
 """
 
 from __future__ import annotations

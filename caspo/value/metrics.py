@@ -1,26 +1,9 @@
 """How well prefix values rank and predict Monte Carlo labels: pure functions of arrays.
 
-A value model is judged on held-out labelled prefixes by
-
-- pooled Spearman ρ(V, p̂) over all prefixes: does V order states as p̂ does?
-- within-response Spearman ρ(ΔV, Δp̂), the differences between consecutive labelled
-  boundaries of the same rollout: does V move when p̂ moves? This is what step TD uses.
-- ROC-AUC of V against the *base rollout's final outcome* (0/1 reward of the rollout
-  the prefix was cut from), and the accuracy of σ(V/β) > 1/2 against that outcome,
-  next to the majority-class baseline, which accuracy must beat to mean anything.
-
-Ranks with ties are average ranks, so ρ is Pearson's r of the ranks and AUC is the
-Mann–Whitney U statistic with ties counted one half. Undefined statistics (fewer than
-two points, a constant input, one outcome class) are NaN.
-
-Read ρ against the label noise it is measured through. With the embedded base policy
-the true success probability of a prefix is nearly two-valued: about 0.14 (SD across
-prefixes ≈ 0.02) until the final operation is written, about 1 after it. Ranking the
-~90% of prefixes in the low class against J-continuation p̂ then ranks binomial noise,
-so even the exact p scores a pooled ρ of only ≈ 0.3–0.45 at J = 16 depending on the label
-set (within-response ≈ 0.4–0.5), and more J helps slowly (+0.05 at J = 32): measured by
-simulating p̂ from a J = 128 relabelling of held-out prefixes, with its own binomial noise
-removed.
+Pooled Spearman ρ(V, p̂), within-response ρ(ΔV, Δp̂), ROC-AUC of V and accuracy of
+σ(V/β) > 1/2 against the base rollout's outcome. Ties get average ranks; undefined
+statistics are NaN. Label noise caps ρ: even the exact p scores a pooled ρ of only
+≈ 0.3–0.45 at J = 16 on the embedded base policy. See docs/phase1_labels.md.
 """
 
 from __future__ import annotations
