@@ -1,6 +1,9 @@
+import typing
+
 import pytest
 
-from caspo.config import ConfigError, load_config
+from caspo.config import PRESET_DIR, ConfigError, LossAgg, load_config, resolve_preset, to_yaml
+from caspo.config.load import literal_from_yaml_bool
 from caspo.methods import resolve_method
 
 
@@ -31,6 +34,10 @@ def test_preset_and_overrides():
     ("train.steps", "key.path=value"),
     ("eval.samples=-1", "eval.samples must be >= 0"),
     ("sft.slip_prob=1.5", "sft.slip_prob must be in"),
+    ("method.loss_agg=mean", r"method.loss_agg: expected one of \['token-mean', 'token-sum'"),
+    # the old spellings of renamed keys
+    ("data.arith.heldout_size=10", "unknown key data.arith.heldout_size; valid keys here: .*heldout_pool_size"),
+    ("eval.batch_size=10", "unknown key eval.batch_size; valid keys here: after, before, every, heldout_size,"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -60,3 +67,92 @@ def test_yaml_file_errors(tmp_path):
     path.write_text("train:\n  steps: 3\n  bogus: 1\n")
     with pytest.raises(ConfigError, match="unknown key train.bogus"):
         checked_config(path)
+
+
+def test_bottom_layer_names_still_import():
+    assert resolve_preset("tests") == PRESET_DIR / "tests.yaml"
+    printed = to_yaml(load_config("tests"))
+    assert "heldout_pool_size: 200" in printed and "eval_batch_size: 16" in printed
+    assert "batch_size: 16" not in printed.split("eval:")[1].split("sft:")[0]
+
+
+def test_arith_pool_and_evaluated_problems_are_separate_keys():
+    from caspo.data.build import arith_task
+
+    cfg = load_config("tests", ["data.arith.heldout_pool_size=50", "eval.heldout_size=7"])
+    assert cfg.data.arith.heldout_pool_size == 50 and cfg.eval.heldout_size == 7
+    assert arith_task(cfg).size("heldout") == 50
+    assert load_config(None).data.arith.heldout_pool_size == 1000
+
+
+def test_sft_eval_batch_size_reaches_the_engine(monkeypatch):
+    from caspo.train import sft
+
+    seen = {}
+
+    class Engine:
+        def __init__(self, model, pad_token_id, max_batch):
+            seen["max_batch"] = max_batch
+
+    class Result:
+        def summary(self):
+            return {}
+
+    class Tokenizer:
+        pad_token_id = eos_token_id = 0
+
+        def encode(self, text, add_special_tokens):
+            return [1]
+
+    monkeypatch.setattr(sft, "HFEngine", Engine)
+    monkeypatch.setattr(sft, "greedy_accuracy", lambda *a, **k: Result())
+    cfg = load_config("tests", ["sft.eval_batch_size=3"])
+    sft.evaluate(None, Tokenizer(), sft.arith_task(cfg), cfg, None, "cpu")
+    assert seen["max_batch"] == 3
+    assert load_config(None).sft.eval_batch_size == 250
+
+
+def test_loss_agg_choices_are_the_aggregation_modes():
+    from caspo.algo.stats import AGG_MODES
+
+    assert typing.get_args(LossAgg) == AGG_MODES
+
+
+@pytest.mark.parametrize("override", ["method.terminal_scope=off", "method.terminal_scope=Off",
+                                      "method.terminal_scope='off'", 'method.terminal_scope="off"'])
+def test_yaml_boolean_spelling_a_literal_choice(override):
+    # YAML 1.1 reads unquoted off as False; "off" is one of terminal_scope's choices
+    assert load_config("tests", [override]).method.terminal_scope == "off"
+
+
+def test_yaml_boolean_spelling_in_a_preset_file(tmp_path):
+    path = tmp_path / "scope.yaml"
+    path.write_text("method:\n  terminal_scope: off\n")
+    assert load_config(path).method.terminal_scope == "off"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("method.terminal_scope=on", r"method.terminal_scope: expected one of \['batch', 'group', 'off'\], got True"),
+    ("method.adv_whiten=off", r"method.adv_whiten: expected one of \['auto', 'none', 'batch'\], got False"),
+    ("data.template=off", "data.template: expected str, got False"),  # only Literal choices read booleans
+])
+def test_yaml_booleans_matching_no_choice_are_still_rejected(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tests", [override])
+
+
+def test_yaml_boolean_is_read_only_as_a_single_choice():
+    assert literal_from_yaml_bool(False, ("batch", "off")) == "off"
+    assert literal_from_yaml_bool(True, ("on", "off")) == "on"
+    assert literal_from_yaml_bool(False, ("no", "off")) is False  # ambiguous: left to be rejected
+    assert literal_from_yaml_bool(False, ("batch",)) is False
+    assert load_config("tests", ["reward.shuffle_within_batch=off"]).reward.shuffle_within_batch is False
+
+
+def test_config_is_the_bottom_layer():
+    import subprocess
+    import sys
+
+    code = "import sys, caspo.config; print(sorted(m for m in sys.modules if m.startswith('caspo')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "['caspo', 'caspo.config', 'caspo.config.load', 'caspo.config.schema', 'caspo.config.validate']"

@@ -57,7 +57,7 @@ def test_splits_disjoint_by_text(task, train):
 def test_train_redraws_heldout_collisions():
     # a tiny problem space forces collisions between the splits
     spec = ArithSpec(min_ops=1, max_ops=1, max_start=3, max_addend=2, mul_factors=(), max_value=10)
-    task = ArithTask(spec, seed=0, heldout_size=200)
+    task = ArithTask(spec, seed=0, heldout_pool_size=200)
     heldout = task.heldout_texts
     first_draws = [generate_problem(random.Random(derive_seed(0, "train", i, 0)), spec, "train", i)
                    for i in range(500)]
@@ -70,7 +70,7 @@ def test_train_redraws_heldout_collisions():
     ArithSpec(min_ops=1, max_ops=8, max_start=10, max_addend=9, mul_factors=(2, 3, 5), max_value=20),
 ])
 def test_steps_consistent_and_in_range(spec):
-    task = ArithTask(spec, seed=3, heldout_size=100)
+    task = ArithTask(spec, seed=3, heldout_pool_size=100)
     problems = [task.problem("train", i) for i in range(1000)] + task.heldout
     op_counts = set()
     for p in problems:

@@ -161,7 +161,7 @@ def test_load_gsm8k():
 
 
 def test_arith_examples():
-    task = ArithTask(seed=0, heldout_size=50)
+    task = ArithTask(seed=0, heldout_pool_size=50)
     examples = arith_examples(task, "heldout", 50)
     assert [e.id for e in examples[:2]] == ["arith-heldout-0", "arith-heldout-1"]
     for e, p in zip(examples, task.heldout):

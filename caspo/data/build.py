@@ -26,7 +26,7 @@ def arith_task(cfg: Config) -> ArithTask:
                      mul_factors=tuple(a.mul_factors), max_value=a.max_value,
                      skip_last_prob=cfg.sft.skip_last_prob, skip_last_when=cfg.sft.skip_last_when,
                      slip_prob=cfg.sft.slip_prob)
-    return ArithTask(spec, seed=a.seed, train_size=a.train_size, heldout_size=a.heldout_size)
+    return ArithTask(spec, seed=a.seed, train_size=a.train_size, heldout_pool_size=a.heldout_pool_size)
 
 
 def load_examples(cfg: Config, source: str, split: str, limit: int) -> list[Example]:

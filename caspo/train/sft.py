@@ -60,7 +60,7 @@ def evaluate(model, tokenizer, task, cfg: Config, pool: RewardPool, device) -> d
     problems = task.heldout[: cfg.eval.heldout_size]
     prompts = [tokenizer.encode(render_prompt(cfg.data.template, p.question), add_special_tokens=False)
                for p in problems]
-    engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch=cfg.eval.batch_size)
+    engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch=cfg.sft.eval_batch_size)
     result = greedy_accuracy(engine, tokenizer, prompts, [str(p.answer) for p in problems], pool,
                              max_new_tokens=cfg.eval.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
     return result.summary()

@@ -224,32 +224,32 @@ class ArithTask:
     """
 
     def __init__(self, spec: ArithSpec | None = None, seed: int = 0, *,
-                 train_size: int = 50_000, heldout_size: int = 1000):
-        if train_size < 1 or heldout_size < 1:
-            raise ValueError(f"train_size and heldout_size must be >= 1, got {train_size}, {heldout_size}")
+                 train_size: int = 50_000, heldout_pool_size: int = 1000):
+        if train_size < 1 or heldout_pool_size < 1:
+            raise ValueError(f"train_size and heldout_pool_size must be >= 1, got {train_size}, {heldout_pool_size}")
         self.spec = spec or ArithSpec()
         self.seed = seed
         self.train_size = train_size
-        self.heldout_size = heldout_size
+        self.heldout_pool_size = heldout_pool_size
 
     def size(self, split: str) -> int:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-        return self.train_size if split == "train" else self.heldout_size
+        return self.train_size if split == "train" else self.heldout_pool_size
 
     @cached_property
     def heldout(self) -> list[ArithProblem]:
         """The held-out problems, distinct in text (a repeated text is re-drawn)."""
         problems, texts = [], set()
-        for index in range(self.heldout_size):
+        for index in range(self.heldout_pool_size):
             for draw in range(MAX_DRAWS):
                 rng = random.Random(derive_seed(self.seed, "heldout", index, draw))
                 problem = generate_problem(rng, self.spec, "heldout", index)
                 if problem.question not in texts:
                     break
             else:
-                raise ValueError(f"could not draw {self.heldout_size} distinct held-out problems; "
-                                 "the spec allows too few texts: lower heldout_size or widen the knobs")
+                raise ValueError(f"could not draw {self.heldout_pool_size} distinct held-out problems; "
+                                 "the spec allows too few texts: lower heldout_pool_size or widen the knobs")
             texts.add(problem.question)
             problems.append(problem)
         return problems

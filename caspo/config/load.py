@@ -1,0 +1,143 @@
+"""From a preset and dotted overrides to a checked `Config`, and back to YAML.
+
+The preset's YAML and the overrides (each value read as YAML) merge into one tree, which `build`
+walks against the schema's field types: an unknown key or a value of the wrong type is an error
+naming its key path and what was expected. Then `validate` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from caspo.config.schema import Config, ConfigError
+from caspo.config.validate import validate
+
+FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+PRESET_DIR = Path(__file__).parent.parent / "presets"
+# YAML 1.1 reads these words, unquoted, as booleans (any capitalisation PyYAML accepts).
+YAML_BOOL_WORDS = {True: ("true", "yes", "on"), False: ("false", "no", "off")}
+
+
+def resolve_preset(preset: str | Path) -> Path:
+    """A preset name ("arith-tiny") or a path to a YAML file."""
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        return path
+    named = PRESET_DIR / f"{preset}.yaml"
+    if not named.exists():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(names)} (or pass a .yaml path)")
+    return named
+
+
+def load_config(preset: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    raw: dict = {}
+    if preset is not None:
+        path = resolve_preset(preset)
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    cfg = build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.path=value")
+    key, text = item.split("=", 1)
+    return key.strip(), yaml.safe_load(text) if text.strip() else ""
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def build(cls, raw: Any, path: str):
+    """Instantiate dataclass `cls` from `raw`, checking keys and types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]}; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = coerce(hints[name], value, f"{path}.{name}" if path else name)
+    return cls(**kwargs)
+
+
+def coerce(tp, value: Any, path: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(inner[0], value, path)
+    if origin is Literal:
+        if isinstance(value, bool) and all(isinstance(a, str) for a in args):
+            value = literal_from_yaml_bool(value, args)
+        if value not in args:
+            raise ConfigError(f"{path}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected bool (true/false), got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str) and FLOAT_RE.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected float, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected str, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported config type {tp}")
+
+
+def literal_from_yaml_bool(value: bool, choices: tuple[str, ...]) -> str | bool:
+    """The one choice a YAML boolean may have been spelled as (`off` read as False -> "off"), else
+    `value` unchanged: a choice list with none of its spellings, or with two, is left to reject it."""
+    spelled = [c for c in choices if c in YAML_BOOL_WORDS[value]]
+    return spelled[0] if len(spelled) == 1 else value
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

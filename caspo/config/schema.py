@@ -1,0 +1,256 @@
+"""The run configuration's schema: one dataclass per section, with the defaults.
+
+A field's type is what loading checks (`caspo.config.load`): `int`, `float`, `bool`, `str`,
+`Optional[...]`, `list[...]`, a nested section, or a `Literal[...]` of its choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key path and the fix in the message."""
+
+
+# How a per-token loss reduces to a scalar: the modes of `caspo.algo.stats.AGG_MODES` (a test
+# checks they agree; the config layer imports nothing else from caspo).
+LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass
+class ModelConfig:
+    # Policy checkpoint: an HF folder, a hub id, or "embedded:<name>" for one that ships with caspo.
+    policy: str = "embedded:tiny-arith"
+    # Where training runs: "cpu", "cuda", "cuda:1", ... ("auto" = cuda when available).
+    device: str = "cpu"
+    # CPU threads for torch (0 = leave torch's default).
+    threads: int = 2
+
+
+@dataclass
+class ArithConfig:
+    seed: int = 1234
+    min_ops: int = 2
+    max_ops: int = 5
+    max_start: int = 50
+    max_addend: int = 30
+    mul_factors: list[int] = field(default_factory=lambda: [2, 3])
+    max_value: int = 200
+    # Problems in the task's held-out split (eval.heldout_size of them are evaluated).
+    heldout_pool_size: int = 1000
+    train_size: int = 20_000
+
+
+@dataclass
+class DataConfig:
+    # "arith" (the procedural task) or a path to a JSONL file.
+    source: str = "arith"
+    # Held-out prompts: "arith" uses the task's held-out split; a JSONL path otherwise.
+    eval_source: Optional[str] = None
+    # Training examples used (0 = all).
+    train_size: int = 0
+    query_field: str = "problem"
+    label_field: str = "answer"
+    id_field: Optional[str] = None
+    skip_invalid: bool = False
+    # A name from caspo.data.templates.TEMPLATES, or a literal template text containing {query}.
+    template: str = "arith"
+    add_bos: bool = False
+    max_prompt_tokens: int = 256
+    arith: ArithConfig = field(default_factory=ArithConfig)
+
+
+@dataclass
+class RolloutConfig:
+    # "hf": transformers models (any architecture); "native": caspo's engine (Qwen2/Llama families, looped LMs)
+    backend: Literal["hf", "native"] = "hf"
+    # native engine: KV cache size in tokens on any device, or (capacity_tokens 0) its share of
+    # device memory on CUDA / one step's requests on the CPU
+    gpu_memory_fraction: float = 0.3
+    capacity_tokens: int = 0
+    cuda_graphs: bool = False
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    # Sequences decoded together; 0 = all requests of a step at once.
+    max_batch: int = 0
+    # Generate with the policy of `staleness` updates ago, as asynchronous RL does (0 = on-policy).
+    staleness: int = 0
+    # The engine's compute dtype; "auto" = the training precision's compute dtype.
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+
+
+@dataclass
+class RewardConfig:
+    workers: int = 2
+    timeout_s: float = 5.0
+    # Control experiments: shuffle rewards within each batch before advantages.
+    shuffle_within_batch: bool = False
+    # Timing runs only (random-init models): reward 1 when the response's token ids sum to an
+    # even number, instead of the verifier, so that advantages are non-zero.
+    synthetic: bool = False
+
+
+@dataclass
+class CaspoConfig:
+    # the prefix value model folder (from `caspo value train`)
+    value_model: str = ""
+    transform: Literal["value", "prob", "logprob"] = "prob"
+    # online: one AdamW step of the value model per batch on BCE(σ(V(s_k)/β), R)
+    online: bool = False
+    online_value_lr: float = 1e-6
+    # periodic refresh (caspo.value.refresh): every refresh_every steps (0 = never), checkpoint, label
+    # prefixes of the current policy by Monte Carlo, train a fresh value model on them, resume with it.
+    # The sizes are small enough for the `tests` preset; a real run wants phase 1's (`caspo value collect`).
+    refresh_every: int = 0
+    refresh_prompts: int = 64  # training prompts labelled (the first ones of the split)
+    refresh_k: int = 4  # base rollouts per prompt
+    refresh_j: int = 4  # continuations per labelled prefix
+    refresh_boundaries: int = 2  # labelled step boundaries per rollout
+    refresh_state_temperature: float = 0.0  # base rollouts' temperature (0: the run's; labels keep the run's)
+    refresh_lr: float = 3e-4  # value training: AdamW learning rate (1.5B full fine-tunes want ~5e-6)
+    refresh_epochs: int = 2
+    refresh_batch_size: int = 16  # rollouts per value-model optimizer step
+    refresh_val_fraction: float = 0.25  # prompts held out to pick the best checkpoint by Spearman ρ
+    # clip whitened step advantages at ±step_adv_clip σ (0 = off)
+    step_adv_clip: float = 3.0
+    allow_provenance_mismatch: bool = False
+    # the control: the value model's step values shuffled over all valid steps of each batch
+    shuffle_values: bool = False
+
+
+@dataclass
+class MethodConfig:
+    # A row of the method table, caspo.methods (which checks the name and its aliases).
+    name: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    loss_agg: LossAgg = "token-mean"
+    # group advantages: divide by the group's std (false = Dr. GRPO's s - mean)
+    std_normalize: bool = True
+    # ppo (terminal reward): standardise over "batch", "group", or "off"
+    terminal_scope: Literal["batch", "group", "off"] = "batch"
+    # advantage whitening over all valid tokens; "auto" = batch for GAE methods, none otherwise
+    adv_whiten: Literal["auto", "none", "batch"] = "auto"
+    # clip advantages at ±adv_clip (in units of σ after whitening); 0 = off
+    adv_clip: float = 0.0
+    # KL to the reference: a loss term (kl_coef × kl_estimator) and/or k1 folded into the reward
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    kl_reward_coef: float = 0.0
+    # GAE and the critic
+    gamma: float = 1.0
+    lam: float = 1.0
+    critic_lr: float = 1e-5
+    value_clip: float = 0.2
+    # decoupled PPO: bounds of the behaviour importance weight π_prox/μ
+    iw_low: float = 0.5
+    iw_high: float = 2.0
+    # flow_dppo: gate threshold on KL(old‖new) over the vocabulary
+    gate_threshold: float = 0.01
+    # step-level methods (vineppo, caspo): how responses split into steps
+    step_splitter: Literal["auto", "newline", "latex"] = "auto"  # auto: newline for arith, latex otherwise
+    max_steps: int = 0  # 0 = no cap
+    after_final_box: Literal["keep", "merge"] = "keep"
+    vineppo_k: int = 9  # Monte Carlo continuations per step boundary
+    caspo: CaspoConfig = field(default_factory=CaspoConfig)
+    # dppo_tv / dppo_kl
+    dppo_delta_low: float = 0.15
+    dppo_delta_high: float = 0.15
+    dppo_ratio_cap: float = 10.0
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-4
+    momentum: float = 0.0  # sgd only
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    output_dir: str = "runs/default"
+    seed: int = 0
+    # Responses per optimizer step; the rollout's responses must split into whole minibatches.
+    minibatch_size: int = 128
+    micro_batch_size: int = 32
+    epochs_per_rollout: int = 1
+    # fp32 | bf16 (bf16 compute, fp32 master weights) | fp16 (fp32 master weights, fixed loss scale)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = 128.0
+    # Recompute activations: checkpoint each block (in every loop of a looped model).
+    recompute: bool = False
+    save_every: int = 0
+    # Stop cleanly (checkpoint written) after this many outer steps of this process; 0 = run to train.steps.
+    stop_after: int = 0
+    # Deterministic kernels (and the environment they need), for bit-exact resume checks.
+    deterministic: bool = False
+
+
+@dataclass
+class EvalConfig:
+    # Held-out problems evaluated: the first ones of the held-out split (data.arith.heldout_pool_size
+    # of the arithmetic task, or data.eval_source).
+    heldout_size: int = 500
+    max_new_tokens: int = 96
+    samples: int = 0  # > 0: also avg@k, the mean reward of this many samples per problem at the run's sampler
+    every: int = 0
+    before: bool = True
+    after: bool = True
+
+
+@dataclass
+class SftConfig:
+    # The tiny policy built from scratch: a Qwen2 causal LM, or a looped LM in either layout.
+    architecture: Literal["qwen2", "looped-ouro", "looped-nanbeige"] = "qwen2"
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    intermediate: int = 256
+    depth: int = 4  # loops of a looped architecture
+    steps: int = 1200
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    skip_last_prob: float = 0.5
+    # "any", or "last_op_" + operation names (add, sub, mul) joined by "_": a small grammar that
+    # caspo.data.tasks.arith.ArithSpec checks, so a str
+    skip_last_when: str = "any"
+    slip_prob: float = 0.0
+    seed: int = 0
+    eval_every: int = 200
+    # Sequences decoded together in the held-out evaluation every eval_every steps.
+    eval_batch_size: int = 250
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+
+    @property
+    def responses_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt

@@ -1,0 +1,80 @@
+"""The checks a loaded config must pass before any method row is looked at: the shapes that must
+agree (whole minibatches, ...) and the ranges of single values. `caspo.methods.resolve_method`
+adds the checks a method's row brings (G >= 2 for GRPO, ...)."""
+
+from __future__ import annotations
+
+from caspo.config.schema import Config, ConfigError, MethodConfig
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no method row; `caspo.methods.resolve_method` adds the method's own."""
+    r, t, m = cfg.rollout, cfg.train, cfg.method
+    positive = {
+        "rollout.prompts_per_step": r.prompts_per_step,
+        "rollout.samples_per_prompt": r.samples_per_prompt,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "train.minibatch_size": t.minibatch_size,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.epochs_per_rollout": t.epochs_per_rollout,
+        "train.steps": t.steps,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    n = cfg.responses_per_step
+    if n % t.minibatch_size:
+        raise ConfigError(
+            f"train.minibatch_size={t.minibatch_size} does not divide the {n} responses of a step "
+            f"(rollout.prompts_per_step × rollout.samples_per_prompt = {r.prompts_per_step} × {r.samples_per_prompt}); "
+            "choose a divisor so every minibatch is whole"
+        )
+    if t.minibatch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.micro_batch_size={t.micro_batch_size} does not divide train.minibatch_size={t.minibatch_size}"
+        )
+    validate_refresh(m)
+    if r.cuda_graphs and r.backend != "native":
+        raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
+    if r.staleness < 0:
+        raise ConfigError(f"rollout.staleness must be >= 0, got {r.staleness}")
+    if cfg.eval.samples < 0:
+        raise ConfigError(f"eval.samples must be >= 0 (0 = greedy accuracy only), got {cfg.eval.samples}")
+    if not 0.0 <= cfg.sft.slip_prob <= 1.0:
+        raise ConfigError(f"sft.slip_prob must be in [0, 1], got {cfg.sft.slip_prob}")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if r.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0 for training rollouts, got {r.temperature}")
+    if m.clip_low < 0 or m.clip_high < 0:
+        raise ConfigError("method.clip_low and method.clip_high must be >= 0")
+    if m.dual_clip is not None and m.dual_clip <= 1:
+        raise ConfigError(f"method.dual_clip must be > 1 (or null), got {m.dual_clip}")
+
+
+def validate_refresh(m: MethodConfig) -> None:
+    """CASPO's periodic refresh: a frozen value model between refreshes, positive sizes."""
+    c = m.caspo
+    if c.refresh_every < 0:
+        raise ConfigError(f"method.caspo.refresh_every must be >= 0 (0 = never), got {c.refresh_every}")
+    if not c.refresh_every:
+        return
+    if c.online:
+        raise ConfigError("method.caspo.refresh_every and method.caspo.online=true are alternatives: "
+                          "refresh a frozen value model, or train it online, not both")
+    sizes = {"refresh_prompts": c.refresh_prompts, "refresh_j": c.refresh_j,
+             "refresh_boundaries": c.refresh_boundaries, "refresh_epochs": c.refresh_epochs,
+             "refresh_batch_size": c.refresh_batch_size}
+    for key, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"method.caspo.{key} must be >= 1, got {value}")
+    if c.refresh_k < 2:
+        raise ConfigError(f"method.caspo.refresh_k must be >= 2: only prompts with mixed outcomes over their "
+                          f"K rollouts are labelled, got {c.refresh_k}")
+    if c.refresh_lr <= 0:
+        raise ConfigError(f"method.caspo.refresh_lr must be > 0, got {c.refresh_lr}")
+    if not 0 < c.refresh_val_fraction < 1:
+        raise ConfigError(f"method.caspo.refresh_val_fraction must be in (0, 1), got {c.refresh_val_fraction}")
+    if c.refresh_state_temperature < 0:
+        raise ConfigError(f"method.caspo.refresh_state_temperature must be > 0, or 0 for the run's temperature; "
+                          f"got {c.refresh_state_temperature}")
