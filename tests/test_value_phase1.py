@@ -229,3 +229,21 @@ def test_a_sure_phi_reaches_the_ceiling_and_no_phi_passes_it(tiny_model):
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     values, _, ceiling = boundary_values(perturbed, responses, 0)
     assert (torch.sigmoid(values / perturbed.beta) <= ceiling + 1e-6).all()
+
+
+@pytest.mark.timeout(120)
+def test_collect_splits_steps_as_training_does(tmp_path):
+    """method.step_splitter and method.max_steps reach phase 1: the labelled boundaries are training's."""
+    from caspo.config import load_config
+    from caspo.value.collect import CollectSpec, collect
+
+    spec = CollectSpec(prompts=8, k=4, j=2, boundaries=3)
+    base = ["reward.workers=0", "model.threads=1"]
+    free = collect(load_config("tests", base), spec, tmp_path / "free.jsonl")
+    capped = collect(load_config("tests", [*base, "method.max_steps=2"]), spec, tmp_path / "capped.jsonl")
+    assert free["splitter"] == capped["splitter"] == "newline"  # auto: the arithmetic task's lines
+    free_steps = {r.step for r in read_label_file(tmp_path / "free.jsonl").rows}
+    capped_steps = {r.step for r in read_label_file(tmp_path / "capped.jsonl").rows}
+    assert max(free_steps) > 1 and capped_steps == {1}  # two steps leave one interior boundary
+    latex = collect(load_config("tests", [*base, "method.step_splitter=latex"]), spec, tmp_path / "latex.jsonl")
+    assert latex["splitter"] == "latex"
