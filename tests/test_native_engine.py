@@ -1,6 +1,7 @@
 """The native engine against the transformers oracle, on tiny random Qwen2 and Llama models (CPU)."""
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from native_checks import assert_equal_up_to_near_tie, cast_weights, engine, hf_logits, requests
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 
-from caspo.rollout.base import Request, SamplingParams, publish
+from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeCompletion, NativeEngine, UnsupportedModelError, decoder_spec
 from caspo.rollout.sampling import sample_seed
@@ -264,13 +265,18 @@ def test_cache_sizing_errors():
 def test_sleep_and_wake_round_trip(model):
     sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
     native = engine(model)
-    before = native.generate(requests(8), sp)
+    before = native.generate(requests(8), sp, top_logprobs=3)
+    kv = weakref.ref(native.cache.kv)
     native.sleep()
-    assert native.asleep and native.cache.kv is None
-    with pytest.raises(RuntimeError, match="asleep"):
+    assert native.asleep and native.cache.kv is None and not native.cache.allocated
+    assert kv() is None  # nothing (a view, a graph, the model runner) still holds the cache's memory
+    with pytest.raises(EngineAsleepError, match="asleep"):
         native.generate(requests(2), sp)
+    with pytest.raises(EngineAsleepError, match="asleep"):
+        native.teacher_forced_logits(SEQUENCES)
     native.wake()
-    assert [c.tokens for c in native.generate(requests(8), sp)] == [c.tokens for c in before]
+    assert not native.asleep and native.cache.kv.numel() * 4 == native.capacity_report().bytes
+    assert native.generate(requests(8), sp, top_logprobs=3) == before  # every token, log-prob and top list
 
 
 # ---------------------------------------------------------------- loading

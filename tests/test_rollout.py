@@ -4,8 +4,9 @@ import torch
 
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 
-from caspo.rollout.base import Request, SamplingParams, publish
+from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
+from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_next, sample_seed, uniform_noise
 
 SAMPLING = SamplingParams(temperature=1.0, stop_token_ids=[1])
@@ -103,6 +104,24 @@ def test_publication_changes_outputs_exactly_as_a_fresh_load(tiny_model):
 
 def test_incomplete_or_mismatched_publication_keeps_old_weights(tiny_model):
     check_failed_publications_keep_old_weights(HFEngine(tiny_model, pad_token_id=0), tiny_model, requests(8), SAMPLING)
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_sleep_and_wake_through_the_protocol(tiny_model, backend):
+    """Code written against the protocol sees the same on both backends: asleep refuses, awake resumes exactly."""
+    if backend == "hf":
+        engine = HFEngine(tiny_model, pad_token_id=0)
+    else:
+        engine = NativeEngine(tiny_model, max_seq_len=32, capacity_tokens=32 * 8)
+    before = engine.generate(requests(8), SAMPLING)
+    assert not engine.asleep
+    engine.sleep()
+    assert engine.asleep
+    with pytest.raises(EngineAsleepError, match=r"asleep.*wake\(\)"):
+        engine.generate(requests(2), SAMPLING)
+    engine.wake()
+    assert not engine.asleep
+    assert engine.generate(requests(8), SAMPLING) == before  # tokens, log-probs, finish reasons, versions
 
 
 def test_nucleus_keeps_ties_at_the_cut():

@@ -32,10 +32,30 @@ class SamplingParams:
     stop_strings: list[str] = field(default_factory=list)
 
 
+class EngineAsleepError(RuntimeError):
+    """A call that needs the engine's memory, made between `sleep()` and `wake()`."""
+
+
+def asleep_error(call: str = "generate()") -> EngineAsleepError:
+    """The error every backend raises for `call` while asleep, in the same words."""
+    return EngineAsleepError(f"the engine is asleep (KV cache released); call wake() before {call}")
+
+
 class Engine(Protocol):
     version: int
 
-    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]: ...
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
+        """Completions in request order; raises `EngineAsleepError` while asleep."""
+
+    @property
+    def asleep(self) -> bool:
+        """True between `sleep()` and `wake()`."""
+
+    def sleep(self) -> None:
+        """Free the KV cache and whatever points into it (e.g. CUDA graphs), so the trainer can use the memory."""
+
+    def wake(self) -> None:
+        """Re-allocate what `sleep()` freed; completions are then exactly those of before sleeping."""
 
     def begin(self, version: int) -> None: ...
 

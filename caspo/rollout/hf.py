@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from caspo.rollout.base import Completion, Request, SamplingParams
+from caspo.rollout.base import Completion, Request, SamplingParams, asleep_error
 from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
 
@@ -36,13 +36,30 @@ class HFEngine(PublishedWeights):
         self.version = 0
         self._cache_kw = cache_kwarg(self.model)
         self._publication: Publication | None = None
+        self._asleep = False
 
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
 
+    # ------------------------------------------------------------ memory
+    # The KV cache lives only inside a generate() call, so sleep/wake free and allocate nothing;
+    # they keep the protocol's contract, so code written against it runs the same on both backends.
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def sleep(self) -> None:
+        """Mark the engine asleep: generate() raises until wake()."""
+        self._asleep = True
+
+    def wake(self) -> None:
+        self._asleep = False
+
     # ------------------------------------------------------------ generation
     def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
+        if self._asleep:
+            raise asleep_error("generate()")
         if sampling.stop_strings and self.decode is None:
             raise ValueError("stop strings need a decode function: HFEngine(..., decode=tokenizer.decode)")
         size = self.max_batch or len(requests)

@@ -2,13 +2,13 @@
 
     W[b, j] = sum of w_i over {i : e[b, i] >= levels[b, j]},   w_i = floor(e[b, i] · 2^shift)  (int64)
 
-`sampling.nucleus_threshold` narrows a row's threshold with a few such passes. Written as torch
-reductions, each pass reads the [B, vocab] row set once per level; this kernel reads it once
-for all m levels: grid (rows, parts of the vocabulary), each program accumulating m int64
-sums over its part, then a sum over parts. A program keeps a [BLOCK, m] tile of sums in
-registers and reduces it across threads once, at the end: reducing every iteration made the
-cross-thread shuffles, not the compare-adds, the cost of a pass. Integer sums are exact, so the result equals the
-torch computation bit for bit, whatever the order.
+`sampling.nucleus_threshold` narrows a row's threshold with a few such passes (the search and its
+proof: docs/engine/nucleus.md). Written as torch reductions, each pass reads the [B, vocab] row set
+once per level; this kernel reads it once for all m levels: grid (rows, parts of the vocabulary),
+each program accumulating m int64 sums over its part, then a sum over parts. A program keeps a
+[BLOCK, m] tile of sums in registers and reduces it across threads once, at the end: reducing every
+iteration made the cross-thread shuffles, not the compare-adds, the cost of a pass. Integer sums
+are exact, so the result equals the torch computation bit for bit, whatever the order.
 """
 
 from __future__ import annotations

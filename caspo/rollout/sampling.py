@@ -83,61 +83,22 @@ def _nucleus_plan(vocab: int, top_p: float, pivots: int) -> tuple[int, int, list
 def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_PIVOTS) -> torch.Tensor:
     """The smallest logit [B, 1] of the top-p nucleus, found without sorting (for 0 < top_p < 1).
 
-    Definition. Per row, with p = softmax(logits) and the mass at or above a level v
-
-        f(v) = sum of p_i over {i : p_i >= v}         (non-increasing in v),
-
-    the threshold probability is t = max{v : f(v) >= top_p} and the nucleus is {i : p_i >= t}.
-    This is the sorted definition: the smallest set of most likely tokens whose mass reaches
-    top_p, with every token tied with the last one kept. Proof, in exact arithmetic: sort p
-    descending, q_1 >= ... >= q_V, with prefix sums S_j; the sort keeps the positions j with
-    S_{j-1} < top_p, that is j = 1..n (n >= 1 as S_0 = 0), plus the ties of q_n. f(q_n) >= S_n
-    >= top_p (by maximality of n when n < V; S_V = 1 >= top_p), and for v > q_n every i with
-    p_i >= v comes before position n, so f(v) <= S_{n-1} < top_p: hence t = q_n. t is one of
-    the p_i, and t > 0, since f(smallest positive p) = 1 >= top_p: tokens with p = 0 (logits
-    masked to -inf by top-k) are never kept and the returned logit is finite. top_p <= 0
-    keeps the most likely token(s); cut_threshold never calls this at top_p >= 1.
-
-    Computation (no sort, static shapes, no host sync: it can be captured in a CUDA graph).
-    Unnormalised e_i = exp(x_i - max x), in (0, 1] for finite logits, and integer masses w_i = floor(e_i 2^S), S = 62 - ceil(log2 V), so a row sums below 2^62
-    in int64. The condition f(v) >= top_p becomes W(v) = sum of w_i over {e_i >= v} >= T,
-    T = ceil(top_p * sum w) (float64 product). Integer sums are exact, so W is exactly
-    non-increasing and does not depend on the summation order: the CPU's torch reductions and
-    CUDA's Triton kernel (`_masses`) agree whenever their e agree.
-    Non-negative float32 values order like the int32 values of their bits, so t is searched
-    over bit patterns: an interval [lo, hi] with W(lo) >= T and W(hi + 1) < T, starting at
-    hi = bits(1.0) (= max e) and lo = bits(2^-E), 2^-E <= (1 - top_p) / 4V (or 2^-S): the
-    tokens under lo weigh under V 2^(S-E) <= (1 - top_p) 2^S / 4 <= (1 - top_p) sum w / 4
-    (the top token alone weighs 2^S), so W(lo) >= T with a margin of 3/4 (1 - top_p) sum w,
-    far above the rounding of T unless top_p is within 2^-40 of 1 (then E = S).
-    A pass evaluates W at m pivots c_j = lo + floor(j (hi - lo + 1) / (m + 1)), j = 1..m (on
-    CUDA in one read of the row); with J = #{j : W(c_j) >= T} (a prefix: W is monotone), the interval
-    becomes [c_J, c_{J+1} - 1] (c_0 = lo, c_{m+1} = hi + 1), its width divided by m + 1.
-    After the last pass lo = hi = t: the largest pattern with W >= T, which is an e_i (W only
-    changes at them). The threshold logit is then the min of the logits over {e_i >= t}.
-
-    Cost: a pass reads e [B, V] once and does m compares and m int64 adds per element; with
-    `pivots` = m the search takes ceil(log_{m+1}(E 2^23)) passes (the last one with fewer
-    pivots where that suffices): at top_p 0.9 and V = 151,936 (E = 23), 7 passes for m = 15,
-    10 for m = 7. Around them: the row max, the exponentials, the mass sum and the final min.
-
-    Against the float32 sort (softmax, cumsum): (1) tokens under 2^-S of the top token weigh
-    nothing and each weight is truncated by under 2^-S, in all under V 2^-S <= 2^(2 ceil(log2
-    V) - 62) of the top token (2^-26 at V = 151,936), below the float32 rounding of top_p;
-    (2) the sort's cumsum rounds, these sums do not: a row whose mass before or through the
-    last kept token lies within float32 rounding of top_p can keep one token (group) more or
-    less; (3) distinct logits whose probabilities are equal in float32 count as tied and are
-    kept together.
+    The nucleus is the sorted definition's: the fewest most likely tokens whose mass reaches top_p,
+    every token tied with the last one kept. It is found by narrowing an interval of float32 bit
+    patterns, `pivots` levels per pass, with exact int64 masses (`_masses`; one Triton kernel a pass
+    on CUDA): static shapes and no host sync, so a CUDA graph can capture it, and the same result on
+    the CPU and CUDA given equal logits. The proof, the cost and how it can differ from a float32
+    sort: docs/engine/nucleus.md.
     """
     x = logits.float()
     e = torch.exp(x - x.amax(-1, keepdim=True))
     shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
     weight = None if e.is_cuda else (e * 2.0 ** shift).to(torch.int64)  # the kernel derives it per read
     total = _masses(e, e.new_zeros(e.shape[0], 1), shift, weight)
-    target = (total.double() * top_p).ceil().to(torch.int64)
+    target = (total.double() * top_p).ceil().to(torch.int64)  # T
     lo = torch.full_like(target, first)
     hi = torch.full_like(target, _ONE_BITS)
-    for m in plan:
+    for m in plan:  # invariant W(lo) >= T > W(hi + 1); each pass divides the width by m + 1
         width = hi - lo + 1
         cuts = lo + width * torch.arange(1, m + 1, device=x.device) // (m + 1)  # [B, m] int64 patterns
         reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight) >= target

@@ -11,6 +11,9 @@ One `generate` call repeats, until every request has finished:
     retire   meanwhile the host reads the tokens: finished sequences leave and free their slots
              (one that stopped on a token leaves a wasted row in the step already launched).
 
+The bookkeeping (admit, the prefill plan, retire) is `scheduler.py`; the device work (prefill,
+decode, sampling) is `model_runner.py`; this file builds both and runs the loop.
+
 The schedule is a function of the requests and the engine's settings alone, never of timing,
 and the noise of a token does not depend on the batch: a completion is a function of
 (weights, prompt, seed, sampling parameters), up to floating-point summation order.
@@ -18,9 +21,7 @@ and the noise of a token does not depend on the batch: a completion is a functio
 
 from __future__ import annotations
 
-import heapq
 import os
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -29,18 +30,15 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from caspo.rollout.base import Completion, Request, SamplingParams
-from caspo.rollout.native.graphs import DecodeGraphs, default_batch_sizes, default_key_lengths
+from caspo.rollout.base import Completion, Request, SamplingParams, asleep_error
+from caspo.rollout.native.graphs import default_batch_sizes
 from caspo.rollout.native.kv_cache import CapacityReport, KVCache
 from caspo.rollout.native.looped_runner import LoopedCausalLM
-from caspo.rollout.native.prefix import PrefixIndex, SharedPrefix
-from caspo.rollout.native.runner import (Batch, CausalLM, build_runner, decode_attention, read_checkpoint,
-                                         weights_dtype)
+from caspo.rollout.native.model_runner import ModelRunner
+from caspo.rollout.native.runner import CausalLM, build_runner, decode_attention, read_checkpoint, weights_dtype
+from caspo.rollout.native.scheduler import Scheduler, SequenceState
 from caspo.rollout.native.spec import LoopedSpec, decoder_spec
 from caspo.rollout.publication import Publication, PublishedWeights
-from caspo.rollout.sampling import sample_next
-
-STOP_STRING_WINDOW = 32  # tokens decoded to look for a stop string, as HFEngine does
 
 
 @dataclass
@@ -65,22 +63,6 @@ class EngineStats:
     shared_tokens: int = 0  # prompt positions copied from a resident slot instead of computed
     decode_steps: int = 0
     generated_tokens: int = 0
-
-
-@dataclass
-class _Sequence:
-    index: int  # position in the request list
-    request: Request
-    slot: int
-    length: int = 0  # positions of the slot holding this sequence's K/V
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    logprobs_full: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    prompt: list[int] = field(init=False)
-
-    def __post_init__(self):
-        self.prompt = list(self.request.prompt_ids)
 
 
 class NativeEngine(PublishedWeights):
@@ -150,12 +132,9 @@ class NativeEngine(PublishedWeights):
         self.decode = decode
         self.version = 0
         self.stats = EngineStats()
-        # Final-norm hidden state of each slot's last prompt position: what an exact prefix share reuses.
-        self._prompt_hidden = torch.zeros(self.cache.slots, self.spec.hidden_size, dtype=self.dtype,
-                                          device=self.device)
-        self._prefixes: PrefixIndex | None = None
         self._publication: Publication | None = None
-        self._graphs = self._capture() if cuda_graphs else None
+        self.model_runner = ModelRunner(self.runner, self.cache, self.spec, max_seq_len=max_seq_len,
+                                        graph_batch_sizes=self.graph_batch_sizes)
 
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:
@@ -171,18 +150,11 @@ class NativeEngine(PublishedWeights):
 
     def sleep(self) -> None:
         """Free the KV cache (and the graphs that point into it); the weights stay."""
-        self._graphs = None
-        self.cache.release()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.model_runner.sleep()
 
     def wake(self) -> None:
-        self.cache.allocate()
-        if self.graph_batch_sizes is not None and self._graphs is None:
-            self._graphs = self._capture()
-
-    def _capture(self) -> DecodeGraphs:
-        return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes, default_key_lengths(self.max_seq_len))
+        """Allocate the KV cache again (and recapture the graphs on first use)."""
+        self.model_runner.wake()
 
     # ------------------------------------------------------------ generation
     def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
@@ -193,7 +165,7 @@ class NativeEngine(PublishedWeights):
 
     def _check(self, requests: Sequence[Request], sampling: SamplingParams, top_logprobs: int) -> None:
         if self.asleep:
-            raise RuntimeError("the engine is asleep (KV cache released); call wake() before generate()")
+            raise asleep_error("generate()")
         if sampling.stop_strings and self.decode is None:
             raise ValueError("stop strings need a decode function: NativeEngine(..., decode=tokenizer.decode)")
         if not 0 <= top_logprobs <= self.spec.vocab_size:
@@ -207,170 +179,34 @@ class NativeEngine(PublishedWeights):
 
     def _generate(self, requests: list[Request], sp: SamplingParams, top_logprobs: int) -> list[NativeCompletion]:
         results: list[NativeCompletion | None] = [None] * len(requests)
-        waiting = deque(enumerate(requests))
-        free = list(range(self.max_running))  # a heap: the lowest slots first keeps decode rows packed
-        # Fresh per call: K/V left by an earlier call may predate a publication.
-        self._prefixes = PrefixIndex() if self.prefix_sharing else None
-        stop_ids = set(sp.stop_token_ids)
-        active: list[_Sequence] = []  # sequences whose next-token logits are `logits`, row for row
-        logits: torch.Tensor | None = None
-        while waiting or active:
-            admitted = []
-            while waiting and free:
-                index, request = waiting.popleft()
-                admitted.append(_Sequence(index, request, heapq.heappop(free)))
+        scheduler = Scheduler(requests, slots=self.max_running, prefix_sharing=self.prefix_sharing,
+                              max_prefill_tokens=self.max_prefill_tokens, sampling=sp, decode=self.decode)
+        logits: torch.Tensor | None = None  # next-token logits of scheduler.running, row for row
+        while not scheduler.done:
+            admitted = scheduler.admit()
             if admitted:
-                fresh = self._prefill(admitted)
+                plan = scheduler.plan_prefill(admitted)
+                self.stats.shared_tokens += sum(wave.shared_tokens for wave in plan)
+                self.stats.prefill_tokens += sum(wave.computed_tokens for wave in plan)
+                fresh = self.model_runner.prefill(plan, admitted)
                 logits = fresh if logits is None else torch.cat([logits, fresh])
-                active += admitted
-            picked = self._sample(active, logits, sp, top_logprobs)
+            picked = self.model_runner.sample(scheduler.running, logits, sp, top_logprobs)
             # Decode ahead: the next step runs on the device while the host reads this step's tokens.
             # Sequences at their last token are left out; one that stops on a token wastes a row.
-            ahead = [row for row, s in enumerate(active) if len(s.tokens) + 1 < s.request.max_new_tokens]
-            hidden = self._decode([active[row] for row in ahead], picked.tokens, ahead) if ahead else None
-            running = []
-            for seq, (token, logprob, full, top) in zip(active, picked.read()):
-                seq.tokens.append(token)
-                seq.logprobs.append(logprob)
-                seq.logprobs_full.append(full)
-                seq.top.append(top)
-                reason = self._finish_reason(seq, stop_ids, sp.stop_strings)
-                if reason:
-                    results[seq.index] = NativeCompletion(seq.tokens, seq.logprobs, reason, self.version,
-                                                          seq.logprobs_full, seq.top if top_logprobs else None)
-                    heapq.heappush(free, seq.slot)
-                    if self._prefixes is not None:
-                        self._prefixes.remove(seq.slot)
-                else:
-                    running.append(seq)
-            self.stats.generated_tokens += len(active)
-            active = running
-            logits = self.runner.logits(self._rows(hidden, [s.slot for s in active])) if active else None
+            ahead, hidden = scheduler.decoding(), None
+            if ahead:
+                hidden = self.model_runner.decode(ahead, picked.tokens)
+                self.stats.decode_steps += 1
+            self.stats.generated_tokens += len(scheduler.running)
+            for seq in scheduler.postprocess(picked.read()):
+                results[seq.index] = self._completion(seq, top_logprobs)
+            slots = [s.slot for s in scheduler.running]
+            logits = self.model_runner.logits(hidden, slots) if slots else None
         return results
 
-    def _finish_reason(self, seq: _Sequence, stop_ids: set[int], stop_strings: list[str]) -> str:
-        if seq.tokens[-1] in stop_ids:
-            return "stop"
-        if stop_strings:
-            tail = self.decode(seq.tokens[-STOP_STRING_WINDOW:])
-            if any(tail.endswith(s) for s in stop_strings):
-                return "stop"
-        return "length" if len(seq.tokens) >= seq.request.max_new_tokens else ""
-
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor, sp: SamplingParams, top_n: int) -> "_Picked":
-        """Sample one token per sequence on the device; the host reads them with `_Picked.read()`."""
-        seeds = self._tensor([s.request.seed for s in seqs])
-        steps = self._tensor([len(s.tokens) for s in seqs])
-        tokens, logprobs, full = sample_next(logits, seeds, steps, sp.temperature, sp.top_k, sp.top_p)
-        top = None
-        if top_n:
-            values, ids = torch.topk(torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1), top_n, dim=-1)
-            top = torch.cat([ids.double(), values.double()], dim=-1)
-        return _Picked(tokens, torch.stack([tokens.double(), logprobs.double(), full.double()], dim=-1), top)
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        """An int64 tensor on the device, copied without waiting for the work queued on it.
-
-        (A copy from pageable host memory may synchronize with the stream; a pinned one does not.)
-        """
-        tensor = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _rows(self, hidden: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Rows `slots` of a decode step's hidden states (row i is slot i)."""
-        if slots == list(range(len(slots))):
-            return hidden[: len(slots)]
-        return hidden.index_select(0, self._tensor(slots))
-
-    # ------------------------------------------------------------ prefill
-    def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
-        """K/V of the admitted prompts into their slots; returns their first logits [len(seqs), vocab].
-
-        A prompt that shares a prefix with a resident or earlier-admitted prompt copies it. Copies
-        from a prompt admitted in the same round wait for that prompt's own prefill: prompts are
-        processed in waves, wave w + 1 copying from wave w.
-        """
-        waves: list[list[tuple[_Sequence, SharedPrefix | None]]] = []
-        wave_of: dict[int, int] = {}  # slot -> wave, for the slots admitted now
-        for seq in seqs:
-            shared = self._prefixes.lookup(seq.prompt) if self._prefixes is not None else None
-            wave = wave_of[shared.slot] + 1 if shared is not None and shared.slot in wave_of else 0
-            wave_of[seq.slot] = wave
-            if self._prefixes is not None:
-                self._prefixes.add(seq.slot, seq.prompt)
-            while len(waves) <= wave:
-                waves.append([])
-            waves[wave].append((seq, shared))
-        for members in waves:
-            compute = []
-            for seq, shared in members:
-                if shared is not None:
-                    self.cache.copy_prefix(shared.slot, seq.slot, shared.length)
-                    seq.length = shared.length
-                    self.stats.shared_tokens += shared.length
-                    if shared.exact:
-                        self._prompt_hidden[seq.slot] = self._prompt_hidden[shared.slot]
-                        continue
-                compute.append(seq)
-            self._compute_prompts(compute)
-        rows = torch.tensor([s.slot for s in seqs], device=self.device)
-        return self.runner.logits(self._prompt_hidden[rows])
-
-    def _compute_prompts(self, seqs: list[_Sequence]) -> None:
-        """Prefill each prompt from its `length` on, in forwards of at most max_prefill_tokens padded positions."""
-        budget = self.max_prefill_tokens
-        while seqs:
-            chunk, width = [], 0
-            for seq in seqs:
-                n = min(len(seq.prompt) - seq.length, budget)
-                if chunk and (len(chunk) + 1) * max(width, n) > budget:
-                    break
-                chunk.append((seq, n))
-                width = max(width, n)
-            self._forward_prompts(chunk, width)
-            seqs = [s for s in seqs if s.length < len(s.prompt)]
-
-    def _forward_prompts(self, chunk: list[tuple[_Sequence, int]], width: int) -> None:
-        tokens = [seq.prompt[seq.length:seq.length + n] + [0] * (width - n) for seq, n in chunk]
-        starts = torch.tensor([seq.length for seq, _ in chunk], device=self.device)
-        # Padding positions run past the prompt: their K/V land in the slot's own future positions
-        # (clamped into the slot), which decoding overwrites before any query reads them.
-        positions = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=self.max_seq_len - 1)
-        key_len = max(seq.length + n for seq, n in chunk)
-        slots = torch.tensor([seq.slot for seq, _ in chunk], device=self.device)
-        batch = Batch.build(slots, positions, key_len, self.spec.kv_groups)
-        hidden = self.runner(torch.tensor(tokens, device=self.device), batch, self.cache)
-        done = [(i, seq.slot, n - 1) for i, (seq, n) in enumerate(chunk) if seq.length + n == len(seq.prompt)]
-        if done:
-            rows, done_slots, last = (torch.tensor(column, device=self.device) for column in zip(*done))
-            self._prompt_hidden[done_slots] = hidden[rows, last]
-        for seq, n in chunk:
-            seq.length += n
-            self.stats.prefill_tokens += n
-
-    # ------------------------------------------------------------ decode
-    def _decode(self, seqs: list[_Sequence], sampled: torch.Tensor, sampled_rows: list[int]) -> torch.Tensor:
-        """One step for `seqs`, whose input tokens are `sampled[sampled_rows]` (still on the device).
-
-        Returns the hidden states [rows, hidden], row i for slot i, valid until the next decode.
-        """
-        rows = max(s.slot for s in seqs) + 1  # row i is slot i; free slots in between ride along
-        positions = [0] * rows
-        for s in seqs:
-            positions[s.slot] = s.length
-        tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        tokens.index_copy_(0, self._tensor([s.slot for s in seqs]), sampled.index_select(0, self._tensor(sampled_rows)))
-        positions_t = self._tensor(positions)
-        if self._graphs is not None:
-            hidden = self._graphs.run(tokens, positions_t, key_len=max(positions) + 1)
-        else:
-            hidden = self.runner.decode(tokens, positions_t, self.cache, key_len=max(positions) + 1)
-        for s in seqs:
-            s.length += 1
-        self.stats.decode_steps += 1
-        return hidden
+    def _completion(self, seq: SequenceState, top_logprobs: int) -> NativeCompletion:
+        return NativeCompletion(seq.tokens, seq.logprobs, seq.finish_reason, self.version, seq.logprobs_full,
+                                seq.top if top_logprobs else None)
 
     # ------------------------------------------------------------ scoring
     def teacher_forced_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -379,47 +215,11 @@ class NativeEngine(PublishedWeights):
         Uses the cache's slots as scratch space, up to max_running sequences per forward.
         """
         if self.asleep:
-            raise RuntimeError("the engine is asleep (KV cache released); call wake() first")
+            raise asleep_error("teacher_forced_logits()")
         if any(not 0 < len(s) <= self.max_seq_len for s in sequences):
             raise ValueError(f"every sequence needs 1..max_seq_len={self.max_seq_len} tokens")
-        out = []
         with torch.no_grad():
-            for start in range(0, len(sequences), self.max_running):
-                group = [list(s) for s in sequences[start:start + self.max_running]]
-                width = max(map(len, group))
-                tokens = torch.tensor([s + [0] * (width - len(s)) for s in group], device=self.device)
-                positions = torch.arange(width, device=self.device).expand(len(group), width)
-                slots = torch.arange(len(group), device=self.device)
-                hidden = self.runner(tokens, Batch.build(slots, positions, width, self.spec.kv_groups), self.cache)
-                logits = self.runner.logits(hidden).float()
-                out += [logits[i, :len(s)] for i, s in enumerate(group)]
-        return out
-
-
-class _Picked:
-    """One step's sampled tokens: on the device for the next decode, copied to the host without blocking it."""
-
-    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, top: torch.Tensor | None):
-        self.tokens = tokens
-        # Token ids are exact in float64; one copy carries tokens and both log-probs.
-        copies = [packed] if top is None else [packed, top]
-        if tokens.is_cuda:
-            self._host = [c.to("cpu", non_blocking=True) for c in copies]  # pinned by the allocator
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host, self._ready = copies, None
-
-    def read(self):
-        """(token, log-prob sampled from, log-prob untruncated, top pairs or None) per row."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        rows = self._host[0].tolist()
-        if len(self._host) == 1:
-            return [(int(t), lp, full, None) for t, lp, full in rows]
-        top = self._host[1].tolist()
-        n = len(top[0]) // 2
-        return [(int(t), lp, full, list(zip(map(int, tp[:n]), tp[n:]))) for (t, lp, full), tp in zip(rows, top)]
+            return self.model_runner.teacher_forced_logits(sequences)
 
 
 def _read_source(model) -> tuple[object, dict[str, torch.Tensor], torch.device]:

@@ -1,0 +1,169 @@
+"""The device side of the engine: prefill, the decode step, the sampling hand-off, teacher-forced logits.
+
+`ModelRunner` (nano-vllm's name for this half) turns the scheduler's decisions into forwards of
+the decoder (`runner.py` or `looped_runner.py`) over the KV cache, and owns what points into
+that cache: the CUDA graphs of the decode step and each slot's last prompt hidden state. It
+reads the scheduler's sequences (slots, prompts, seeds, tokens) but never changes them.
+
+Nothing here waits for the device unless it must: host-built index tensors are copied from
+pinned memory, and the sampled tokens reach the host through a non-blocking copy (`Picked`),
+so the engine can launch the next decode step before it reads this step's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from caspo.rollout.base import SamplingParams
+from caspo.rollout.native.graphs import DecodeGraphs, default_key_lengths
+from caspo.rollout.native.kv_cache import KVCache
+from caspo.rollout.native.runner import Batch, Runner
+from caspo.rollout.native.scheduler import PrefillWave, PromptPiece, SequenceState
+from caspo.rollout.native.spec import DecoderSpec
+from caspo.rollout.sampling import sample_next
+
+
+class ModelRunner:
+    def __init__(self, runner: Runner, cache: KVCache, spec: DecoderSpec, *, max_seq_len: int,
+                 graph_batch_sizes: list[int] | None):
+        self.runner, self.cache, self.spec = runner, cache, spec
+        self.device, self.max_seq_len = cache.device, max_seq_len
+        self.graph_batch_sizes = graph_batch_sizes  # None: no CUDA graphs
+        # Final-norm hidden state of each slot's last prompt position: what an exact prefix share reuses.
+        self.prompt_hidden = torch.zeros(cache.slots, spec.hidden_size, dtype=cache.dtype, device=self.device)
+        self.graphs = self._capture() if graph_batch_sizes is not None else None
+
+    # ------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Drop the graphs (they point into the cache), then the cache."""
+        self.graphs = None
+        self.cache.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        self.cache.allocate()
+        if self.graph_batch_sizes is not None and self.graphs is None:
+            self.graphs = self._capture()
+
+    def _capture(self) -> DecodeGraphs:
+        return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes, default_key_lengths(self.max_seq_len))
+
+    # ------------------------------------------------------------ prefill
+    def prefill(self, plan: list[PrefillWave], seqs: list[SequenceState]) -> torch.Tensor:
+        """Run the scheduler's prefill plan for the admitted `seqs`; returns their first logits [len(seqs), vocab]."""
+        for wave in plan:
+            for seq, shared in wave.shares:
+                self.cache.copy_prefix(shared.slot, seq.slot, shared.length)
+                if shared.exact:
+                    self.prompt_hidden[seq.slot] = self.prompt_hidden[shared.slot]
+            for pieces in wave.forwards:
+                self._forward_prompts(pieces)
+        rows = torch.tensor([s.slot for s in seqs], device=self.device)
+        return self.runner.logits(self.prompt_hidden[rows])
+
+    def _forward_prompts(self, pieces: list[PromptPiece]) -> None:
+        """One prefill forward of prompt pieces, padded to the longest; keeps the hidden state of finished prompts."""
+        width = max(p.count for p in pieces)
+        tokens = [p.seq.prompt[p.start:p.start + p.count] + [0] * (width - p.count) for p in pieces]
+        starts = torch.tensor([p.start for p in pieces], device=self.device)
+        # Padding positions run past the prompt: their K/V land in the slot's own future positions
+        # (clamped into the slot), which decoding overwrites before any query reads them.
+        positions = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=self.max_seq_len - 1)
+        key_len = max(p.start + p.count for p in pieces)
+        slots = torch.tensor([p.seq.slot for p in pieces], device=self.device)
+        batch = Batch.build(slots, positions, key_len, self.spec.kv_groups)
+        hidden = self.runner(torch.tensor(tokens, device=self.device), batch, self.cache)
+        done = [(i, p.seq.slot, p.count - 1) for i, p in enumerate(pieces) if p.start + p.count == len(p.seq.prompt)]
+        if done:
+            rows, done_slots, last = (torch.tensor(column, device=self.device) for column in zip(*done))
+            self.prompt_hidden[done_slots] = hidden[rows, last]
+
+    # ------------------------------------------------------------ decode
+    def decode(self, ahead: list[tuple[int, int, int]], sampled: torch.Tensor) -> torch.Tensor:
+        """One step for the scheduler's (row, slot, position) triples, input token `sampled[row]` (still on the device).
+
+        Returns the hidden states [rows, hidden], row i for slot i, valid until the next decode.
+        """
+        rows = max(slot for _, slot, _ in ahead) + 1  # row i is slot i; free slots in between ride along
+        positions = [0] * rows
+        for _, slot, position in ahead:
+            positions[slot] = position
+        tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        tokens.index_copy_(0, self._tensor([slot for _, slot, _ in ahead]),
+                           sampled.index_select(0, self._tensor([row for row, _, _ in ahead])))
+        positions_t = self._tensor(positions)
+        if self.graphs is not None:
+            return self.graphs.run(tokens, positions_t, key_len=max(positions) + 1)
+        return self.runner.decode(tokens, positions_t, self.cache, key_len=max(positions) + 1)
+
+    def logits(self, hidden: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Next-token logits of the decode step's rows `slots` (row i is slot i)."""
+        if slots == list(range(len(slots))):
+            return self.runner.logits(hidden[: len(slots)])
+        return self.runner.logits(hidden.index_select(0, self._tensor(slots)))
+
+    # ------------------------------------------------------------ sampling
+    def sample(self, seqs: list[SequenceState], logits: torch.Tensor, sp: SamplingParams, top_n: int) -> Picked:
+        """One token per sequence, sampled on the device with the noise of (seed, token index)."""
+        seeds = self._tensor([s.request.seed for s in seqs])
+        steps = self._tensor([len(s.tokens) for s in seqs])
+        tokens, logprobs, full = sample_next(logits, seeds, steps, sp.temperature, sp.top_k, sp.top_p)
+        top = None
+        if top_n:
+            values, ids = torch.topk(torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1), top_n, dim=-1)
+            top = torch.cat([ids.double(), values.double()], dim=-1)
+        return Picked(tokens, torch.stack([tokens.double(), logprobs.double(), full.double()], dim=-1), top)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """An int64 tensor on the device, copied without waiting for the work queued on it.
+
+        (A copy from pageable host memory may synchronize with the stream; a pinned one does not.)
+        """
+        tensor = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------ scoring
+    def teacher_forced_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Float32 logits [len, vocab] at every position, through the prefill path, the slots as scratch space."""
+        out = []
+        for start in range(0, len(sequences), self.cache.slots):
+            group = [list(s) for s in sequences[start:start + self.cache.slots]]
+            width = max(map(len, group))
+            tokens = torch.tensor([s + [0] * (width - len(s)) for s in group], device=self.device)
+            positions = torch.arange(width, device=self.device).expand(len(group), width)
+            slots = torch.arange(len(group), device=self.device)
+            hidden = self.runner(tokens, Batch.build(slots, positions, width, self.spec.kv_groups), self.cache)
+            logits = self.runner.logits(hidden).float()
+            out += [logits[i, :len(s)] for i, s in enumerate(group)]
+        return out
+
+
+class Picked:
+    """One step's sampled tokens: on the device for the next decode, copied to the host without blocking it."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, top: torch.Tensor | None):
+        self.tokens = tokens
+        # Token ids are exact in float64; one copy carries tokens and both log-probs.
+        copies = [packed] if top is None else [packed, top]
+        if tokens.is_cuda:
+            self._host = [c.to("cpu", non_blocking=True) for c in copies]  # pinned by the allocator
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = copies, None
+
+    def read(self) -> list[tuple[int, float, float, list[tuple[int, float]] | None]]:
+        """(token, log-prob sampled from, log-prob untruncated, top pairs or None) per row."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        rows = self._host[0].tolist()
+        if len(self._host) == 1:
+            return [(int(t), lp, full, None) for t, lp, full in rows]
+        top = self._host[1].tolist()
+        n = len(top[0]) // 2
+        return [(int(t), lp, full, list(zip(map(int, tp[:n]), tp[n:]))) for (t, lp, full), tp in zip(rows, top)]
