@@ -75,3 +75,23 @@ def test_native_backend_trains_like_the_hf_backend(tmp_path):
         samples = [json.loads(x) for x in (tmp_path / backend / "samples.jsonl").read_text().splitlines()]
         digests[backend] = [s["tokens_digest"] for s in samples]
     assert digests["native"] == digests["hf"]
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+@pytest.mark.parametrize("sleep", [True, False])
+def test_the_engine_sleeps_while_the_trainer_updates(tmp_path, monkeypatch, backend, sleep):
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "train.steps=1", f"rollout.backend={backend}",
+                                f"rollout.sleep_during_update={str(sleep).lower()}"])
+    tr = loop.build_trainer(cfg)
+    seen = []
+    real_update = loop.update
+
+    def watched(*args, **kwargs):
+        seen.append(tr.engine.asleep)
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "update", watched)
+    with tr.pool:
+        loop.outer_step(tr)
+    assert seen == [sleep]  # asleep during the update exactly when asked
+    assert not tr.engine.asleep  # and awake for the next rollout

@@ -82,6 +82,9 @@ class RolloutConfig:
     max_batch: int = 0
     # Generate with the policy of `staleness` updates ago, as asynchronous RL does (0 = on-policy).
     staleness: int = 0
+    # Put the engine to sleep (KV cache and CUDA graphs freed) while the trainer updates, so the update
+    # has that memory; it wakes for the next rollout (the native engine re-allocates and recaptures).
+    sleep_during_update: bool = True
     # The engine's compute dtype; "auto" = the training precision's compute dtype.
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -59,7 +60,7 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
         batch.advantages, batch.returns = compute_advantages(batch, cfg, tr.method)
         with timer("t_value_update"):
             value_stats.update(state.after_advantages(tr, batch))
-        with timer("t_pol"):
+        with timer("t_pol"), engine_asleep(tr):
             state.before_update(tr)
             stats = update(tr.actor, batch, cfg, tr.method, state, tr.update_rng, tr.scaler)
             tr.version += 1
@@ -67,6 +68,19 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
             publish_current(tr)
     tr.step += 1
     return batch, {**stats, **value_stats, **batch_stats(batch), **timer.reset()}
+
+
+@contextmanager
+def engine_asleep(tr: Trainer):
+    """The engine's KV cache freed for the update (rollout.sleep_during_update), and back after it."""
+    if not tr.cfg.rollout.sleep_during_update:
+        yield
+        return
+    tr.engine.sleep()
+    try:
+        yield
+    finally:
+        tr.engine.wake()
 
 
 def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
