@@ -25,8 +25,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=8960)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policy", default="", help="a trained policy (folder or embedded:NAME) instead of random init; "
-                                                     "its shape replaces the shape flags")
+    parser.add_argument("--policy", default="",
+                        help="a trained policy (folder or embedded:NAME) instead of random init; "
+                             "its shape replaces the shape flags")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.3, help="KV cache share of the GPU (CUDA)")
     parser.add_argument("--commit", default="", help="the code's commit, recorded with the figures")
     parser.add_argument("--out", default="", help="append one JSON line of results to this file")

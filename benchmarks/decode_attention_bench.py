@@ -19,8 +19,8 @@ from datetime import datetime, timezone
 
 import torch
 import triton
-
 from _common import DTYPES, append_result, print_table
+
 import caspo.rollout.native.decode_attention as kernel
 from caspo.rollout.native.runner import Batch, grouped_attention
 

@@ -18,9 +18,17 @@ import gc
 from functools import partial
 
 import torch
+from _common import (
+    add_model_args,
+    append_result,
+    build_model,
+    environment,
+    kv_sizing,
+    print_table,
+    random_prompts,
+    timed,
+)
 
-from _common import (add_model_args, append_result, build_model, environment, kv_sizing, print_table,
-                     random_prompts, timed)
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_seed

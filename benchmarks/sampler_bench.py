@@ -25,8 +25,8 @@ import platform
 from datetime import datetime, timezone
 
 import torch
-
 from _common import append_result, print_table
+
 from caspo.rollout.sampling import NUCLEUS_PIVOTS, gumbel_pick, nucleus_threshold, sample_next
 
 

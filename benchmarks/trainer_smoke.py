@@ -9,8 +9,9 @@ parity (mean |behaviour − recomputed log-prob| of the sampled tokens), and app
 line to --out.
 
     python benchmarks/trainer_smoke.py --out benchmarks/results.jsonl --commit $COMMIT
+    # smoke test:
     python benchmarks/trainer_smoke.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 --kv-heads 2 \
-        --intermediate 128 --vocab 1000 --prompts 2 --samples 2 --new-tokens 8 --micro-batch 2 --no-graphs   # smoke test
+        --intermediate 128 --vocab 1000 --prompts 2 --samples 2 --new-tokens 8 --micro-batch 2 --no-graphs
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from _common import add_model_args, append_result, build_model, environment, print_table
+
 from caspo.config import load_config
 from caspo.models.policy import resolve_model_path
 from caspo.models.tokenizer import load_tokenizer, save_tokenizer

@@ -43,7 +43,8 @@ def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
 @app.command("eval")
 def evaluate(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
     """Greedy held-out accuracy of `model.policy`."""
-    from caspo.train.loop import build_trainer, evaluate as run_eval
+    from caspo.train.loop import build_trainer
+    from caspo.train.loop import evaluate as run_eval
 
     tr = build_trainer(config_or_exit(preset, overrides))
     with tr.pool:

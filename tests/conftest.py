@@ -27,9 +27,8 @@ def value_model_folder(tmp_path_factory):
     from caspo.config import load_config
     from caspo.models.policy import load_policy, resolve_model_path
     from caspo.models.prefix_value import PrefixValueModel
-    from caspo.models.provenance import model_identity
+    from caspo.models.provenance import label_provenance, model_identity
     from caspo.models.tokenizer import load_tokenizer
-    from caspo.models.provenance import label_provenance
 
     cfg = load_config("tests")
     base = load_policy(cfg.model.policy)

@@ -12,12 +12,11 @@ from caspo.config import ConfigError, load_config
 from caspo.methods import resolve_method
 from caspo.models.policy import load_policy
 from caspo.models.prefix_value import load_prefix_value
-from caspo.models.provenance import check_provenance, model_identity
+from caspo.models.provenance import check_provenance, label_provenance, model_identity
 from caspo.train import checkpoint as ckpt
 from caspo.train import loop
-from caspo.value import refresh
 from caspo.train.verify_resume import digest
-from caspo.models.provenance import label_provenance
+from caspo.value import refresh
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -205,7 +204,8 @@ def test_a_refresh_resumes_exactly_from_its_checkpoint(tmp_path, value_model_fol
     with tr.pool:
         loop.outer_step(tr)
         folder = loop.save(tr)
-        before = {"policy": digest(dict(tr.policy.named_parameters())), "optimizer": digest(tr.actor.optimizer.state_dict()),
+        before = {"policy": digest(dict(tr.policy.named_parameters())),
+                  "optimizer": digest(tr.actor.optimizer.state_dict()),
                   "scheduler": digest(tr.actor.scheduler.state_dict()), "cursor": tr.cursor.state_dict(),
                   "update_rng": tr.update_rng.get_state(), "torch_rng": torch.get_rng_state(),
                   "counters": (tr.step, tr.version)}
@@ -245,8 +245,10 @@ def test_a_resumed_pipeline_redoes_or_reuses_the_refresh_of_its_checkpoint(tmp_p
             [(1, "none"), (2, reused)]  # each refresh logged once
         assert [r["step"] for r in metrics if "reward_mean" in r] == [1, 2, 3]
         # the same labels, value model and final policy as the uninterrupted run
-        labels, labels_before = (read_jsonl(run / "refresh" / "step_000002" / "labels.jsonl") for run in (run_dir, original))
-        assert labels[1:] == labels_before[1:] and labels[0]["header"]["provenance"] == labels_before[0]["header"]["provenance"]
+        labels, labels_before = (read_jsonl(run / "refresh" / "step_000002" / "labels.jsonl")
+                                 for run in (run_dir, original))
+        assert labels[1:] == labels_before[1:]
+        assert labels[0]["header"]["provenance"] == labels_before[0]["header"]["provenance"]
         assert digest(load_file(folder / "value" / "model.safetensors")) == \
             digest(load_file(original / "refresh" / "step_000002" / "value" / "model.safetensors"))
         assert digest(load_file(run_dir / "checkpoints" / "step_000003" / "policy" / "model.safetensors")) == final

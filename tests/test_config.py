@@ -155,4 +155,5 @@ def test_config_is_the_bottom_layer():
 
     code = "import sys, caspo.config; print(sorted(m for m in sys.modules if m.startswith('caspo')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "['caspo', 'caspo.config', 'caspo.config.load', 'caspo.config.schema', 'caspo.config.validate']"
+    assert loaded.strip() == str(["caspo", "caspo.config", "caspo.config.load", "caspo.config.schema",
+                                  "caspo.config.validate"])

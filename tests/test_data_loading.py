@@ -5,8 +5,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from caspo.data import (TEMPLATES, ArithTask, DataError, arith_examples, encode_prompts, load_jsonl,
-                        render_prompt)
+from caspo.data import TEMPLATES, ArithTask, DataError, arith_examples, encode_prompts, load_jsonl, render_prompt
 
 GSM8K = "/work/shared/data/gsm8k_test.jsonl"
 

@@ -69,7 +69,8 @@ def imports(module: str, source: str | None = None, is_package: bool | None = No
         elif isinstance(stmt, ast.ImportFrom):
             base = stmt.module or ""
             if stmt.level:  # relative import
-                base = ".".join(package.split(".")[:len(package.split(".")) - stmt.level + 1] + ([base] if base else []))
+                parent = package.split(".")[:len(package.split(".")) - stmt.level + 1]
+                base = ".".join(parent + ([base] if base else []))
             if base.split(".")[0] != "caspo":
                 return
             for alias in stmt.names:  # `from caspo.train import loop` imports the module caspo.train.loop

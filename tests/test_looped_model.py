@@ -2,8 +2,13 @@
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForTokenClassification, DynamicCache, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import caspo.models.looped as looped
 from caspo.models.looped import CACHE_FIELD, LoopedCache, LoopedConfig, LoopedForCausalLM, LoopedForValue

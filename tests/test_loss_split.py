@@ -6,9 +6,9 @@ import torch
 from caspo.algo import AGG_MODES
 from caspo.config import load_config
 from caspo.methods import get_method
+from caspo.precision import LossScaler
 from caspo.train import loop
 from caspo.train.advantages import compute_advantages
-from caspo.precision import LossScaler
 from caspo.train.update import accumulate_gradients, actor_loss
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,10 +5,9 @@ import weakref
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
 from native_checks import assert_equal_up_to_near_tie, cast_weights, engine, hf_logits, requests
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
@@ -234,7 +233,8 @@ def test_publication_changes_outputs_exactly_as_a_fresh_load(model):
 
 
 def test_incomplete_or_mismatched_publication_keeps_old_weights(model):
-    check_failed_publications_keep_old_weights(engine(model), model, requests(8), SamplingParams(temperature=1.0, stop_token_ids=[1]))
+    check_failed_publications_keep_old_weights(engine(model), model, requests(8),
+                                               SamplingParams(temperature=1.0, stop_token_ids=[1]))
 
 
 # ---------------------------------------------------------------- cache and memory

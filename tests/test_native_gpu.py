@@ -4,9 +4,8 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
 from native_checks import cast_weights
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from caspo.rollout.base import Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from native_checks import assert_equal_up_to_near_tie, engine, hf_logits, requests
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 

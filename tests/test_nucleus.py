@@ -9,8 +9,16 @@ import os
 import pytest
 import torch
 
-from caspo.rollout.sampling import (_masses, _nucleus_plan, cut_threshold, gumbel_pick, inverse_temperature,
-                                    nucleus_threshold, sample_next, truncate_logits)
+from caspo.rollout.sampling import (
+    _masses,
+    _nucleus_plan,
+    cut_threshold,
+    gumbel_pick,
+    inverse_temperature,
+    nucleus_threshold,
+    sample_next,
+    truncate_logits,
+)
 
 LN2 = math.log(2)
 NEG_INF = float("-inf")

@@ -5,9 +5,9 @@ import torch
 
 from caspo.config import load_config
 from caspo.methods import get_method
+from caspo.precision import LossScaler, autocast
 from caspo.train import loop
 from caspo.train.advantages import compute_advantages
-from caspo.precision import LossScaler, autocast
 from caspo.train.update import accumulate_gradients, actor_loss, update
 
 pytestmark = pytest.mark.timeout(120)

@@ -129,7 +129,8 @@ def test_truncated_response_scores_zero_even_if_correct():
 
 
 def test_garbage_responses_score_zero_without_raising():
-    for response in [r"\boxed{\frac{", r"\boxed{}}}}{{", "\\" * 1000, r"\boxed{\begin{pmatrix}}", "\x00\uffff", "9" * 5000]:
+    garbage = [r"\boxed{\frac{", r"\boxed{}}}}{{", "\\" * 1000, r"\boxed{\begin{pmatrix}}", "\x00\uffff", "9" * 5000]
+    for response in garbage:
         assert score(response, r"\frac12") == 0.0
 
 
@@ -184,6 +185,7 @@ def test_verifier_version_names_math_verify():
 
 def test_verifier_module_does_not_import_torch():
     """Workers import only this module; it must stay free of torch and other heavy packages."""
-    code = "import sys, caspo.reward.verify; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    code = ("import sys, caspo.reward.verify; "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"

@@ -1,7 +1,6 @@
 
 import pytest
 import torch
-
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 
 from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from caspo.config import load_config
+from caspo.methods import get_method
 from caspo.models.policy import load_policy
 from caspo.models.tokenizer import load_tokenizer
-from caspo.methods import get_method
 from caspo.train import loop
 from caspo.train.advantages import compute_advantages
 
@@ -27,7 +27,8 @@ def test_three_step_grpo_run(tmp_path):
     samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 3 * cfg.responses_per_step
     assert {s["policy_version"] for s in samples} == {0, 1, 2}  # generated before each update
-    assert set(samples[0]) >= {"prompt_id", "sample_seed", "policy_version", "finish_reason", "length", "reward", "text"}
+    assert set(samples[0]) >= {"prompt_id", "sample_seed", "policy_version", "finish_reason", "length", "reward",
+                               "text"}
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert 0 <= summary["after"]["eval_accuracy"] <= 1

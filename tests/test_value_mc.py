@@ -104,7 +104,8 @@ def test_estimates_do_not_depend_on_the_rest_of_the_batch():
     seed_fn = lambda key, j: continuation_seed(7, 3, key, j)  # noqa: E731
     common = dict(k=6, sampling=SAMPLING, max_new_tokens=10, seed_fn=seed_fn, scorer=scorer, decode=decode)
     alone = mc_step_values(ScriptedEngine(script), [[50]], [[2, 3]], [[0, 1]], ["a"], **common)
-    batch = mc_step_values(ScriptedEngine(script), [[40], [50]], [[5, 5], [2, 3]], [[0, 1], [0, 1]], ["b", "a"], **common)
+    batch = mc_step_values(ScriptedEngine(script), [[40], [50]], [[5, 5], [2, 3]], [[0, 1], [0, 1]], ["b", "a"],
+                           **common)
     assert torch.equal(alone.values[0], batch.values[1])
 
 

@@ -6,10 +6,9 @@ import torch
 
 from caspo.config import load_config
 from caspo.models.policy import resolve_model_path
-from caspo.models.provenance import model_identity
+from caspo.models.provenance import label_provenance, model_identity, tokenizer_hash
 from caspo.models.tokenizer import load_tokenizer
 from caspo.reward import VERIFIER_VERSION
-from caspo.models.provenance import label_provenance, tokenizer_hash
 
 
 def test_label_provenance_records_the_sampler_prompt_and_verifier(tiny_model):

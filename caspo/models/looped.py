@@ -15,8 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, DynamicCache,
-                          GenerationMixin, PreTrainedConfig)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    DynamicCache,
+    GenerationMixin,
+    PreTrainedConfig,
+)
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel

@@ -23,7 +23,8 @@ def resolve_model_path(spec: str) -> str:
         name = spec[len(EMBEDDED):]
         path = ASSETS / name
         if not (path / "config.json").exists():
-            shipped = sorted(p.name for p in ASSETS.iterdir() if (p / "config.json").exists()) if ASSETS.exists() else []
+            shipped = sorted(p.name for p in ASSETS.iterdir() if (p / "config.json").exists()) \
+                if ASSETS.exists() else []
             raise FileNotFoundError(
                 f"no embedded policy {name!r} (shipped: {', '.join(shipped) or 'none'}); "
                 "`caspo sft` creates one, see the README"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 from dataclasses import dataclass

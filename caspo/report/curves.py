@@ -19,8 +19,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(10, 3.6))
     ax_r.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], color="tab:blue")
     ax_r.set(xlabel="outer step", ylabel="mean training reward", title="reward", ylim=(0, 1))
-    ax_a.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", color="tab:green", label="greedy accuracy")
-    ax_a.plot([r["step"] for r in evals], [r["eval_boxed_rate"] for r in evals], "s--", color="tab:gray", label="boxed rate")
+    eval_steps = [r["step"] for r in evals]
+    ax_a.plot(eval_steps, [r["eval_accuracy"] for r in evals], "o-", color="tab:green", label="greedy accuracy")
+    ax_a.plot(eval_steps, [r["eval_boxed_rate"] for r in evals], "s--", color="tab:gray", label="boxed rate")
     sampled = [r for r in evals if "eval_sampled_accuracy" in r]
     if sampled:
         ax_a.plot([r["step"] for r in sampled], [r["eval_sampled_accuracy"] for r in sampled], "^-", color="tab:orange",

@@ -86,7 +86,8 @@ class RewardPool:
     def score(self, responses: Sequence[str], labels: Sequence[str], finished: Sequence[bool]) -> RewardResult:
         """Rewards of a batch, in input order. Never raises on a bad or slow response."""
         if not len(responses) == len(labels) == len(finished):
-            raise ValueError(f"lengths differ: {len(responses)} responses, {len(labels)} labels, {len(finished)} finished")
+            raise ValueError(f"lengths differ: {len(responses)} responses, {len(labels)} labels, "
+                             f"{len(finished)} finished")
         if not all(isinstance(label, str) for label in labels):
             raise TypeError("labels must be strings")  # a worker would score them 0 one by one
         if self.workers == 0:
@@ -117,10 +118,12 @@ class RewardPool:
                         idle.append(worker)
                         continue
                     result.crashes += 1
-                    log.warning("reward worker died on call %d (%.60r); restarting it", worker.task, responses[worker.task])
+                    log.warning("reward worker died on call %d (%.60r); restarting it", worker.task,
+                                responses[worker.task])
                 elif now >= worker.deadline:
                     result.timeouts += 1
-                    log.warning("reward call %d (%.60r) timed out; restarting its worker", worker.task, responses[worker.task])
+                    log.warning("reward call %d (%.60r) timed out; restarting its worker", worker.task,
+                                responses[worker.task])
                 else:
                     still_busy.append(worker)
                     continue

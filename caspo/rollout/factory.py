@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from caspo.config import Config
-from caspo.rollout.base import SamplingParams
 from caspo.precision import compute_dtype
+from caspo.rollout.base import SamplingParams
 
 
 def engine_dtype(cfg: Config) -> torch.dtype:

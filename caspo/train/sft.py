@@ -23,8 +23,8 @@ from caspo.models.policy import load_policy, resolve_device, tiny_looped_config,
 from caspo.models.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer
 from caspo.reward.pool import RewardPool
 from caspo.rollout.hf import HFEngine
-from caspo.train.optim import build_scheduler
 from caspo.runlog import JsonlWriter, console, progress_bar
+from caspo.train.optim import build_scheduler
 
 
 def sft_batch(tokenizer, pairs: list[tuple[str, str]], device) -> tuple[torch.Tensor, ...]:

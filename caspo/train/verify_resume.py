@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from caspo.train.checkpoint import load_trainer_state, resolve_checkpoint
 from caspo.runlog import console
+from caspo.train.checkpoint import load_trainer_state, resolve_checkpoint
 
 STEPS = 3
 STOP_AFTER = 2

@@ -43,7 +43,8 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
                 None, help="sample the base rollouts (the labelled states) at this temperature; continuations, "
                            "and so the labels, keep the preset's (default: the preset's)")):
     """Label response prefixes with Monte Carlo success rates of the preset's policy."""
-    from caspo.value.collect import RECIPES, collect as run_collect, parse_shard
+    from caspo.value.collect import RECIPES, parse_shard
+    from caspo.value.collect import collect as run_collect
 
     if recipe not in RECIPES:
         raise typer.BadParameter(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
@@ -158,9 +159,8 @@ def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value mod
 
     from caspo.data.build import load_task_data
     from caspo.models.prefix_value import load_prefix_value
-    from caspo.models.provenance import provenance_mismatches
+    from caspo.models.provenance import prompt_format, provenance_mismatches
     from caspo.models.tokenizer import load_tokenizer
-    from caspo.models.provenance import prompt_format
     from caspo.value.spurious import spurious_line_check
 
     if threads:

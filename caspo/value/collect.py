@@ -17,14 +17,14 @@ from typing import Optional
 
 from caspo.config import Config
 from caspo.data.build import load_task_data
+from caspo.models.provenance import label_provenance
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Request
 from caspo.rollout.sampling import sample_seed
-from caspo.segment import SPLITTERS, splitter_name, step_splitter
 from caspo.runlog import console, progress_bar
-from caspo.value.labels import LabelRow, write_label_file
+from caspo.segment import SPLITTERS, splitter_name, step_splitter
 from caspo.train.monte_carlo import Prefix, continuation_seed, estimate_prefixes, step_start_indices
-from caspo.models.provenance import label_provenance
+from caspo.value.labels import LabelRow, write_label_file
 from caspo.value.rollout import rollout_setup
 
 COLLECT_STEP = -1  # the `step` of phase-1 seeds: no outer RL step has run
@@ -156,6 +156,7 @@ def base_rollouts(cfg: Config, setup, data, chunk: list[int], k: int, scorer, se
     requests = [Request(data.train_prompts[i], sample_seed(cfg.train.seed, seed_step, i, s),
                         cfg.rollout.max_new_tokens) for i in chunk for s in range(k)]
     completions = setup.engine.generate(requests, sampling)
-    rewards = scorer([setup.decode(c.tokens) for c in completions], [data.train[i].label for i in chunk for _ in range(k)],
+    labels = [data.train[i].label for i in chunk for _ in range(k)]
+    rewards = scorer([setup.decode(c.tokens) for c in completions], labels,
                      [c.finish_reason == "stop" for c in completions])
     return [c.tokens for c in completions], rewards

@@ -27,8 +27,8 @@ from caspo.data.build import load_task_data
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Request
 from caspo.rollout.sampling import sample_seed
-from caspo.segment import segment_response
 from caspo.runlog import console
+from caspo.segment import segment_response
 from caspo.train.monte_carlo import Prefix, continuation_seed, estimate_prefixes, mc_step_values, step_start_indices
 from caspo.value.rollout import rollout_setup
 

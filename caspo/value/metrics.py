@@ -104,7 +104,8 @@ def value_metrics(values, p_hat, outcome, groups, positions, beta: float) -> dic
         "auc_outcome": roc_auc(values, outcome),
         "accuracy_outcome": float(((prob > 0.5) == (outcome > 0.5)).mean()) if len(outcome) else math.nan,
         "majority_baseline": max(positive_rate, 1 - positive_rate),
-        "bce": float(-(p_hat * np.log(clipped) + (1 - p_hat) * np.log(1 - clipped)).mean()) if len(values) else math.nan,
+        "bce": float(-(p_hat * np.log(clipped) + (1 - p_hat) * np.log(1 - clipped)).mean())
+        if len(values) else math.nan,
         "mean_predicted": float(prob.mean()) if len(prob) else math.nan,
         "mean_p_hat": float(p_hat.mean()) if len(p_hat) else math.nan,
     }

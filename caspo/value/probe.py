@@ -16,8 +16,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values, probability_ceiling
 from caspo.models.forward import response_logprobs
+from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values, probability_ceiling
 from caspo.value.labels import LabelRow, ResponseLabels, group_responses, merge_duplicates
 from caspo.value.metrics import calibration_bins, success_probability, value_metrics
 

@@ -27,12 +27,11 @@ import torch.nn.functional as F
 
 from caspo.models.policy import load_policy, resolve_model_path
 from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel
-from caspo.models.provenance import ProvenanceError, check_provenance, model_identity
+from caspo.models.provenance import ProvenanceError, check_provenance, model_identity, tokenizer_hash
 from caspo.models.tokenizer import load_tokenizer
 from caspo.runlog import console, progress_bar
 from caspo.value.labels import LabelRow, group_responses, merge_duplicates, read_label_file
 from caspo.value.probe import boundary_values, evaluate, write_report
-from caspo.models.provenance import tokenizer_hash
 
 
 @dataclass
@@ -48,7 +47,8 @@ class TrainSpec:
     val_fraction: float = 0.1
     eval_every: int = 0  # optimizer steps between validations; 0 = at the end of each epoch only
     seed: int = 0
-    merge_duplicates: bool = False  # train on distinct rollouts weighted by their copies (batch_size counts distinct ones)
+    # train on distinct rollouts weighted by their copies (batch_size counts distinct ones)
+    merge_duplicates: bool = False
 
 
 def hash_unit(seed: int, key: str) -> float:

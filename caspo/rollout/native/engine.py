@@ -98,7 +98,8 @@ class NativeEngine(PublishedWeights):
         self.dtype = dtype or weights_dtype(tensors)
         self.max_seq_len = max_seq_len
         runner_class = LoopedCausalLM if isinstance(self.spec, LoopedSpec) else CausalLM
-        self.runner = build_runner(runner_class, self.spec, tensors, dtype=self.dtype, device=self.device, max_seq_len=max_seq_len)
+        self.runner = build_runner(runner_class, self.spec, tensors, dtype=self.dtype, device=self.device,
+                                   max_seq_len=max_seq_len)
         del tensors
         self.runner.decode_kernel = self.device.type == "cuda" if decode_kernel is None else decode_kernel
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # triton's CPU interpreter (tests)
