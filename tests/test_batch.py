@@ -1,0 +1,44 @@
+"""RolloutBatch.select and micro_batches: every per-sample field follows its rows, frames are trimmed."""
+
+import torch
+
+from caspo.batch import RolloutBatch
+from caspo.rollout.base import Completion
+
+
+def make_batch() -> RolloutBatch:
+    completions = [Completion([5, 6, 7], [-0.1, -0.2, -0.3], "stop", 0), Completion([8], [-0.4], "length", 0),
+                   Completion([9, 10], [-0.5, -0.6], "stop", 1)]
+    batch = RolloutBatch.from_completions([[1, 2], [3], [4, 4, 4]], completions, group_ids=[0, 0, 1],
+                                          example_ids=["a", "a", "b"], sample_seeds=[11, 12, 13],
+                                          texts=["x", "y", "z"], pad_token_id=0, labels=["3", "3", "7"])
+    batch.rewards = torch.tensor([1.0, 0.0, 1.0])
+    batch.step_ids = torch.tensor([[0, 0, 1], [0, -1, -1], [0, 1, -1]])
+    batch.step_values = torch.tensor([[0.1, 0.2, 0.0, 0.0], [0.3, 0.0, 0.0, 0.0], [0.4, 0.5, 0.0, 0.0]])
+    batch.step_mask = (batch.step_values != 0).float()
+    batch.stats["reward_timeouts"] = 2
+    return batch
+
+
+def test_select_slices_every_per_sample_field_and_trims_the_response_frame():
+    batch = make_batch()
+    micro = batch.select([1, 2])
+    assert micro.labels == ["3", "7"] and micro.prompt_ids == [[3], [4, 4, 4]] and micro.texts == ["y", "z"]
+    assert micro.sample_seeds == [12, 13] and micro.example_ids == ["a", "b"] and micro.policy_versions == [0, 1]
+    assert torch.equal(micro.rewards, torch.tensor([0.0, 1.0]))
+    R = 2  # the longest selected response
+    assert micro.responses.shape == (2, R) and micro.step_ids.shape == (2, R)
+    assert micro.input_ids.shape == (2, batch.prompt_width + R)
+    assert torch.equal(micro.step_ids, torch.tensor([[0, -1], [0, 1]]))
+    # step tensors are [B, S]: rows follow, the step axis is not the response frame and stays whole
+    assert torch.equal(micro.step_values, batch.step_values[[1, 2]])
+    assert micro.stats == {"reward_timeouts": 2} and micro.stats is not batch.stats  # batch-level, copied
+
+
+def test_micro_batches_cover_the_rows_in_order():
+    batch = make_batch()
+    rows = torch.tensor([2, 0, 1])
+    chunks = list(batch.micro_batches(2, rows))
+    assert [idx.tolist() for idx, _ in chunks] == [[2, 0], [1]]
+    assert [micro.labels for _, micro in chunks] == [["7", "3"], ["3"]]
+    assert [idx.tolist() for idx, _ in batch.micro_batches(2)] == [[0, 1], [2]]
