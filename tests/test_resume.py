@@ -76,3 +76,60 @@ def test_bf16_checkpoint_exports_bf16_and_keeps_fp32_masters(tmp_path):
 
 def test_verify_resume_is_identical_on_the_tests_preset(tmp_path):
     assert verify_resume("tests", [], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def one_step_checkpoint(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    cfg = load_config("tests", [f"train.output_dir={run}", "eval.before=false"])
+    tr = loop.build_trainer(cfg)
+    with tr.pool:
+        loop.outer_step(tr)
+    return cfg, loop.save(tr)
+
+
+def test_a_corrupted_checkpoint_file_is_named_at_resume(tmp_path, one_step_checkpoint):
+    import shutil
+
+    cfg, folder = one_step_checkpoint
+    copy = tmp_path / "step_000001"
+    shutil.copytree(folder, copy)
+    ckpt.verify_checkpoint(copy)  # intact: passes
+    manifest = (copy / ckpt.MANIFEST).read_text()
+    assert "policy/model.safetensors" in manifest and "trainer_state.pt" in manifest
+    weights = copy / "policy" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit pattern, same size
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="policy/model.safetensors does not match its checksum"):
+        loop.restore(loop.build_trainer(cfg), copy)
+    shutil.copy(folder / "policy" / "model.safetensors", weights)
+    (copy / "trainer_state.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="trainer_state.json is missing"):
+        ckpt.verify_checkpoint(copy)
+
+
+class Canary:
+    """A pickle that would create a file when loaded without weights_only."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_trainer_state_cannot_run_code_when_loaded(tmp_path):
+    canary = tmp_path / "canary"
+    folder = tmp_path / "step_000001"
+    folder.mkdir()
+    torch.save({"step": 1, "payload": Canary(str(canary))}, folder / "trainer_state.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        ckpt.load_trainer_state(folder)
+    assert not canary.exists()
+
+
+def test_the_rng_state_loads_with_weights_only(one_step_checkpoint):
+    _, folder = one_step_checkpoint
+    state = ckpt.load_trainer_state(folder)
+    assert state["rng"]["numpy"][0] == "MT19937" and state["rng"]["numpy"][1].dtype.name == "uint32"

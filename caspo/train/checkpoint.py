@@ -5,14 +5,18 @@
                                                      counters, fp32 master weights (if not fp32 export)
     <run>/checkpoints/step_000010/trainer_state.json the counters, readable
     <run>/checkpoints/step_000010/config.yaml        the resolved config of the run
+    <run>/checkpoints/step_000010/manifest.json      sha256 and size of every file above, checked at resume
     <run>/checkpoints/latest                         name of the newest complete checkpoint
 
 A checkpoint is built in a temporary folder and renamed into place; `latest` is
 replaced last, so a crash at any moment leaves the previous checkpoint loadable.
+The trainer state loads with `torch.load(weights_only=True)`: tensors and plain
+containers, plus numpy's RNG state (`SAFE_GLOBALS`), so a checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -25,6 +29,14 @@ import torch
 from caspo.models.tokenizer import save_tokenizer
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+# what numpy's RNG state (a tuple holding a uint32 array) unpickles through, and nothing else
+_multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2 | 1
+SAFE_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupted or not a checkpoint."""
 
 
 def rng_state() -> dict:
@@ -63,6 +75,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, 
     (tmp / "trainer_state.json").write_text(json.dumps(counters, indent=2) + "\n")
     if config_yaml is not None:
         (tmp / "config.yaml").write_text(config_yaml)
+    (tmp / MANIFEST).write_text(json.dumps(file_manifest(tmp), indent=1, sort_keys=True) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -83,5 +96,37 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path} (expected a step_* folder or a run with checkpoints/latest)")
 
 
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_manifest(folder: Path) -> dict[str, dict]:
+    """relative path -> {sha256, bytes} for every file under `folder` but the manifest itself."""
+    return {str(p.relative_to(folder)): {"sha256": sha256(p), "bytes": p.stat().st_size}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Every file of the manifest present with its size and checksum; a checkpoint written before
+    manifests existed has none to check."""
+    manifest_path = ckpt / MANIFEST
+    if not manifest_path.exists():
+        return
+    for name, want in json.loads(manifest_path.read_text()).items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is incomplete: {name} is missing; resume from an earlier "
+                                  "checkpoint")
+        if path.stat().st_size != want["bytes"] or sha256(path) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {ckpt} is corrupted: {name} does not match its checksum in "
+                                  f"{MANIFEST}; resume from an earlier checkpoint")
+
+
 def load_trainer_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    """The trainer state, unpickled with weights_only=True (tensors, containers, numpy's RNG state)."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(ckpt / "trainer_state.pt", weights_only=True)

@@ -159,6 +159,7 @@ def restore(tr: Trainer, checkpoint: Path) -> None:
     """Load weights and state, then publish the restored weights before anything generates."""
     from safetensors.torch import load_model
 
+    ckpt.verify_checkpoint(checkpoint)
     state = ckpt.load_trainer_state(checkpoint)
     tr.method_state.load_state_dict(tr, state)
     for name, lr in learners(tr).items():
