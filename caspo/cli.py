@@ -22,11 +22,12 @@ def config(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
 
 @app.command()
 def train(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
-          resume: Optional[str] = typer.Option(None, help="checkpoint folder, run folder, or 'latest'")):
+          resume: Optional[str] = typer.Option(None, help="checkpoint folder, run folder, or 'latest'"),
+          overwrite: bool = typer.Option(False, help="start over in a train.output_dir that holds a run")):
     """Train a policy with the configured method."""
     from caspo.value.refresh import train as run_train
 
-    summary = run_train(config_or_exit(preset, overrides), resume=resume)
+    summary = run_train(config_or_exit(preset, overrides), resume=resume, overwrite=overwrite)
     typer.echo(json.dumps(summary, indent=2))
 
 

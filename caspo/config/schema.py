@@ -202,6 +202,9 @@ class TrainConfig:
     stop_after: int = 0
     # Deterministic kernels (and the environment they need), for bit-exact resume checks.
     deterministic: bool = False
+    # Stop the run (the last good checkpoint kept) after this many consecutive outer steps with an update
+    # skipped for non-finite gradients; 0 = never stop.
+    max_bad_steps: int = 3
 
 
 @dataclass

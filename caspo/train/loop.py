@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -31,6 +33,7 @@ from caspo.runlog import JsonlWriter, console, progress_bar
 from caspo.train import checkpoint as ckpt
 from caspo.train.advantages import compute_advantages
 from caspo.train.scoring import score
+from caspo.train.signals import StopRequest
 from caspo.train.step_values import control_seed
 from caspo.train.timers import PhaseTimer
 from caspo.train.trainer import Trainer, build_trainer, publish_current, restore, save
@@ -183,19 +186,43 @@ class NoRefresh:
         return False
 
 
-def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegments] = None) -> dict:
+class RunStopped(RuntimeError):
+    """The run stopped itself: its last good checkpoint is kept, the message says why and what to do."""
+
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "samples.jsonl", "refresh", "curves.png")
+
+
+def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | None:
+    """The checkpoint to resume from, if any, checked before anything is written; a fresh run refuses a
+    folder that holds another run unless `overwrite` (which removes that run's files)."""
+    run_dir = Path(cfg.train.output_dir)
+    if resume:
+        return ckpt.resolve_checkpoint(run_dir if resume == "latest" else resume)
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(existing)}); resume it with --resume "
+                              f"latest, start over with --overwrite, or set train.output_dir to a new folder")
+    for name in existing:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return None
+
+
+def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegments] = None,
+          overwrite: bool = False) -> dict:
     """The run: evaluation before, outer steps with checkpoints, logs and evaluation, evaluation after.
-    `refresh` runs between segments; a config with method.caspo.refresh_every needs one."""
+    `refresh` runs between segments; a config with method.caspo.refresh_every needs one. SIGTERM or
+    Ctrl-C end the run after the current step, with a checkpoint to resume from."""
     if cfg.method.caspo.refresh_every and refresh is None:
         raise ConfigError("method.caspo.refresh_every needs the refresh pipeline: run `caspo train`, or pass "
                           "refresh=caspo.value.refresh.Refresh(cfg) to train()")
     refresh = refresh or NoRefresh()
+    checkpoint = prepare_run_dir(cfg, resume, overwrite)  # the newest checkpoint: a refresh resumes from it
     tr = build_trainer(cfg)
     tr.run_dir.mkdir(parents=True, exist_ok=True)
     (tr.run_dir / "config.yaml").write_text(to_yaml(cfg))
-    checkpoint = None  # the newest checkpoint of this run: a refresh resumes from it
-    if resume:
-        checkpoint = ckpt.resolve_checkpoint(tr.run_dir if resume == "latest" else resume)
+    if checkpoint is not None:
         restore(tr, checkpoint)
         console.print(f"resumed from {checkpoint} at step {tr.step}, policy version {tr.version}")
     truncate = tr.step if resume else -1
@@ -205,7 +232,8 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     samples = JsonlWriter(tr.run_dir / "samples.jsonl", truncate_after_step=truncate)
     summary: dict = {"run_dir": str(tr.run_dir)}
     last = min(cfg.train.steps, tr.step + cfg.train.stop_after) if cfg.train.stop_after else cfg.train.steps
-    with tr.pool:
+    bad_steps = 0  # consecutive outer steps with an update skipped for non-finite gradients
+    with tr.pool, StopRequest() as stop:
         if cfg.eval.before and tr.step == 0:
             timer = PhaseTimer()
             with timer("t_eval"):
@@ -222,12 +250,20 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
                     progress.stop()  # the refresh shows its own progress bars
                     metrics.write(refresh(tr, checkpoint))
                     progress.start()
+                skipped_before = tr.scaler.skipped_steps
                 batch, stats = outer_step(tr)
+                bad_steps = bad_steps + 1 if tr.scaler.skipped_steps > skipped_before else 0
+                if cfg.train.max_bad_steps and bad_steps >= cfg.train.max_bad_steps:
+                    metrics.write({"step": tr.step, **stats})
+                    raise RunStopped(
+                        f"{bad_steps} outer steps in a row skipped an update for non-finite gradients (up to step "
+                        f"{tr.step}); the last good checkpoint is {checkpoint or 'none (no save yet)'}. Lower "
+                        "optim.lr, use train.precision=bf16 or fp32, or raise train.max_bad_steps")
                 train_time += stats["t_step"]
                 record = {"step": tr.step, **stats}
                 timer = PhaseTimer()
                 if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or tr.step == last \
-                        or refresh.due(tr.step):
+                        or refresh.due(tr.step) or stop.requested:
                     with timer("t_ckpt"):
                         checkpoint = save(tr)
                 if cfg.eval.every and tr.step % cfg.eval.every == 0 and tr.step != cfg.train.steps:
@@ -239,6 +275,11 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
                     samples.write(s)
                 progress.update(task, completed=tr.step,
                                 status=f"reward {stats['reward_mean']:.3f}  step {stats['t_step']:.1f}s")
+                if stop.requested:
+                    console.print(f"{stop.requested}: stopped after step {tr.step} with checkpoint {checkpoint}; "
+                                  "continue with --resume latest")
+                    summary["stopped_by"] = stop.requested
+                    break
         summary["train_seconds"] = round(train_time, 1)
         if cfg.eval.after and tr.step == cfg.train.steps:
             timer = PhaseTimer()

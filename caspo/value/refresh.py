@@ -58,9 +58,10 @@ class Refresh:
         return refresh(tr, checkpoint)
 
 
-def train(cfg: Config, resume: str | None = None) -> dict:
+def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> dict:
     """A training run, with CASPO's refreshes when method.caspo.refresh_every asks for them."""
-    return loop.train(cfg, resume, refresh=Refresh(cfg) if cfg.method.caspo.refresh_every else None)
+    return loop.train(cfg, resume, refresh=Refresh(cfg) if cfg.method.caspo.refresh_every else None,
+                      overwrite=overwrite)
 
 
 def due(cfg: Config, step: int) -> bool:
