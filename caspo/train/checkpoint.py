@@ -60,22 +60,21 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, trainer_state: dict,
                     counters: dict, config_yaml: str | None = None) -> Path:
-    """Write `models` (name -> HF module) and the trainer state; returns the checkpoint folder."""
+    """Write `models` (name -> HF module) and the trainer state; returns the checkpoint folder.
+    A write that fails (a full disk, a lost mount) removes the partial folder and raises CheckpointError;
+    the previous checkpoint and `latest` are untouched."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, model in models.items():
-        model.save_pretrained(tmp / name, safe_serialization=True)
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, tmp / name)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(counters, indent=2) + "\n")
-    if config_yaml is not None:
-        (tmp / "config.yaml").write_text(config_yaml)
-    (tmp / MANIFEST).write_text(json.dumps(file_manifest(tmp), indent=1, sort_keys=True) + "\n")
+    try:
+        write_folder(tmp, models, tokenizer, trainer_state, counters, config_yaml)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (root / LATEST).read_text().strip() if (root / LATEST).exists() else "none"
+        raise CheckpointError(f"writing checkpoint {final.name} to {root} failed ({err.strerror or err}); the "
+                              f"previous checkpoint ({previous}) is intact: free space and resume from it") from err
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -83,6 +82,20 @@ def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, 
     pointer.write_text(final.name + "\n")
     os.replace(pointer, root / LATEST)
     return final
+
+
+def write_folder(folder: Path, models: dict, tokenizer, trainer_state: dict, counters: dict,
+                 config_yaml: str | None) -> None:
+    folder.mkdir()
+    for name, model in models.items():
+        model.save_pretrained(folder / name, safe_serialization=True)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, folder / name)
+    torch.save(trainer_state, folder / "trainer_state.pt")
+    (folder / "trainer_state.json").write_text(json.dumps(counters, indent=2) + "\n")
+    if config_yaml is not None:
+        (folder / "config.yaml").write_text(config_yaml)
+    (folder / MANIFEST).write_text(json.dumps(file_manifest(folder), indent=1, sort_keys=True) + "\n")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -1,0 +1,85 @@
+"""A checkpoint write killed at any moment, or failing on a full disk, leaves the previous one loadable."""
+
+import errno
+import random
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from caspo.train import checkpoint as ckpt
+
+pytestmark = pytest.mark.timeout(600)
+
+# a child that saves checkpoint after checkpoint of a tiny HF model with a real trainer state
+CHILD = textwrap.dedent("""
+    import sys, torch
+    from transformers import AutoModelForCausalLM
+    from caspo.models.policy import tiny_qwen2_config
+    from caspo.train import checkpoint as ckpt
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(100, hidden=64, layers=2, heads=4, kv_heads=2,
+                                                               intermediate=128, eos_token_id=1, pad_token_id=0))
+    optimizer = torch.optim.AdamW(model.parameters())
+    print("ready", flush=True)
+    for step in range(1, 10_000):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        state = {"step": step, "optimizer": optimizer.state_dict(), "weights": model.state_dict()}
+        ckpt.save_checkpoint(sys.argv[1], step, models={"policy": model}, tokenizer=None, trainer_state=state,
+                             counters={"step": step})
+""")
+
+
+def kill_trials(tmp_path, trials: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    for trial in range(trials):
+        run_dir = tmp_path / f"trial{trial}"
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.2, 1.5))  # a few saves in, then anywhere inside one
+        child.kill()
+        child.wait()
+        try:
+            latest = ckpt.resolve_checkpoint(run_dir)
+        except FileNotFoundError:
+            continue  # killed before the first checkpoint completed: nothing to load, nothing lost
+        ckpt.verify_checkpoint(latest)  # every file of the manifest, byte for byte
+        state = ckpt.load_trainer_state(latest)
+        assert state["step"] == int(latest.name.split("_")[1])
+        exported = load_file(latest / "policy" / "model.safetensors")  # one step's snapshot, both halves
+        assert all(torch.equal(exported[k], state["weights"][k]) for k in exported)
+        assert not (run_dir / "checkpoints" / f"step_{state['step'] + 2:06d}").exists()
+
+
+def test_sigkill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
+    kill_trials(tmp_path, trials=3)
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_twenty_trials(tmp_path):
+    kill_trials(tmp_path, trials=20, seed=1)
+
+
+def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_is_intact(tmp_path, monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    model.save_pretrained = lambda path, **kw: (path.mkdir(), torch.save(model.state_dict(), path / "w.pt"))
+    save = dict(models={"policy": model}, tokenizer=None, counters={})
+    first = ckpt.save_checkpoint(tmp_path, 1, trainer_state={"step": 1}, **save)
+
+    def full(obj, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(ckpt.CheckpointError, match="No space left on device.*previous checkpoint \\(step_000001\\) "
+                                                   "is intact"):
+        ckpt.save_checkpoint(tmp_path, 2, trainer_state={"step": 2}, **save)
+    monkeypatch.undo()
+    assert ckpt.resolve_checkpoint(tmp_path) == first
+    ckpt.verify_checkpoint(first)
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())  # no partial folder
