@@ -36,3 +36,11 @@ def value_model_folder(tmp_path_factory):
     provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
     model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=cfg.model.policy)
     return model.save(tmp_path_factory.mktemp("value") / "v0", tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="session")
+def real_models(tmp_path_factory):
+    """Tiny random Qwen2 and Llama folders with Qwen2.5's BPE tokenizer (tests/bpe_fixtures.py), built once."""
+    from bpe_fixtures import save_real_models
+
+    return save_real_models(tmp_path_factory.mktemp("real_models"))

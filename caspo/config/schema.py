@@ -55,9 +55,11 @@ class DataConfig:
     label_field: str = "answer"
     id_field: Optional[str] = None
     skip_invalid: bool = False
-    # A name from caspo.data.templates.TEMPLATES, or a literal template text containing {query}.
+    # A name from caspo.data.templates.TEMPLATES, "chat" (the tokenizer's chat template), or a literal
+    # template text containing {query}.
     template: str = "arith"
-    add_bos: bool = False
+    # Prefix BOS to prompts: "auto" = as the tokenizer does (Llama's add one, Qwen's none); never twice.
+    add_bos: Literal["auto", True, False] = "auto"
     max_prompt_tokens: int = 256
     arith: ArithConfig = field(default_factory=ArithConfig)
 

@@ -8,7 +8,7 @@ from caspo.config import Config
 from caspo.data.examples import Example, arith_examples, load_jsonl
 from caspo.data.prompts import encode_prompts
 from caspo.data.tasks.arith import ArithSpec, ArithTask
-from caspo.data.templates import render_prompt
+from caspo.data.templates import prompt_bos, render_prompt
 from caspo.runlog import console
 
 
@@ -44,8 +44,11 @@ def load_examples(cfg: Config, source: str, split: str, limit: int) -> list[Exam
 
 
 def encode(cfg: Config, tokenizer, examples: list[Example]) -> list[list[int]]:
-    texts = [render_prompt(cfg.data.template, e.query) for e in examples]
-    return encode_prompts(tokenizer, texts, add_bos=cfg.data.add_bos, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    """Rendered prompts (`chat`: through the tokenizer's chat template) as ids, with BOS as `data.add_bos` says."""
+    d = cfg.data
+    texts = [render_prompt(d.template, e.query, tokenizer) for e in examples]
+    return encode_prompts(tokenizer, texts, add_bos=prompt_bos(d.add_bos, tokenizer, texts),
+                          max_prompt_tokens=d.max_prompt_tokens)
 
 
 def load_task_data(cfg: Config, tokenizer) -> TaskData:

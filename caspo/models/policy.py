@@ -1,8 +1,9 @@
-"""Load policies and tokenizers; build the tiny Qwen2-architecture policy.
+"""Load policies and the ids that end their completions; build the tiny Qwen2-architecture policy.
 
 A model spec is a checkpoint folder, a hub id, or "embedded:<name>" for a policy that
 ships inside the package (`caspo/assets/<name>`), so the default job needs nothing
-downloaded or trained first.
+downloaded or trained first. A hub id that is neither cached nor reachable is an error
+naming the download command (docs/models.md).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, Qwen2Config
 
 import caspo.models.looped  # noqa: F401  registers the looped LM with the Auto classes
+from caspo.models.hub import hub_errors
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED = "embedded:"
@@ -34,8 +36,34 @@ def resolve_model_path(spec: str) -> str:
 
 
 def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32):
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec), dtype=dtype)
+    path = resolve_model_path(spec)
+    with hub_errors(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device)
+
+
+def stop_token_ids(source: str | Path | torch.nn.Module, tokenizer) -> list[int]:
+    """Every id that ends a completion: the EOS ids of the model's generation config (Qwen's chat models
+    have two), else of its config, and the tokenizer's EOS. `source` is a loaded model or a model spec."""
+    if isinstance(source, torch.nn.Module):
+        config = getattr(source, "generation_config", None) or source.config
+        found = config.eos_token_id
+    else:
+        found = _eos_of_folder(resolve_model_path(str(source)))
+    ids = found if isinstance(found, (list, tuple)) else [found]
+    return sorted({int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None})
+
+
+def _eos_of_folder(path: str):
+    """generation_config.json's eos_token_id, else config.json's; read from the folder or the hub cache."""
+    try:
+        return GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    except OSError:
+        pass
+    try:
+        return PretrainedConfig.get_config_dict(path, local_files_only=True)[0].get("eos_token_id")
+    except OSError:
+        return None
 
 
 def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 4, heads: int = 4,

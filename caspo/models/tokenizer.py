@@ -14,6 +14,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from caspo.models.hub import hub_errors
+
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARSET = list(string.digits + string.ascii_letters + string.punctuation + " \n")
 
@@ -41,7 +43,7 @@ def save_tokenizer(tok, path: str | Path) -> None:
 
 
 def load_tokenizer(path: str | Path):
-    """Load a tokenizer folder and refuse one that does not round-trip spaces.
+    """Load a tokenizer folder (or hub id) and refuse one that does not round-trip spaces.
 
     `AutoTokenizer` picks the class from the model type, so a character-level tokenizer
     saved beside a Qwen2 config comes back as Qwen2's tokenizer, which drops spaces. Our
@@ -50,10 +52,11 @@ def load_tokenizer(path: str | Path):
     """
     cfg_path = Path(path) / "tokenizer_config.json"
     saved_class = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
-    if saved_class == "PreTrainedTokenizerFast":
-        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-    else:
-        tok = AutoTokenizer.from_pretrained(str(path))
+    with hub_errors(str(path)):
+        if saved_class == "PreTrainedTokenizerFast":
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path))
     probe = "Mia has 14 marbles.\n12 + 7 = 19"
     ids = tok.encode(probe, add_special_tokens=False)
     back = tok.decode(ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from caspo.config import Config
+from caspo.models.policy import stop_token_ids
 from caspo.precision import compute_dtype
 from caspo.rollout.base import SamplingParams
 
@@ -13,11 +14,13 @@ def engine_dtype(cfg: Config) -> torch.dtype:
     return compute_dtype(cfg.train.precision if cfg.rollout.dtype == "auto" else cfg.rollout.dtype)
 
 
-def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
-    """The training sampler: every consumer (rollouts, Monte Carlo values, labels) uses this one."""
+def sampling_params(cfg: Config, tokenizer, policy: torch.nn.Module | None = None) -> SamplingParams:
+    """The training sampler: every consumer (rollouts, Monte Carlo values, labels) uses this one. It stops on
+    every EOS id of the policy's generation config (that of `policy`, else of the folder `model.policy`)."""
     r = cfg.rollout
+    stops = stop_token_ids(policy if policy is not None else cfg.model.policy, tokenizer)
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          stop_token_ids=[tokenizer.eos_token_id], stop_strings=list(r.stop))
+                          stop_token_ids=stops, stop_strings=list(r.stop))
 
 
 def max_seq_len(cfg: Config) -> int:

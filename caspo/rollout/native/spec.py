@@ -4,15 +4,19 @@ The runner implements the Qwen2/Qwen2.5 and Llama decoder families; the looped r
 our fixed-depth recurrent LM (`model_type: caspo_looped`, `caspo.models.looped`). Every config
 key that changes the computation is read here, and a value the runners do not implement raises
 `UnsupportedModelError` naming the key: a model never runs with a silent difference from
-`transformers` (for a looped model: from `LoopedForCausalLM`).
+`transformers` (for a looped model: from `LoopedForCausalLM`). A Qwen2/Llama config key that is
+neither read nor listed as inert (`INERT`) is refused too, so a key a newer `transformers` adds
+cannot pass unread.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from caspo.models.looped import LAYOUTS as LOOPED_LAYOUTS
@@ -25,6 +29,22 @@ LOOPED = LoopedConfig.model_type
 # "longrope" change the frequencies with the length of the sequences in the batch, which
 # would make a completion depend on what it is batched with.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Qwen2/Llama config keys that `decoder_spec` reads and checks.
+READ = frozenset({
+    "model_type", "quantization_config", "hidden_act", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
+    "vocab_size", "rope_parameters", "layer_types", "use_sliding_window", "attention_bias", "mlp_bias",
+})
+# Keys that do not change what the runner computes.
+INERT = frozenset({
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+    "attention_dropout",  # dropout acts in training only
+    "max_position_embeddings",  # positions are not capped; the scaled RoPE variants read it from the config
+    "pretraining_tp",  # transformers 5 ignores it
+    "sliding_window", "max_window_layers",  # only with use_sliding_window / sliding layer_types, refused
+})
+# Keys a checkpoint may carry that the config class does not define, with the one value the runner computes.
+EXTRA_KEYS = {"use_mrope": False}  # Qwen2-VL's multimodal RoPE
 
 
 class UnsupportedModelError(ValueError):
@@ -92,6 +112,7 @@ def decoder_spec(config) -> DecoderSpec:
         )
     if getattr(config, "quantization_config", None):
         raise _unsupported(family, "quantization_config", config.quantization_config, "quantized weights")
+    _check_every_key(config, family)
     if config.hidden_act != "silu":
         raise _unsupported(family, "hidden_act", config.hidden_act, "the MLP is SwiGLU with silu")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -116,6 +137,22 @@ def decoder_spec(config) -> DecoderSpec:
     inv_freq, attention_scaling, rope_type = _rope(config, family, head_dim)
     return DecoderSpec(**_shape(config, family, heads, kv_heads, head_dim), qkv_bias=qkv_bias, rope_type=rope_type,
                        rope_inv_freq=inv_freq, rope_attention_scaling=float(attention_scaling))
+
+
+@lru_cache(maxsize=None)
+def _class_keys(cls) -> frozenset[str]:
+    """The keys a config class defines beyond every config's (names, ids to labels, output flags)."""
+    return frozenset(cls().to_dict()) - frozenset(PretrainedConfig().to_dict())
+
+
+def _check_every_key(config, family: str) -> None:
+    """Refuse a key of the family's config class that is neither read nor inert, and a known extra key
+    with a value the runner does not compute."""
+    for key, value in config.to_dict().items():
+        if key in EXTRA_KEYS and value not in (None, EXTRA_KEYS[key]):
+            raise _unsupported(family, key, value, f"only {key}={EXTRA_KEYS[key]!r}")
+        if key in _class_keys(type(config)) and key not in READ | INERT:
+            raise _unsupported(family, key, value, "a config key the native runner does not read")
 
 
 def _shape(config, family: str, heads: int, kv_heads: int, head_dim: int) -> dict:
@@ -172,7 +209,8 @@ def _rope(config, family: str, head_dim: int) -> tuple[torch.Tensor, float, str]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise _unsupported(family, "rope_parameters.rope_type", rope_type,
-                           f"supported: {', '.join(ROPE_TYPES)}; dynamic and longrope rescale with the batch's length")
+                           f"config.json's rope_scaling; supported: {', '.join(ROPE_TYPES)}; dynamic and longrope "
+                           "rescale with the batch's length")
     partial = params.get("partial_rotary_factor", 1.0)
     if partial not in (None, 1.0):
         raise _unsupported(family, "rope_parameters.partial_rotary_factor", partial, "rotary on the full head only")
