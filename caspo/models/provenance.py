@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from caspo.config import Config
-from caspo.data.templates import TEMPLATES
+from caspo.data.templates import CHAT, TEMPLATES, prompt_bos
 from caspo.reward import VERIFIER_VERSION
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,11 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def prompt_format(cfg: Config, tokenizer) -> dict:
-    """The provenance fields that fix how ``cfg`` turns a problem into prompt tokens."""
-    return dict(prompt_template=TEMPLATES.get(cfg.data.template, cfg.data.template), add_bos=cfg.data.add_bos,
+    """The provenance fields that fix how ``cfg`` turns a problem into prompt tokens: the template text (the
+    tokenizer's chat template for `chat`, which the tokenizer hash does not cover), BOS as resolved."""
+    d = cfg.data
+    template = tokenizer.chat_template if d.template == CHAT else TEMPLATES.get(d.template, d.template)
+    return dict(prompt_template=template, add_bos=prompt_bos(d.add_bos, tokenizer, []),
                 tokenizer_hash=tokenizer_hash(tokenizer))
 
 

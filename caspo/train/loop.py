@@ -157,7 +157,7 @@ def evaluate(tr: Trainer) -> dict:
     cfg = tr.cfg
     result = greedy_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
                              tr.pool, max_new_tokens=cfg.eval.max_new_tokens,
-                             stop_token_ids=[tr.tokenizer.eos_token_id], stop_strings=cfg.rollout.stop)
+                             stop_token_ids=tr.sampling.stop_token_ids, stop_strings=cfg.rollout.stop)
     metrics = {f"eval_{k}": v for k, v in result.summary().items()}
     if cfg.eval.samples:
         sampled = sampled_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],

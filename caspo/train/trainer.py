@@ -54,7 +54,7 @@ class Trainer:
 
     @property
     def sampling(self) -> SamplingParams:
-        return sampling_params(self.cfg, self.tokenizer)
+        return sampling_params(self.cfg, self.tokenizer, self.policy)
 
 
 def seed_everything(seed: int) -> None:
