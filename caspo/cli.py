@@ -42,14 +42,43 @@ def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
 
 
 @app.command("eval")
-def evaluate(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
-    """Greedy held-out accuracy of `model.policy`."""
-    from caspo.train.loop import build_trainer
-    from caspo.train.loop import evaluate as run_eval
+def evaluate(
+    policy_or_run: str = typer.Argument(..., help="a run folder, a checkpoint, a policy folder or embedded:NAME"),
+    overrides: Optional[List[str]] = OVERRIDES,
+    preset: Optional[str] = typer.Option(None, help="preset or YAML; default: the run's or checkpoint's config.yaml, "
+                                                   "else arith-tiny"),
+    benchmarks: Optional[str] = typer.Option(None, help="comma list of math500, gsm8k, olympiadbench, math, dsr_sub, "
+                                                       "arith, heldout or data files; default eval.benchmarks"),
+    samples: Optional[int] = typer.Option(None, help="samples per problem: avg@K, pass@k (k <= K), maj@K"),
+    limit: Optional[int] = typer.Option(None, help="first N problems of each benchmark (0 = all)"),
+    temperature: Optional[float] = typer.Option(None, help="the samples' temperature (default: the run's)"),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="the samples' top-p (default: the run's)"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="tokens per completion"),
+    checkpoints: Optional[str] = typer.Option(None, help="a run's checkpoints: all, latest, base, step_N (comma list)"),
+    out: str = typer.Option(..., help="folder for <checkpoint>.json, summary.md and accuracy.png"),
+):
+    """Greedy accuracy, avg@K, pass@k and maj@K of a policy or a run's checkpoints on benchmarks."""
+    from caspo.config import validate
+    from caspo.eval.run import evaluate_targets
+    from caspo.eval.targets import resolve
 
-    tr = build_trainer(config_or_exit(preset, overrides))
-    with tr.pool:
-        typer.echo(json.dumps(run_eval(tr), indent=2))
+    try:
+        targets, run_config = resolve(policy_or_run, checkpoints)
+        cfg = config_or_exit(preset or (str(run_config) if run_config else "arith-tiny"), overrides)
+        flags = {"samples": samples, "limit": limit, "temperature": temperature, "top_p": top_p,
+                 "max_new_tokens": max_new_tokens,
+                 "benchmarks": [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else None}
+        for key, value in flags.items():
+            if value is not None:
+                setattr(cfg.eval, key, value)
+        validate(cfg)
+        results = evaluate_targets(cfg, targets, out)
+    except (FileNotFoundError, ValueError) as err:  # a missing folder, a bad config or row (ConfigError, DataError)
+        typer.secho(f"eval error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps({"out": out, "results": {r["checkpoint"]: {name: b["metrics"] for name, b in
+                                                                      r["benchmarks"].items()} for r in results}},
+                          indent=2))
 
 
 @app.command("verify-resume")

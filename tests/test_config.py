@@ -37,7 +37,7 @@ def test_preset_and_overrides():
     ("method.loss_agg=mean", r"method.loss_agg: expected one of \['token-mean', 'token-sum'"),
     # the old spellings of renamed keys
     ("data.arith.heldout_size=10", "unknown key data.arith.heldout_size; valid keys here: .*heldout_pool_size"),
-    ("eval.batch_size=10", "unknown key eval.batch_size; valid keys here: after, before, every, heldout_size,"),
+    ("eval.batch_size=10", "unknown key eval.batch_size; valid keys here: after, before, benchmarks, every, heldout_"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,9 +5,18 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from caspo.data import TEMPLATES, ArithTask, DataError, arith_examples, encode_prompts, load_jsonl, render_prompt
+from caspo.data import (
+    SHIPPED,
+    TEMPLATES,
+    ArithTask,
+    DataError,
+    arith_examples,
+    encode_prompts,
+    load_jsonl,
+    render_prompt,
+)
 
-GSM8K = "/work/shared/data/gsm8k_test.jsonl"
+GSM8K = SHIPPED["gsm8k"].path
 
 
 # ---------------------------------------------------------------- templates
@@ -105,7 +114,8 @@ def test_id_field_and_duplicates(tmp_path):
     rows = [{"id": "a", "problem": "q", "answer": "1"}, {"id": 7, "problem": "q", "answer": "1"},
             {"id": "a", "problem": "q", "answer": "2"}]
     path = write_jsonl(tmp_path / "ids.jsonl", rows)
-    with pytest.raises(DataError, match=r"ids\.jsonl:3:id: duplicate id 'a' \(first on line 1\)"):
+    with pytest.raises(DataError, match=r"1 invalid row of 3 \(a\); first: .*ids\.jsonl:3:id: duplicate id "
+                                         r"\(first at .*ids\.jsonl:1\)"):
         load_jsonl(path, id_field="id")
     result = load_jsonl(path, id_field="id", skip_invalid=True)
     assert [e.id for e in result.examples] == ["a", "7"] and result.skipped == 1
@@ -134,8 +144,8 @@ def test_bad_row_names_file_line_field(tmp_path, row, where):
     with pytest.raises(DataError) as info:
         load_jsonl(path)
     message = str(info.value)
-    assert message.startswith(f"{path}{where}")
-    assert "data.skip_invalid=true" in message
+    assert message.startswith(f"{path}: 1 invalid row of 3 (bad-2); first: {path}{where}")
+    assert "data.skip_invalid=true" in message and "\n" not in message
     assert isinstance(info.value, ValueError)
 
 
@@ -156,7 +166,7 @@ def test_missing_file(tmp_path):
 def test_load_gsm8k():
     result = load_jsonl(GSM8K)
     assert len(result.examples) == 1319 and result.skipped == 0
-    assert result.examples[0].id == "gsm8k_test-1" and result.examples[0].label == "18"
+    assert result.examples[0].id == "gsm8k-1" and result.examples[0].label == "18"
 
 
 def test_arith_examples():

@@ -45,15 +45,22 @@ class ArithConfig:
 
 @dataclass
 class DataConfig:
-    # "arith" (the procedural task) or a path to a JSONL file.
+    # "arith" (the procedural task), a shipped benchmark (dsr_sub, math500, gsm8k, olympiadbench, math),
+    # a .jsonl / .parquet file, a `datasets` folder, or hf:NAME[:CONFIG][@SPLIT] (caspo.data.rows).
     source: str = "arith"
-    # Held-out prompts: "arith" uses the task's held-out split; a JSONL path otherwise.
+    # Held-out prompts, in the same forms. A source other than arith needs this or heldout_fraction
+    # when the run evaluates; arith uses its own held-out split.
     eval_source: Optional[str] = None
+    # Hold out this fraction of the source's distinct prompts (by a hash of split_seed and the prompt).
+    heldout_fraction: float = 0.0
+    split_seed: int = 0
     # Training examples used (0 = all).
     train_size: int = 0
     query_field: str = "problem"
     label_field: str = "answer"
-    id_field: Optional[str] = None
+    id_field: Optional[str] = None  # None: ids are <file stem>-<line>; dotted paths reach nested fields
+    # Skip invalid rows (empty query or answer, a label the verifier rejects, a duplicate id) instead of
+    # failing; they are counted and named either way.
     skip_invalid: bool = False
     # A name from caspo.data.templates.TEMPLATES, "chat" (the tokenizer's chat template), or a literal
     # template text containing {query}.
@@ -215,7 +222,15 @@ class EvalConfig:
     # of the arithmetic task, or data.eval_source).
     heldout_size: int = 500
     max_new_tokens: int = 96
-    samples: int = 0  # > 0: also avg@k, the mean reward of this many samples per problem at the run's sampler
+    # > 0: also this many samples per problem: avg@k, and for benchmarks pass@k (k <= samples) and maj@k
+    samples: int = 0
+    # The samples' sampler: null = the run's (rollout.temperature, rollout.top_p); rollout.top_k always.
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    # Benchmarks (caspo.data.registry names, arith, heldout, or data files) that `caspo eval` runs by
+    # default and a run evaluates at its checkpoints; their first `limit` problems (0 = all).
+    benchmarks: list[str] = field(default_factory=list)
+    limit: int = 0
     every: int = 0
     before: bool = True
     after: bool = True

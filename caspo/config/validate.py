@@ -4,7 +4,7 @@ adds the checks a method's row brings (G >= 2 for GRPO, ...)."""
 
 from __future__ import annotations
 
-from caspo.config.schema import Config, ConfigError, MethodConfig
+from caspo.config.schema import Config, ConfigError, EvalConfig, MethodConfig
 
 
 def validate(cfg: Config) -> None:
@@ -34,12 +34,11 @@ def validate(cfg: Config) -> None:
             f"train.micro_batch_size={t.micro_batch_size} does not divide train.minibatch_size={t.minibatch_size}"
         )
     validate_refresh(m)
+    validate_data(cfg)
     if r.cuda_graphs and r.backend != "native":
         raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
     if r.staleness < 0:
         raise ConfigError(f"rollout.staleness must be >= 0, got {r.staleness}")
-    if cfg.eval.samples < 0:
-        raise ConfigError(f"eval.samples must be >= 0 (0 = greedy accuracy only), got {cfg.eval.samples}")
     if not 0.0 <= cfg.sft.slip_prob <= 1.0:
         raise ConfigError(f"sft.slip_prob must be in [0, 1], got {cfg.sft.slip_prob}")
     if not 0 < r.top_p <= 1:
@@ -78,3 +77,45 @@ def validate_refresh(m: MethodConfig) -> None:
     if c.refresh_state_temperature < 0:
         raise ConfigError(f"method.caspo.refresh_state_temperature must be > 0, or 0 for the run's temperature; "
                           f"got {c.refresh_state_temperature}")
+
+
+def validate_data(cfg: Config) -> None:
+    """A held-out set that is not the training rows, and the evaluation's ranges."""
+    d = cfg.data
+    if d.heldout_fraction:
+        if not 0 < d.heldout_fraction < 1:
+            raise ConfigError(f"data.heldout_fraction must be in (0, 1) (0 = off), got {d.heldout_fraction}")
+        if d.source == "arith":
+            raise ConfigError("data.heldout_fraction splits a data file; arith has its own held-out split "
+                              "(data.arith.heldout_pool_size): leave it at 0")
+        if d.eval_source:
+            raise ConfigError("data.eval_source and data.heldout_fraction are alternatives: evaluate on another "
+                              "source, or hold out part of data.source, not both")
+    if d.source != "arith" and not d.eval_source and not d.heldout_fraction and evaluates(cfg.eval):
+        raise ConfigError(f"data.source={d.source!r} has no held-out problems: set data.eval_source (e.g. math500) "
+                          "or data.heldout_fraction (e.g. 0.05), or turn evaluation off (eval.before=false "
+                          "eval.after=false eval.every=0)")
+    validate_eval(cfg.eval)
+
+
+def evaluates(e: EvalConfig) -> bool:
+    """Whether a run evaluates its held-out set at all."""
+    return e.before or e.after or e.every > 0
+
+
+def validate_eval(e: EvalConfig) -> None:
+    if e.samples < 0:
+        raise ConfigError(f"eval.samples must be >= 0 (0 = greedy accuracy only), got {e.samples}")
+    if e.limit < 0:
+        raise ConfigError(f"eval.limit must be >= 0 (0 = every problem), got {e.limit}")
+    if e.temperature is not None and e.temperature <= 0:
+        raise ConfigError(f"eval.temperature must be > 0 (greedy accuracy is always reported), got {e.temperature}")
+    if e.top_p is not None and not 0 < e.top_p <= 1:
+        raise ConfigError(f"eval.top_p must be in (0, 1], got {e.top_p}")
+    if e.max_new_tokens < 1:
+        raise ConfigError(f"eval.max_new_tokens must be >= 1, got {e.max_new_tokens}")
+    seen = set()
+    for name in e.benchmarks:
+        if not name.strip() or name in seen:
+            raise ConfigError(f"eval.benchmarks: {name!r} is empty or listed twice; list each benchmark once")
+        seen.add(name)

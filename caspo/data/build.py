@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from caspo.config import Config
-from caspo.data.examples import Example, arith_examples, load_jsonl
+from caspo.data.examples import Example
 from caspo.data.prompts import encode_prompts
-from caspo.data.tasks.arith import ArithSpec, ArithTask
+from caspo.data.task import arith_task, load_examples, task_examples
 from caspo.data.templates import prompt_bos, render_prompt
-from caspo.runlog import console
+
+__all__ = ["TaskData", "arith_task", "encode", "load_examples", "load_task_data"]
 
 
 @dataclass
@@ -18,29 +19,7 @@ class TaskData:
     train_prompts: list[list[int]]
     eval: list[Example]
     eval_prompts: list[list[int]]
-
-
-def arith_task(cfg: Config) -> ArithTask:
-    a = cfg.data.arith
-    spec = ArithSpec(min_ops=a.min_ops, max_ops=a.max_ops, max_start=a.max_start, max_addend=a.max_addend,
-                     mul_factors=tuple(a.mul_factors), max_value=a.max_value,
-                     skip_last_prob=cfg.sft.skip_last_prob, skip_last_when=cfg.sft.skip_last_when,
-                     slip_prob=cfg.sft.slip_prob)
-    return ArithTask(spec, seed=a.seed, train_size=a.train_size, heldout_pool_size=a.heldout_pool_size)
-
-
-def load_examples(cfg: Config, source: str, split: str, limit: int) -> list[Example]:
-    d = cfg.data
-    if source == "arith":
-        task = arith_task(cfg)
-        return arith_examples(task, split, min(limit, task.size(split)) if limit else task.size(split))
-    result = load_jsonl(source, query_field=d.query_field, label_field=d.label_field, id_field=d.id_field,
-                        skip_invalid=d.skip_invalid)
-    if result.skipped:
-        console.print(f"[yellow]{source}: skipped {result.skipped} invalid rows[/yellow]")
-        for problem in result.problems[:5]:
-            console.print(f"  {problem}")
-    return result.examples[:limit] if limit else result.examples
+    summary: dict = field(default_factory=dict)  # caspo.data.task.task_examples: sources, counts, left-out rows
 
 
 def encode(cfg: Config, tokenizer, examples: list[Example]) -> list[list[int]]:
@@ -52,10 +31,5 @@ def encode(cfg: Config, tokenizer, examples: list[Example]) -> list[list[int]]:
 
 
 def load_task_data(cfg: Config, tokenizer) -> TaskData:
-    d = cfg.data
-    train = load_examples(cfg, d.source, "train", d.train_size)
-    eval_source = d.eval_source or d.source
-    evals = load_examples(cfg, eval_source, "heldout", cfg.eval.heldout_size)
-    if not train:
-        raise ValueError(f"data.source={d.source!r} gave no training examples")
-    return TaskData(train, encode(cfg, tokenizer, train), evals, encode(cfg, tokenizer, evals))
+    ex = task_examples(cfg)
+    return TaskData(ex.train, encode(cfg, tokenizer, ex.train), ex.eval, encode(cfg, tokenizer, ex.eval), ex.summary)

@@ -27,9 +27,22 @@ class EvalResult:
                 "truncated_rate": self.truncated_rate, "n": self.n}
 
 
+def greedy_requests(prompt_ids: list[list[int]], max_new_tokens: int) -> list[Request]:
+    return [Request(p, seed=0, max_new_tokens=max_new_tokens) for p in prompt_ids]
+
+
+def sample_requests(prompt_ids: list[list[int]], samples: int, max_new_tokens: int, first: int = 0) -> list[Request]:
+    """`samples` requests per prompt, problem-major; prompt j is problem `first + j` of its set, and
+    sample s of problem i always has the seed (EVAL_RUN_SEED, EVAL_SEED_STEP, i, s)."""
+    if samples < 1:
+        raise ValueError(f"samples per held-out problem must be >= 1, got {samples}")
+    return [Request(p, seed=sample_seed(EVAL_RUN_SEED, EVAL_SEED_STEP, first + j, s), max_new_tokens=max_new_tokens)
+            for j, p in enumerate(prompt_ids) for s in range(samples)]
+
+
 def greedy_accuracy(engine, tokenizer, prompt_ids: list[list[int]], labels: list[str], pool: RewardPool,
                     *, max_new_tokens: int, stop_token_ids: list[int], stop_strings: list[str] = ()) -> EvalResult:
-    requests = [Request(p, seed=0, max_new_tokens=max_new_tokens) for p in prompt_ids]
+    requests = greedy_requests(prompt_ids, max_new_tokens)
     sampling = SamplingParams(temperature=0.0, stop_token_ids=stop_token_ids, stop_strings=list(stop_strings))
     return _score(engine, tokenizer, requests, sampling, labels, pool)
 
@@ -41,10 +54,7 @@ def sampled_accuracy(engine, tokenizer, prompt_ids: list[list[int]], labels: lis
     Sample s of problem i always has the seed (EVAL_RUN_SEED, EVAL_SEED_STEP, i, s), whatever the
     run's seed: every checkpoint of every run is judged on the same random numbers.
     """
-    if samples < 1:
-        raise ValueError(f"samples per held-out problem must be >= 1, got {samples}")
-    requests = [Request(p, seed=sample_seed(EVAL_RUN_SEED, EVAL_SEED_STEP, i, s), max_new_tokens=max_new_tokens)
-                for i, p in enumerate(prompt_ids) for s in range(samples)]
+    requests = sample_requests(prompt_ids, samples, max_new_tokens)
     return _score(engine, tokenizer, requests, sampling, [label for label in labels for _ in range(samples)], pool)
 
 

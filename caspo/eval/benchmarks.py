@@ -1,0 +1,67 @@
+"""The problems of each benchmark an evaluation runs, loaded once and encoded with the run's template.
+
+A benchmark is a shipped name (caspo.data.registry), `arith` (the task's held-out split), `heldout`
+(the run's own held-out set: data.eval_source or data.heldout_fraction), or any data source
+(a .jsonl / .parquet file, a datasets folder, hf:NAME), read with the run's data.*_field names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from caspo.config import Config
+from caspo.data.build import encode, load_examples
+from caspo.data.examples import DataError, Example
+from caspo.data.registry import ARITH, SHIPPED
+from caspo.data.task import task_examples
+
+HELDOUT = "heldout"
+
+
+@dataclass
+class Suite:
+    name: str  # the key of its results
+    source: str  # what was loaded
+    examples: list[Example]
+    prompts: list[list[int]]
+    subject_field: str | None = None
+    level_field: str | None = None
+    load: dict = field(default_factory=dict)  # rows read, invalid and excluded rows (LoadResult.summary)
+
+
+def suite_name(source: str) -> str:
+    if source in SHIPPED or source in (ARITH, HELDOUT):
+        return source
+    if source.startswith("hf:"):
+        return source[3:].replace("/", "-").replace(":", "-").replace("@", "-")
+    base = source.rpartition("@")[0] if "@" in source else source
+    return Path(base.rstrip("/")).stem
+
+
+def load_suites(cfg: Config, tokenizer, sources: list[str]) -> list[Suite]:
+    """Each benchmark's first eval.limit problems (0 = all), encoded; names must be distinct."""
+    suites, seen = [], {}
+    for source in sources:
+        name = suite_name(source)
+        if name in seen:
+            raise DataError(f"benchmarks {seen[name]!r} and {source!r} share the name {name!r}; rename a file")
+        seen[name] = source
+        suites.append(load_suite(cfg, tokenizer, source, name))
+    return suites
+
+
+def load_suite(cfg: Config, tokenizer, source: str, name: str) -> Suite:
+    limit = cfg.eval.limit
+    if source == HELDOUT:
+        examples = task_examples(cfg).eval[:limit or None]
+        if not examples:
+            raise DataError("the heldout benchmark is empty: set data.eval_source or data.heldout_fraction")
+        return Suite(name, source, examples, encode(cfg, tokenizer, examples), load={"examples": len(examples)})
+    result = load_examples(cfg, source, "heldout", limit)
+    if not result.examples:
+        raise DataError(f"benchmark {source!r} has no problems; check the source and eval.limit")
+    bench = SHIPPED.get(source)
+    return Suite(name, source, result.examples, encode(cfg, tokenizer, result.examples),
+                 subject_field=bench.subject_field if bench else None, level_field=bench.level_field if bench else None,
+                 load=result.summary())

@@ -1,0 +1,116 @@
+"""One policy on one benchmark: a greedy completion and K seeded samples per problem, scored by the
+verifier, summarised by caspo.eval.metrics, overall and per subject and level where the benchmark has them."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from caspo.config import Config
+from caspo.data.registry import level_name
+from caspo.eval.benchmarks import Suite
+from caspo.eval.heldout import greedy_requests, sample_requests
+from caspo.eval.metrics import sample_metrics
+from caspo.reward import extract_answer
+from caspo.rollout.base import Request, SamplingParams
+
+CHUNK = 1024  # requests per engine call, one progress step each
+
+
+def eval_samplers(cfg: Config, run_sampling: SamplingParams) -> tuple[SamplingParams, SamplingParams]:
+    """(greedy, samples) from the run's sampler (its stop ids and strings): the samples at eval.temperature /
+    eval.top_p, or the run's where those are null."""
+    e = cfg.eval
+    greedy = replace(run_sampling, temperature=0.0, top_p=1.0, top_k=0)
+    sampled = replace(run_sampling, temperature=run_sampling.temperature if e.temperature is None else e.temperature,
+                      top_p=run_sampling.top_p if e.top_p is None else e.top_p)
+    return greedy, sampled
+
+
+@dataclass
+class Outputs:
+    texts: list[str]
+    rewards: list[float]
+    finished: list[bool]
+
+
+def run_requests(engine, tokenizer, pool, requests: list[Request], labels: list[str], sampling: SamplingParams,
+                 advance=lambda n: None) -> Outputs:
+    """Generate and score in chunks of CHUNK requests, calling advance(n) after each."""
+    out = Outputs([], [], [])
+    for start in range(0, len(requests), CHUNK):
+        completions = engine.generate(requests[start:start + CHUNK], sampling)
+        texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+        finished = [c.finish_reason == "stop" for c in completions]
+        out.rewards += pool.score(texts, labels[start:start + CHUNK], finished).rewards
+        out.texts += texts
+        out.finished += finished
+        advance(len(completions))
+    return out
+
+
+def evaluate_suite(engine, tokenizer, pool, cfg: Config, suite: Suite, run_sampling: SamplingParams,
+                   advance=lambda n: None) -> tuple[dict, list]:
+    """(the benchmark's result, one record per problem). `advance(n)` is told of every n completions."""
+    t0 = time.perf_counter()
+    labels, K = [e.label for e in suite.examples], cfg.eval.samples
+    n_tok = cfg.eval.max_new_tokens
+    greedy_sp, sampled_sp = eval_samplers(cfg, run_sampling)
+    greedy = run_requests(engine, tokenizer, pool, greedy_requests(suite.prompts, n_tok), labels, greedy_sp, advance)
+    sampled = None
+    if K:
+        sampled = run_requests(engine, tokenizer, pool, sample_requests(suite.prompts, K, n_tok),
+                               [x for x in labels for _ in range(K)], sampled_sp, advance)
+    records = problem_records(suite, greedy, sampled, K)
+    result = {"source": suite.source, "n": len(records), "metrics": metrics_of(records, K), "data": suite.load}
+    for key, fld in (("by_subject", suite.subject_field), ("by_level", suite.level_field)):
+        if fld:
+            result[key] = breakdown(records, key.removeprefix("by_"), K)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result, records
+
+
+def answer_of(text: str, finished: bool) -> str | None:
+    return extract_answer(text) if finished else None
+
+
+def problem_records(suite: Suite, greedy: Outputs, sampled: Outputs | None, K: int) -> list[dict]:
+    records = []
+    for i, ex in enumerate(suite.examples):
+        rec = {"id": ex.id, "label": ex.label, "greedy_reward": greedy.rewards[i],
+               "greedy_answer": answer_of(greedy.texts[i], greedy.finished[i]),
+               "greedy_finished": greedy.finished[i], "greedy_boxed": "\\boxed" in greedy.texts[i],
+               "greedy_text": greedy.texts[i]}
+        if suite.subject_field:
+            rec["subject"] = str(ex.meta.get(suite.subject_field, ""))
+        if suite.level_field:
+            rec["level"] = level_name(ex.meta.get(suite.level_field, ""))
+        if sampled is not None:
+            span = slice(i * K, (i + 1) * K)
+            rec["rewards"] = sampled.rewards[span]
+            rec["answers"] = [answer_of(t, f) for t, f in zip(sampled.texts[span], sampled.finished[span])]
+            rec["finished"] = sampled.finished[span]
+            rec["boxed"] = ["\\boxed" in t for t in sampled.texts[span]]
+        records.append(rec)
+    return records
+
+
+def metrics_of(records: list[dict], K: int) -> dict:
+    n = len(records)
+    out = {"greedy": sum(r["greedy_reward"] for r in records) / n,
+           "greedy_boxed_rate": sum(r["greedy_boxed"] for r in records) / n,
+           "greedy_truncated_rate": sum(not r["greedy_finished"] for r in records) / n}
+    if K:
+        out |= sample_metrics([r["rewards"] for r in records], [r["answers"] for r in records])
+        out["sampled_boxed_rate"] = sum(sum(r["boxed"]) for r in records) / (n * K)
+        out["sampled_truncated_rate"] = sum(K - sum(r["finished"]) for r in records) / (n * K)
+    return out
+
+
+def breakdown(records: list[dict], key: str, K: int) -> dict:
+    """The metrics of each value of records[key] (a subject or a level), in sorted order."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[r[key]].append(r)
+    return {name: {"n": len(rs), **metrics_of(rs, K)} for name, rs in sorted(groups.items())}

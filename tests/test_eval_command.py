@@ -1,0 +1,159 @@
+"""`caspo eval` on planted completions: a scripted engine answers each request from a script, so the
+metrics in the JSON are the hand-computed ones; a run folder is evaluated checkpoint by checkpoint."""
+
+import json
+import re
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from caspo.cli import app
+from caspo.config import load_config, to_yaml
+from caspo.eval import run as eval_run
+from caspo.eval.heldout import EVAL_RUN_SEED, EVAL_SEED_STEP
+from caspo.eval.targets import resolve
+from caspo.models.policy import ASSETS
+from caspo.rollout.base import Completion
+from caspo.rollout.sampling import sample_seed
+
+SEEDS = {sample_seed(EVAL_RUN_SEED, EVAL_SEED_STEP, i, s): (i, s) for i in range(3) for s in range(4)}
+STOP, CUT = "stop", "length"
+SCRIPT = [  # per problem: the greedy completion, then its 4 samples
+    {"greedy": ("so \\boxed{1}", STOP),
+     "samples": [("\\boxed{1}", STOP), ("\\boxed{1}", STOP), ("\\boxed{5}", STOP), ("\\boxed{5}", STOP)]},
+    {"greedy": ("I think nothing", STOP),  # no answer
+     "samples": [("\\boxed{7}", STOP), ("\\boxed{2}", STOP), ("\\boxed{7}", STOP), ("\\boxed{2}", CUT)]},
+    {"greedy": ("the answer is \\boxed{3}", STOP),
+     "samples": [("\\boxed{3}", STOP), ("\\boxed{ 3 }", STOP), ("\\boxed{3}", STOP), ("\\boxed{three}", STOP)]},
+]
+EXPECTED = {  # the hand-computed metrics of SCRIPT (labels 1, 2, 3)
+    "greedy": 2 / 3, "greedy_boxed_rate": 2 / 3, "greedy_truncated_rate": 0.0,
+    "avg@4": (2 / 4 + 1 / 4 + 3 / 4) / 3,
+    "pass@1": (2 / 4 + 1 / 4 + 3 / 4) / 3,
+    "pass@2": ((1 - 1 / 6) + (1 - 3 / 6) + 1) / 3,  # 1 - C(n-c,2)/C(4,2); n-c < k gives 1
+    "pass@3": (1 + (1 - 1 / 4) + 1) / 3,
+    "pass@4": 1.0,
+    "maj@4": 2 / 3,  # problem 0: a 2-2 tie goes to "1", seen first; problem 1: "7" wins; problem 2: "3"
+    "sampled_boxed_rate": 1.0, "sampled_truncated_rate": 1 / 12,
+}
+
+
+class ScriptedEngine:
+    """Completes each request from SCRIPT; after a publication (version >= 1) every greedy answer is right."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.version, self.asleep, self.published = tokenizer, 0, False, []
+
+    def generate(self, requests, sampling):
+        out = []
+        for r in requests:
+            i = int(re.search(r"Q(\d+)", self.tokenizer.decode(r.prompt_ids)).group(1))
+            if sampling.temperature == 0:
+                text, finish = (f"\\boxed{{{i + 1}}}", STOP) if self.version else SCRIPT[i]["greedy"]
+            else:
+                problem, s = SEEDS[r.seed]
+                assert problem == i and sampling.temperature == 0.7 and sampling.top_p == 0.9
+                text, finish = SCRIPT[i]["samples"][s]
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+            out.append(Completion(tokens, [0.0] * len(tokens), finish, self.version))
+        return out
+
+    def begin(self, version):
+        self.version = version
+
+    def load(self, named_tensors):
+        self.published.append(len(named_tensors))
+
+    def commit(self):
+        return "digest"
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    engines = []
+
+    def build(cfg, policy, tokenizer, max_len):
+        engines.append(ScriptedEngine(tokenizer))
+        return engines[-1]
+
+    monkeypatch.setattr(eval_run, "build_engine", build)
+    return engines
+
+
+@pytest.fixture
+def bench(tmp_path):
+    path = tmp_path / "planted.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"Q{i}: what is {i + 1}?", "answer": str(i + 1),
+                                        "subject": "s"}) + "\n" for i in range(3)))
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, ["eval", *map(str, args)])
+
+
+def test_eval_gives_the_hand_computed_metrics(tmp_path, bench, scripted):
+    out = tmp_path / "out"
+    result = invoke("embedded:tiny-arith", "data.id_field=id", "reward.workers=0", "--benchmarks", bench,
+                    "--samples", 4, "--temperature", 0.7, "--top-p", 0.9, "--out", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "tiny-arith.json").read_text())
+    assert data["format"] == "caspo-eval-1" and data["step"] is None and data["policy"] == "embedded:tiny-arith"
+    assert data["settings"]["samples"] == 4 and data["settings"]["temperature"] == 0.7
+    metrics = data["benchmarks"]["planted"]["metrics"]
+    assert metrics == pytest.approx(EXPECTED) and list(metrics) == list(EXPECTED)
+    records = [json.loads(x) for x in (out / "tiny-arith" / "planted.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["p0", "p1", "p2"]
+    assert records[1]["answers"] == ["7", "2", "7", None] and records[1]["rewards"] == [0.0, 1.0, 0.0, 0.0]
+    assert records[2]["greedy_answer"] == "3" and records[2]["answers"] == ["3", "3", "3", "three"]
+    assert records[1]["greedy_answer"] is None and records[1]["greedy_boxed"] is False
+    assert (out / "accuracy.png").stat().st_size > 0
+    assert "| planted | tiny-arith | 3 |" in (out / "summary.md").read_text()
+    assert json.loads(result.stdout[result.stdout.index("{"):])["results"]["tiny-arith"]["planted"]["maj@4"] == \
+        pytest.approx(2 / 3)
+
+
+def make_run(tmp_path, steps=(1, 2)):
+    run = tmp_path / "run"
+    for step in steps:
+        shutil.copytree(ASSETS / "tiny-arith", run / "checkpoints" / f"step_{step:06d}" / "policy")
+    (run / "checkpoints" / "latest").write_text(f"step_{steps[-1]:06d}\n")
+    (run / "config.yaml").write_text(to_yaml(load_config("tests")))
+    return run
+
+
+def test_eval_of_a_run_writes_one_json_per_checkpoint(tmp_path, bench, scripted):
+    run, out = make_run(tmp_path), tmp_path / "out"
+    result = invoke(run, "data.id_field=id", "reward.workers=0", "--benchmarks", bench, "--out", out)
+    assert result.exit_code == 0, result.output
+    (engine,) = scripted
+    assert len(engine.published) == 1  # the second checkpoint's weights went into the same engine
+    first, second = (json.loads((out / f"step_00000{s}.json").read_text()) for s in (1, 2))
+    assert (first["step"], second["step"]) == (1, 2)
+    assert first["settings"]["template"] == "arith" and "avg@4" not in first["benchmarks"]["planted"]["metrics"]
+    assert first["benchmarks"]["planted"]["metrics"]["greedy"] == pytest.approx(2 / 3)
+    assert second["benchmarks"]["planted"]["metrics"]["greedy"] == 1.0
+    assert (out / "accuracy.png").exists() and (out / "summary.md").read_text().count("| planted |") == 2
+
+
+def test_checkpoint_selection(tmp_path):
+    run = make_run(tmp_path, steps=(5, 10, 20))
+    pick = {spec: [t.name for t in resolve(str(run), spec)[0]] for spec in ("all", "latest", "step_10", "base,latest")}
+    assert pick == {"all": ["step_000005", "step_000010", "step_000020"], "latest": ["step_000020"],
+                    "step_10": ["step_000010"], "base,latest": ["base", "step_000020"]}
+    targets, config = resolve(str(run / "checkpoints" / "step_000010" / "policy"))
+    assert [(t.name, t.step) for t in targets] == [("step_000010", 10)] and config is None
+    assert resolve(str(run))[1] == run / "config.yaml"
+    assert resolve(str(run), "base")[0][0].policy == "embedded:tiny-arith"
+    with pytest.raises(FileNotFoundError, match="no checkpoint step_7; it has step_000005, step_000010, step_000020"):
+        resolve(str(run), "step_7")
+    with pytest.raises(ValueError, match="picks checkpoints of a run folder"):
+        resolve("embedded:tiny-arith", "step_3")
+    with pytest.raises(FileNotFoundError, match="not a run folder"):
+        resolve(str(tmp_path / "nothing"))
+
+
+def test_eval_errors_are_one_line(tmp_path):
+    result = invoke("embedded:tiny-arith", "--benchmarks", "math5000", "--out", tmp_path)
+    assert result.exit_code == 2 and "eval error: unknown data source 'math5000'" in result.output
