@@ -96,3 +96,18 @@ def test_the_engine_sleeps_while_the_trainer_updates(tmp_path, monkeypatch, back
         loop.outer_step(tr)
     assert seen == [sleep]  # asleep during the update exactly when asked
     assert not tr.engine.asleep  # and awake for the next rollout
+
+
+def test_a_run_evaluates_its_benchmarks_at_every_checkpoint(tmp_path):
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "train.steps=2", "train.save_every=1",
+                                "eval.benchmarks=[heldout, arith]", "eval.limit=4", "eval.after=false"])
+    loop.train(cfg)
+    written = sorted(p.name for p in (tmp_path / "eval").glob("*.json"))
+    assert written == ["base.json", "step_000001.json", "step_000002.json"]  # the base policy, then each save
+    result = json.loads((tmp_path / "eval" / "step_000002.json").read_text())
+    assert result["step"] == 2 and set(result["benchmarks"]) == {"heldout", "arith"}
+    assert result["policy"].endswith("checkpoints/step_000002/policy")
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["bench_heldout_greedy"] for r in rows if "bench_heldout_greedy" in r]
+    assert len(logged) == 3 and logged[-1] == result["benchmarks"]["heldout"]["metrics"]["greedy"]
+    assert (tmp_path / "eval" / "accuracy.png").exists()

@@ -25,9 +25,12 @@ import torch
 from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config, ConfigError, to_yaml
+from caspo.eval.benchmarks import load_suites
 from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
+from caspo.eval.run import evaluate_checkpoint
+from caspo.eval.suite import eval_samplers
 from caspo.report.curves import plot_run
-from caspo.rollout.base import Request
+from caspo.rollout.base import Request, publish
 from caspo.rollout.sampling import sample_seed
 from caspo.runlog import JsonlWriter, console, progress_bar
 from caspo.train import checkpoint as ckpt
@@ -161,7 +164,7 @@ def evaluate(tr: Trainer) -> dict:
     metrics = {f"eval_{k}": v for k, v in result.summary().items()}
     if cfg.eval.samples:
         sampled = sampled_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
-                                   tr.pool, samples=cfg.eval.samples, sampling=tr.sampling,
+                                   tr.pool, samples=cfg.eval.samples, sampling=eval_samplers(cfg, tr.sampling)[1],
                                    max_new_tokens=cfg.eval.max_new_tokens)
         metrics |= {f"eval_sampled_{k}": v for k, v in sampled.summary().items()}
     return metrics
@@ -169,6 +172,19 @@ def evaluate(tr: Trainer) -> dict:
 
 def sampled_note(metrics: dict) -> str:
     return f"; sampled avg@k {metrics['eval_sampled_accuracy']:.3f}" if "eval_sampled_accuracy" in metrics else ""
+
+
+def evaluate_benchmarks(tr: Trainer, suites: list, checkpoint: str, policy: str, progress=None) -> dict:
+    """eval.benchmarks on the policy the run holds now, written as `caspo eval` writes them
+    (<run>/eval/<checkpoint>.json); returns each benchmark's greedy accuracy for the run log."""
+    if tr.cfg.rollout.staleness:  # the engine serves an older version: evaluate the one just saved
+        publish(tr.engine, tr.policy, tr.version)
+    result = evaluate_checkpoint(tr.engine, tr.tokenizer, tr.pool, tr.cfg, suites, tr.sampling,
+                                 checkpoint=checkpoint, step=tr.step, policy=policy, out_dir=tr.run_dir / "eval",
+                                 progress=progress)
+    if tr.cfg.rollout.staleness:
+        publish_current(tr)
+    return {f"bench_{name}_greedy": bench["metrics"]["greedy"] for name, bench in result["benchmarks"].items()}
 
 
 class BetweenSegments(Protocol):
@@ -234,10 +250,13 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     last = min(cfg.train.steps, tr.step + cfg.train.stop_after) if cfg.train.stop_after else cfg.train.steps
     bad_steps = 0  # consecutive outer steps with an update skipped for non-finite gradients
     with tr.pool, StopRequest() as stop:
+        suites = load_suites(cfg, tr.tokenizer, cfg.eval.benchmarks) if cfg.eval.benchmarks else []
         if cfg.eval.before and tr.step == 0:
             timer = PhaseTimer()
             with timer("t_eval"):
                 before = evaluate(tr)
+                if suites:
+                    before |= evaluate_benchmarks(tr, suites, "base", cfg.model.policy)
             metrics.write({"step": 0, **before, **timer.reset()})
             summary["before"] = before
             console.print(f"held-out greedy before: accuracy {before['eval_accuracy']:.3f}, "
@@ -266,6 +285,10 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
                         or refresh.due(tr.step) or stop.requested:
                     with timer("t_ckpt"):
                         checkpoint = save(tr)
+                    if suites and not stop.requested:  # every checkpoint's benchmarks, as `caspo eval` has them
+                        with timer("t_bench"):
+                            record |= evaluate_benchmarks(tr, suites, checkpoint.name, str(checkpoint / "policy"),
+                                                          progress)
                 if cfg.eval.every and tr.step % cfg.eval.every == 0 and tr.step != cfg.train.steps:
                     with timer("t_eval"):
                         record.update(evaluate(tr))
