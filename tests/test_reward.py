@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 from math_verify import parse, verify
 
-from caspo.reward import VERIFIER_VERSION, check_label, extract_answer, last_boxed, last_number, score
+from caspo.reward import (
+    VERIFIER_VERSION,
+    check_label,
+    extract_answer,
+    last_boxed,
+    last_number,
+    minerva_answer,
+    score,
+)
 
 # pytest-timeout's default "signal" method shares SIGALRM with math-verify, which would
 # cancel it; the thread method does not interfere.
@@ -57,6 +65,8 @@ def test_last_boxed(text, expected):
         ("about .5 of it", ".5"),
         ("\u22124", "-4"),  # unicode minus
         ("12,3456", "3456"),  # not a thousands-grouped number
+        ("it is \uff14\uff12", None),  # full-width digits are not digits here
+        ("7 or \u0664\u0662", "7"),  # nor are Arabic-Indic ones
         ("1, 2, 3", "3"),
         ("step 2: 40 + 2 = 42. Done", "42"),
         ("no digits here", None),
@@ -67,10 +77,52 @@ def test_last_number(text, expected):
     assert last_number(text) == expected
 
 
-def test_extract_answer_prefers_last_box_then_last_number():
+def test_extract_answer_takes_the_last_box_and_falls_back_only_when_asked():
     assert extract_answer(r"try 5, so \boxed{6} and 7 steps") == "6"
-    assert extract_answer("we get 1,450,000 in total") == "1450000"
-    assert extract_answer("I have no idea") is None
+    assert extract_answer("we get 1,450,000 in total") is None  # no box, no fallback: no answer
+    assert extract_answer("we get 1,450,000 in total", fallback="last_number") == "1450000"
+    assert extract_answer("I have no idea", fallback="last_number") is None
+    # a broken last box never falls back, neither to an earlier box nor to a number
+    assert extract_answer(r"So \boxed{42}. Wait, no: \boxed{x=", fallback="last_number") is None
+    assert extract_answer(r"I think it is 42. \boxed{}", fallback="last_number") is None
+
+
+def test_unknown_extractor_or_fallback_is_a_clear_error():
+    with pytest.raises(ValueError, match="reward.extractor"):
+        extract_answer("x", extractor="last")
+    with pytest.raises(ValueError, match="reward.fallback"):
+        extract_answer("x", fallback="first_number")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Final Answer: The final answer is $42$. I hope it is correct.", "42"),
+        (r"Final Answer: The final answer is $\frac{1}{2}$. I hope it is correct.", r"\frac{1}{2}"),
+        ("The final answer is 42. I hope it is correct.", "42"),
+        ("the final answer is: $x = 3$", "x = 3"),
+        (r"The final answer is $\boxed{7}$.", "7"),
+        ("Final answer is 3.5.\nMore text", "3.5"),
+        ("The final answer is $$12$$", "12"),
+        (r"The final answer is $\$18$.", r"\$18"),
+        ("The final answer is $5$. Wait, the final answer is $6$. I hope it is correct.", "6"),  # the last one
+        ("The final answer is $5$. Hmm, the final answer is $6", None),  # last one cut off: no answer
+        ("The final answer is $$. I hope it is correct.", None),
+        ("The final answer is . I hope it is correct.", None),
+        (r"So \boxed{42}.", None),  # no Minerva phrase
+        ("", None),
+    ],
+)
+def test_minerva_answer(text, expected):
+    assert minerva_answer(text) == expected
+
+
+def test_minerva_extractor_in_score():
+    text = "Final Answer: The final answer is $\\frac{1}{2}$. I hope it is correct."
+    assert score(text, "0.5", extractor="minerva") == 1.0
+    assert score(text, "0.5") == 0.0  # the boxed extractor finds no box
+    assert score("The answer is 0.5", "0.5", extractor="minerva") == 0.0
+    assert score("The answer is 0.5", "0.5", extractor="minerva", fallback="last_number") == 1.0
 
 
 @pytest.mark.parametrize(
@@ -86,17 +138,19 @@ def test_extract_answer_prefers_last_box_then_last_number():
         # negatives
         (r"\boxed{-7}", "-7", 1.0),
         (r"\boxed{7}", "-7", 0.0),
-        ("so x = -7.", "-7", 1.0),
         # thousands separators and currency
         (r"\boxed{1,450,000}", "1450000", 1.0),
-        ("The total is 1,450,000.", "1450000", 1.0),
         (r"\boxed{1450000}", "1,450,000", 1.0),
         (r"\boxed{\$18}", "18", 1.0),
         (r"\boxed{\$18.00}", "18", 1.0),
-        # no box: last number
-        ("He pays 3 * 6 = 18 dollars.", "18", 1.0),
-        ("He pays 3 * 6 = 19 dollars.", "18", 0.0),
-        ("18 is wrong, it is 17", "18", 0.0),
+        # no box: no answer (the last-number fallback is off by default)
+        ("He pays 3 * 6 = 18 dollars.", "18", 0.0),
+        ("The answer is 41. Not 42.", "42", 0.0),
+        # replaced or disowned: the last box is broken or empty, so no earlier answer counts
+        (r"So \boxed{42}. Wait, no: \boxed{x=", "42", 0.0),
+        (r"I think it is 42. \boxed{}", "42", 0.0),
+        # Unicode digits are not digits (the integer shortcut is ASCII; math-verify agrees)
+        ("\\boxed{\uff14\uff12}", "42", 0.0),
         # nothing to extract
         ("I don't know.", "18", 0.0),
         ("", "18", 0.0),
@@ -120,6 +174,22 @@ def test_extract_answer_prefers_last_box_then_last_number():
 )
 def test_score(response, label, expected):
     assert score(response, label) == expected
+
+
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        ("He pays 3 * 6 = 18 dollars.", "18", 1.0),
+        ("He pays 3 * 6 = 19 dollars.", "18", 0.0),
+        ("18 is wrong, it is 17", "18", 0.0),
+        ("so x = -7.", "-7", 1.0),
+        ("The total is 1,450,000.", "1450000", 1.0),
+        (r"\boxed{17} though 18 is close", "18", 0.0),  # a box is an answer: no fallback
+        (r"I think it is 18. \boxed{}", "18", 0.0),
+    ],
+)
+def test_score_with_the_last_number_fallback(response, label, expected):
+    assert score(response, label, fallback="last_number") == expected
 
 
 def test_truncated_response_scores_zero_even_if_correct():
@@ -165,15 +235,23 @@ def test_non_string_label_is_a_programming_error():
         score(r"\boxed{18}", 18)
 
 
-@pytest.mark.parametrize("label", ["18", "-7", r"\frac12", "$0.5$", r"\text{Evelyn}", r"\{1,2,3\}", r"\$18"])
+@pytest.mark.parametrize("label", ["18", "-7", r"\frac12", "$0.5$", r"\text{Evelyn}", r"\{1,2,3\}", r"\$18",
+                                   "3qr + 6q - 15r -30", "2RC+R+C", "A", "(B)", r"\text{(C)}", r"\text{hello world}",
+                                   r"20\text{ miles}", r"\overline{CD}", r"\pi"])
 def test_check_label_accepts(label):
     check_label(label)
 
 
-@pytest.mark.parametrize("label", ["", "   ", "$$", r"\text{}", "\\", "}{", "???", None, 18])
+@pytest.mark.parametrize("label", ["", "   ", "$$", r"\text{}", r"\text{ }", "\\", "}{", "???", None, 18,
+                                   "banana", "hello world", "None", "nan", "listen", "xy", r"2^{10^{10}}"])
 def test_check_label_rejects(label):
     with pytest.raises(ValueError):
         check_label(label)
+
+
+def test_check_label_names_the_fix_for_a_word():
+    with pytest.raises(ValueError, match=r"mark a word as text \(\\text\{banana\}\)"):
+        check_label("banana")
 
 
 def test_verifier_version_names_math_verify():
@@ -184,8 +262,8 @@ def test_verifier_version_names_math_verify():
 
 
 def test_verifier_module_does_not_import_torch():
-    """Workers import only this module; it must stay free of torch and other heavy packages."""
-    code = ("import sys, caspo.reward.verify; "
+    """Workers import only these modules; they must stay free of torch and other heavy packages."""
+    code = ("import sys, caspo.reward.verify, caspo.reward.worker; "
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"

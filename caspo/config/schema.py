@@ -57,7 +57,7 @@ class DataConfig:
     # Training examples used (0 = all).
     train_size: int = 0
     query_field: str = "problem"
-    label_field: str = "answer"
+    label_field: str = "answer"  # boxed:FIELD: the content of the last \boxed{} of FIELD (a worked solution)
     id_field: Optional[str] = None  # None: ids are <file stem>-<line>; dotted paths reach nested fields
     # Skip invalid rows (empty query or answer, a label the verifier rejects, a duplicate id) instead of
     # failing; they are counted and named either way.
@@ -68,6 +68,8 @@ class DataConfig:
     # Prefix BOS to prompts: "auto" = as the tokenizer does (Llama's add one, Qwen's none); never twice.
     add_bos: Literal["auto", True, False] = "auto"
     max_prompt_tokens: int = 256
+    # A prompt over max_prompt_tokens: "error", "skip" (left out, counted and named), or "truncate_left"
+    long_prompts: Literal["error", "skip", "truncate_left"] = "error"
     arith: ArithConfig = field(default_factory=ArithConfig)
 
 
@@ -100,8 +102,24 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    # The verifier's limits and rules: docs/reliability.md, "Verifier" (caspo.reward.pool, a test checks
+    # these defaults agree with the pool's).
     workers: int = 2
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # per call; a worker still busy 1 s later is killed and replaced
+    # Each worker's address-space limit in MB: null = 2048 where the platform can limit it, 0 = none.
+    worker_memory_mb: Optional[int] = None
+    # Replace a worker after this many calls, or when its resident set passes recycle_rss_mb (0 = never).
+    recycle_after: int = 1000
+    recycle_rss_mb: int = 512
+    # Time budget of one batch of rewards: calls unfinished when it runs out score 0 (0 = none).
+    batch_budget_s: float = 300.0
+    # The final answer: the last \boxed{} ("boxed") or what follows the last "final answer is" ("minerva").
+    extractor: Literal["boxed", "minerva"] = "boxed"
+    # When the extractor finds no candidate at all: "none" scores 0, "last_number" takes the text's last
+    # number (for tasks whose answers are bare numbers; never for math benchmarks).
+    fallback: Literal["none", "last_number"] = "none"
+    # Answers longer than this score 0 before math-verify sees them (with the pre-filter's other rules).
+    max_answer_chars: int = 300
     # Control experiments: shuffle rewards within each batch before advantages.
     shuffle_within_batch: bool = False
     # Timing runs only (random-init models): reward 1 when the response's token ids sum to an

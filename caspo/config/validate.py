@@ -4,7 +4,7 @@ adds the checks a method's row brings (G >= 2 for GRPO, ...)."""
 
 from __future__ import annotations
 
-from caspo.config.schema import Config, ConfigError, EvalConfig, MethodConfig
+from caspo.config.schema import Config, ConfigError, EvalConfig, MethodConfig, RewardConfig
 
 
 def validate(cfg: Config) -> None:
@@ -33,6 +33,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.micro_batch_size={t.micro_batch_size} does not divide train.minibatch_size={t.minibatch_size}"
         )
+    validate_reward(cfg.reward)
     validate_refresh(m)
     validate_data(cfg)
     if r.cuda_graphs and r.backend != "native":
@@ -119,3 +120,26 @@ def validate_eval(e: EvalConfig) -> None:
         if not name.strip() or name in seen:
             raise ConfigError(f"eval.benchmarks: {name!r} is empty or listed twice; list each benchmark once")
         seen.add(name)
+
+
+MIN_WORKER_MEMORY_MB = 256  # a reward worker holds ~65 MB of address space after importing math-verify
+
+
+def validate_reward(w: RewardConfig) -> None:
+    """The verifier's limits (caspo.reward.pool): non-negative, and a recycle bound below the memory limit."""
+    if w.workers < 0:
+        raise ConfigError(f"reward.workers must be >= 0 (0 = score in the trainer's process), got {w.workers}")
+    if w.timeout_s <= 0:
+        raise ConfigError(f"reward.timeout_s must be > 0, got {w.timeout_s}")
+    memory = w.worker_memory_mb
+    if memory is not None and (memory < 0 or 0 < memory < MIN_WORKER_MEMORY_MB):
+        raise ConfigError(f"reward.worker_memory_mb must be >= {MIN_WORKER_MEMORY_MB}, 0 (no limit) or null "
+                          f"(2048 where the platform can limit it), got {w.worker_memory_mb}")
+    for key in ("recycle_after", "recycle_rss_mb", "batch_budget_s"):
+        if getattr(w, key) < 0:
+            raise ConfigError(f"reward.{key} must be >= 0 (0 = off), got {getattr(w, key)}")
+    if w.worker_memory_mb and w.recycle_rss_mb >= w.worker_memory_mb:
+        raise ConfigError(f"reward.recycle_rss_mb={w.recycle_rss_mb} must be below reward.worker_memory_mb="
+                          f"{w.worker_memory_mb}, or a worker hits its limit before it is recycled")
+    if w.max_answer_chars < 1:
+        raise ConfigError(f"reward.max_answer_chars must be >= 1, got {w.max_answer_chars}")

@@ -83,7 +83,7 @@ def evaluate_targets(cfg: Config, targets: list[Target], out_dir: str | Path) ->
     tokenizer = load_tokenizer(resolve_model_path(targets[0].policy))
     suites = load_suites(cfg, tokenizer, cfg.eval.benchmarks or [HELDOUT])
     engine, results = None, []
-    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool, progress_bar() as bars:
+    with RewardPool.from_config(cfg.reward) as pool, progress_bar() as bars:
         for version, target in enumerate(targets):
             policy = load_policy(resolve_model_path(target.policy), device).eval()
             sampling = sampling_params(cfg, tokenizer, policy)

@@ -1,10 +1,14 @@
-"""Final-answer reward for verifiable math (math-verify, run in worker processes)."""
+"""Final-answer reward for verifiable math (math-verify, run in worker processes); docs/reliability.md."""
 
-from caspo.reward.extract import extract_answer, last_boxed, last_number
+from caspo.reward.extract import EXTRACTORS, FALLBACKS, extract_answer, last_boxed, last_number, minerva_answer
+from caspo.reward.labels import normalize_text, text_label
 from caspo.reward.pool import RewardPool, RewardResult
+from caspo.reward.prefilter import too_costly
 from caspo.reward.verify import VERIFIER_VERSION, check_label, score
 
 __all__ = [
+    "EXTRACTORS",
+    "FALLBACKS",
     "VERIFIER_VERSION",
     "RewardPool",
     "RewardResult",
@@ -12,5 +16,9 @@ __all__ = [
     "extract_answer",
     "last_boxed",
     "last_number",
+    "minerva_answer",
+    "normalize_text",
     "score",
+    "text_label",
+    "too_costly",
 ]

@@ -1,50 +1,88 @@
-"""Pull the final answer out of a model response: the last \\boxed{...}, else the last number."""
+"""Pull the final answer out of a model response (docs/reliability.md, "Verifier").
+
+Two extractors, chosen by `reward.extractor`:
+
+- "boxed": the content of the LAST \\boxed{...} (or \\fbox{...}, or \\boxed 42).
+- "minerva": what follows the LAST "final answer is" (Minerva's "Final Answer: The final answer
+  is $X$. I hope it is correct.").
+
+Only the last candidate counts: if it is cut off, unbalanced or empty the response has no answer,
+never an earlier one, so a response is not rewarded for an answer it went on to replace.
+
+A response in which the extractor finds no candidate at all may fall back on its last number
+(`reward.fallback: last_number`), for tasks that ask for it; the default is no fallback.
+
+Digits are ASCII only: "４２" (full-width) is not a number here.
+"""
 
 import re
 
+EXTRACTORS = ("boxed", "minerva")
+FALLBACKS = ("none", "last_number")
+
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _BARE_BOX = re.compile(r"\s+([^\s$]+)")  # "\boxed 42": one token, up to a space or "$"
+_BRACE_OR_ESCAPE = re.compile(r"[{}\\]")
 
-# A number: "1,450,000" (only well-formed thousands groups), "12", "3.5", ".5".
-_UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<!\d)\.\d+"
+# A number: "1,450,000" (only well-formed thousands groups), "12", "3.5", ".5"; ASCII digits only.
+_UNSIGNED = r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|(?<![0-9])\.[0-9]+"
 # A minus sign counts only where it cannot be subtraction: not right after a word, ")", "]" or "}".
 _NUMBER = re.compile(rf"(?:(?<![\w)\]}}])[-\u2212])?(?:{_UNSIGNED})")
+
+# Minerva's closing formula, and the phrase itself (a colon after "is" is allowed).
+_FINAL = re.compile(r"final\s+answer\s+is\s*:?", re.IGNORECASE)
+_HOPE = re.compile(r"\.?\s*I\s+hope\s+it\s+is\s+correct", re.IGNORECASE)
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} / \\fbox{...} (or \\boxed 42), stripped.
 
     Only the last box counts, and it must close: a final box that is cut off or unbalanced
-    gives None rather than an earlier box, so a response cannot be rewarded for an answer
-    it went on to replace. Escaped braces (\\{, \\}) do not count towards the balance.
-    An empty box gives None.
+    gives None rather than an earlier box. Escaped braces (\\{, \\}) do not count towards the
+    balance. An empty box gives None.
     """
     last = None
     for last in _BOX.finditer(text):
         pass
     if last is None:
         return None
-    rest = text[last.end():]
-    body = rest.lstrip()
-    if not body.startswith("{"):
-        bare = _BARE_BOX.match(rest)
-        token = bare.group(1).rstrip(".,;") if bare else ""
-        return token or None
-    start = last.end() + (len(rest) - len(body)) + 1
-    depth, i = 1, start
-    while i < len(text):
-        char = text[i]
-        if char == "\\":  # skip the escaped character: \{ \} \\
-            i += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i].strip() or None
-        i += 1
-    return None
+    return _box_body(text, last.end())
+
+
+def has_box(text: str) -> bool:
+    return _BOX.search(text) is not None
+
+
+def minerva_answer(text: str) -> str | None:
+    """The answer after the last "final answer is", as Minerva's prompt format writes it.
+
+    "The final answer is $X$. I hope it is correct." gives X: a `$...$` (or `$$...$$`) right after
+    the phrase is taken whole and must close; otherwise the rest of the line, up to "I hope it is
+    correct" or a sentence-ending period. A box inside the answer is unwrapped ("$\\boxed{X}$" -> X).
+    Empty, or an unclosed "$", gives None.
+    """
+    last = None
+    for last in _FINAL.finditer(text):
+        pass
+    if last is None:
+        return None
+    rest = text[last.end():].lstrip()
+    if rest.startswith("$"):
+        fence = "$$" if rest.startswith("$$") else "$"
+        end = _closing_dollar(rest, len(fence), fence)
+        if end is None:
+            return None
+        answer = rest[len(fence):end]
+    else:
+        answer = rest.split("\n", 1)[0]
+        hope = _HOPE.search(answer)
+        if hope:
+            answer = answer[:hope.start()]
+        answer = re.sub(r"\.\s*$", "", answer.strip())
+    answer = answer.strip()
+    if has_box(answer):
+        return last_boxed(answer)
+    return answer or None
 
 
 def last_number(text: str) -> str | None:
@@ -52,7 +90,7 @@ def last_number(text: str) -> str | None:
 
     Handles negatives ("-7", also the unicode minus), decimals ("3.5", ".5") and trailing
     sentence punctuation ("is 42." -> "42"). A hyphen right after a word or a closing
-    bracket is read as subtraction, not a sign ("10-7" -> "7").
+    bracket is read as subtraction, not a sign ("10-7" -> "7"). ASCII digits only.
     """
     last = None
     for last in _NUMBER.finditer(text):
@@ -62,7 +100,62 @@ def last_number(text: str) -> str | None:
     return last.group(0).replace(",", "").replace("\u2212", "-")
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of a response: the last box if there is one, else the last number."""
-    boxed = last_boxed(text)
-    return boxed if boxed is not None else last_number(text)
+def extract_answer(text: str, extractor: str = "boxed", fallback: str = "none") -> str | None:
+    """The final answer of a response, or None.
+
+    extractor "boxed": the last box (None if it is cut off or empty). "minerva": the answer after
+    the last "final answer is" (None if it is cut off or empty).
+    fallback "last_number": when the extractor finds no candidate at all (no box; no "final answer
+    is"), the last number of the text. A candidate that is broken never falls back.
+    """
+    if extractor == "boxed":
+        found = has_box(text)
+        answer = last_boxed(text) if found else None
+    elif extractor == "minerva":
+        found = _FINAL.search(text) is not None
+        answer = minerva_answer(text) if found else None
+    else:
+        raise ValueError(f"unknown reward.extractor {extractor!r}: use one of {', '.join(EXTRACTORS)}")
+    if found:
+        return answer
+    if fallback == "last_number":
+        return last_number(text)
+    if fallback != "none":
+        raise ValueError(f"unknown reward.fallback {fallback!r}: use one of {', '.join(FALLBACKS)}")
+    return None
+
+
+def _box_body(text: str, after: int) -> str | None:
+    rest = text[after:]
+    body = rest.lstrip()
+    if not body.startswith("{"):
+        bare = _BARE_BOX.match(rest)
+        token = bare.group(1).rstrip(".,;") if bare else ""
+        return token or None
+    start = after + (len(rest) - len(body)) + 1
+    depth, pos = 1, start
+    while True:  # jump from brace to brace: a megabyte of plain text costs one regex scan
+        hit = _BRACE_OR_ESCAPE.search(text, pos)
+        if hit is None:
+            return None
+        char, pos = hit.group(0), hit.end()
+        if char == "\\":  # skip the escaped character: \{ \} \\
+            pos += 1
+        elif char == "{":
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 0:
+                return text[start:pos - 1].strip() or None
+
+
+def _closing_dollar(text: str, start: int, fence: str) -> int | None:
+    """Index of the first unescaped `fence` at or after start, or None."""
+    pos = start
+    while True:
+        pos = text.find(fence, pos)
+        if pos < 0:
+            return None
+        if pos == 0 or text[pos - 1] != "\\":
+            return pos
+        pos += 1

@@ -1,40 +1,46 @@
-"""Score batches of responses in worker processes, with a hard wall-clock limit per call.
+"""Score batches of responses in worker processes, bounded in time and memory.
 
-    with RewardPool(workers=2, timeout_s=5.0) as pool:
-        result = pool.score(responses, labels, finished)   # result.rewards, result.timeouts
+    with RewardPool.from_config(cfg.reward) as pool:
+        result = pool.score(responses, labels, finished)   # result.rewards, result.timeouts, ...
 
-Each worker is a fresh interpreter (`python -c ...`) that imports only caspo.reward.verify
-and math-verify. No multiprocessing start method gives that: "fork" copies the trainer
-(torch threads, CUDA state), and "spawn"/"forkserver" children re-import the caller's
-__main__ module, and with it torch when the training script imports torch at the top.
+Each worker is a fresh interpreter (`python -c ...`) that imports only caspo.reward and
+math-verify. No multiprocessing start method gives that: "fork" copies the trainer (torch
+threads, CUDA state), and "spawn"/"forkserver" children re-import the caller's __main__
+module, and with it torch when the training script imports torch at the top.
 
-A worker runs one call at a time. math-verify's own SIGALRM timeouts end most slow calls
-inside the worker; a call still running KILL_GRACE_S after `timeout_s` (stuck in C code,
-where SIGALRM cannot interrupt it, or several slow steps in a row) gets reward 0, is counted
-in `timeouts`, and its worker is killed and replaced. The other calls are unaffected.
+The limits (docs/reliability.md, "Verifier"):
+
+- time per call: math-verify's own SIGALRM timeouts end most slow calls inside the worker; a call
+  still running KILL_GRACE_S after `timeout_s` (stuck in C code, where SIGALRM cannot interrupt
+  it, or several slow steps in a row) gets reward 0, is counted in `timeouts`, and its worker is
+  killed and replaced. The other calls are unaffected.
+- time per batch: calls not finished `batch_budget_s` after the batch began get reward 0 and are
+  counted in `over_budget`; the workers still busy are killed and replaced.
+- memory: each worker's address space is limited to `memory_mb` (RLIMIT_AS), so an allocation
+  past it fails inside the call (reward 0) instead of swapping the machine; a worker is replaced
+  after `recycle_after` calls, or when its resident set grows past `recycle_rss_mb` (caches keep
+  what big answers left behind).
+
+Replacements start in the background: the batch goes on with the other workers meanwhile.
 """
 
-import json
 import logging
 import math
-import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Pipe, wait
+from functools import partial
+from multiprocessing.connection import wait
 
+from caspo.reward.extract import EXTRACTORS, FALLBACKS
 from caspo.reward.verify import score
+from caspo.reward.worker import KILL_GRACE_S, Worker
 
-KILL_GRACE_S = 1.0  # lets math-verify's own alarm (whole seconds) fire before the pool kills
-START_TIMEOUT_S = 120.0  # importing math-verify takes ~0.6 s; allow for a loaded machine
-
-# The worker's sys.path is the parent's, as with "spawn", so the same caspo and score_fn load.
-_BOOTSTRAP = (
-    "import sys, json; sys.path[:] = json.loads(sys.argv[2]); "
-    "from caspo.reward.verify import serve; serve(int(sys.argv[1]))"
-)
+DEFAULT_WORKER_MEMORY_MB = 2048  # used where the platform can limit it (memory_mb=None)
+DEFAULT_RECYCLE_AFTER = 1000
+DEFAULT_RECYCLE_RSS_MB = 512  # a fresh worker holds ~100 MB
+DEFAULT_BATCH_BUDGET_S = 300.0
 
 log = logging.getLogger(__name__)
 
@@ -44,28 +50,60 @@ class RewardResult:
     rewards: list[float]  # in input order
     timeouts: int = 0  # calls stopped at the pool's time limit (reward 0)
     crashes: int = 0  # calls whose worker died, e.g. a segfault (reward 0)
+    over_budget: int = 0  # calls not finished when the batch's time budget ran out (reward 0)
+    recycled: int = 0  # workers replaced after recycle_after calls or above recycle_rss_mb
+    max_call_s: float = 0.0  # the longest call, from its submission to its reward (or its worker's kill)
+    max_rss_mb: float = 0.0  # the largest peak resident set a worker reported
 
 
 class RewardPool:
     """A pool of reward workers; use it as a context manager.
 
     workers:  number of worker processes. 0 scores inline in the calling process, for
-              debugging: then only math-verify's own SIGALRM timeouts apply, which work in the
-              main thread only, and nothing can stop a hang in C code.
+              debugging: then only math-verify's own SIGALRM timeouts (main thread only) and the
+              batch budget apply, with no memory limit, and nothing can stop a hang in C code.
     timeout_s: time limit of one call (see the module docstring).
     score_fn: `score_fn(response, label, finished, timeout_s=...) -> float`, run in the
-              workers; it must be a module-level function of an importable module (not
-              __main__). Defaults to caspo.reward.verify.score; tests pass
-              caspo.reward.testing.faulty_score to inject hangs and crashes.
+              workers; a module-level function of an importable module (not __main__), or a
+              functools.partial of one. Defaults to caspo.reward.verify.score; `from_config` binds
+              its options; tests pass caspo.reward.testing.faulty_score to inject hangs and crashes.
+    memory_mb: each worker's address-space limit; None = DEFAULT_WORKER_MEMORY_MB where the
+              platform can limit it (a warning where it cannot), 0 = no limit, > 0 = that limit
+              (an error where the platform cannot).
+    recycle_after, recycle_rss_mb: replace a worker after that many calls / above that resident
+              set size (0 = never).
+    batch_budget_s: time budget of one `score` call (0 = none).
 
     One batch at a time: `score` is not meant to be called from several threads at once.
     """
 
-    def __init__(self, workers: int = 2, timeout_s: float = 5.0, score_fn: Callable[..., float] = score):
+    def __init__(self, workers: int = 2, timeout_s: float = 5.0, score_fn: Callable[..., float] = score, *,
+                 memory_mb: int | None = None, recycle_after: int = DEFAULT_RECYCLE_AFTER,
+                 recycle_rss_mb: float = DEFAULT_RECYCLE_RSS_MB, batch_budget_s: float = DEFAULT_BATCH_BUDGET_S):
         if workers < 0 or timeout_s <= 0:
             raise ValueError(f"need workers >= 0 and timeout_s > 0, got {workers}, {timeout_s}")
+        if (memory_mb is not None and memory_mb < 0) or recycle_after < 0 or recycle_rss_mb < 0 or batch_budget_s < 0:
+            raise ValueError(f"need memory_mb, recycle_after, recycle_rss_mb and batch_budget_s >= 0 (0 = off), got "
+                             f"{memory_mb}, {recycle_after}, {recycle_rss_mb}, {batch_budget_s}")
         self.workers, self.timeout_s, self.score_fn = workers, timeout_s, score_fn
-        self._workers: list[_Worker] = []
+        self.memory_mb = DEFAULT_WORKER_MEMORY_MB if memory_mb is None else memory_mb
+        self.memory_required = memory_mb is not None
+        self.recycle_after, self.recycle_rss_mb, self.batch_budget_s = recycle_after, recycle_rss_mb, batch_budget_s
+        self._workers: list[Worker] = []
+        self._retired: list[Worker] = []
+        self._warned = False
+
+    @classmethod
+    def from_config(cls, cfg, score_fn: Callable[..., float] = score) -> "RewardPool":
+        """The pool a `reward:` config section (caspo.config.RewardConfig) describes."""
+        if cfg.extractor not in EXTRACTORS or cfg.fallback not in FALLBACKS:
+            raise ValueError(f"reward.extractor must be one of {EXTRACTORS} and reward.fallback one of "
+                             f"{FALLBACKS}; got {cfg.extractor!r}, {cfg.fallback!r}")
+        bound = partial(score_fn, extractor=cfg.extractor, fallback=cfg.fallback,
+                        max_answer_chars=cfg.max_answer_chars)
+        return cls(cfg.workers, cfg.timeout_s, bound, memory_mb=cfg.worker_memory_mb,
+                   recycle_after=cfg.recycle_after, recycle_rss_mb=cfg.recycle_rss_mb,
+                   batch_budget_s=cfg.batch_budget_s)
 
     def __enter__(self) -> "RewardPool":
         self.start()
@@ -75,13 +113,23 @@ class RewardPool:
         self.close()
 
     def start(self) -> None:
+        """Start the workers and wait until each is ready."""
         if self.workers and not self._workers:
-            self._workers = _start_workers(self.workers, self.score_fn, self.timeout_s)
+            self._workers = [self._new_worker() for _ in range(self.workers)]
+            try:
+                for worker in self._workers:
+                    self._ready(worker, worker.wait_ready())
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
-        for worker in self._workers:
+        for worker in self._workers + self._retired:
             worker.stop()
-        self._workers = []
+        self._workers, self._retired = [], []
+
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
 
     def score(self, responses: Sequence[str], labels: Sequence[str], finished: Sequence[bool]) -> RewardResult:
         """Rewards of a batch, in input order. Never raises on a bad or slow response."""
@@ -90,106 +138,102 @@ class RewardPool:
                              f"{len(finished)} finished")
         if not all(isinstance(label, str) for label in labels):
             raise TypeError("labels must be strings")  # a worker would score them 0 one by one
+        deadline = time.monotonic() + self.batch_budget_s if self.batch_budget_s else math.inf
         if self.workers == 0:
-            calls = zip(responses, labels, finished)
-            return RewardResult([float(self.score_fn(*call, timeout_s=self.timeout_s)) for call in calls])
+            return self._score_inline(responses, labels, finished, deadline)
         if not self._workers:
             raise RuntimeError("RewardPool is not started: use it as a context manager")
 
         result = RewardResult([0.0] * len(responses))
         todo = deque(range(len(responses)))
-        idle, busy = list(self._workers), []
-        while todo or busy:
-            while todo and idle:
-                worker, i = idle.pop(), todo.popleft()
-                if worker.submit(i, (responses[i], labels[i], bool(finished[i])), self.timeout_s + KILL_GRACE_S):
-                    busy.append(worker)
-                else:  # it died while idle, so the call never ran: retry it on a new worker
-                    todo.appendleft(i)
-                    idle.append(self._replace(worker))
-            ready = wait([w.conn for w in busy], timeout=max(0.0, min(w.deadline for w in busy) - time.monotonic()))
-            now = time.monotonic()
-            still_busy = []
-            for worker in busy:
-                if worker.conn in ready:
-                    reward = worker.receive()
-                    if reward is not None:
-                        result.rewards[worker.task] = reward
-                        idle.append(worker)
-                        continue
-                    result.crashes += 1
-                    log.warning("reward worker died on call %d (%.60r); restarting it", worker.task,
-                                responses[worker.task])
-                elif now >= worker.deadline:
-                    result.timeouts += 1
-                    log.warning("reward call %d (%.60r) timed out; restarting its worker", worker.task,
-                                responses[worker.task])
-                else:
-                    still_busy.append(worker)
-                    continue
-                idle.append(self._replace(worker))
-            busy = still_busy
+        while True:
+            for worker in self._workers:
+                if todo and worker.idle:
+                    i = todo.popleft()
+                    if not worker.submit(i, (responses[i], labels[i], bool(finished[i])),
+                                         self.timeout_s + KILL_GRACE_S):
+                        todo.appendleft(i)  # it died while idle, so the call never ran: retry it on a new worker
+                        self._replace(worker)
+            busy = [w for w in self._workers if w.busy]
+            if not todo and not busy:
+                break
+            if time.monotonic() >= deadline:
+                self._out_of_budget(result, todo, busy)
+                break
+            waiting = [w for w in self._workers if w.busy or w.starting]
+            until = min(min(w.deadline for w in waiting), deadline)
+            ready = set(wait([w.conn for w in waiting], timeout=max(0.0, until - time.monotonic())))
+            for worker in waiting:
+                self._collect(worker, worker.conn in ready, result, responses)
         return result
 
-    def _replace(self, worker: "_Worker") -> "_Worker":
+    def _collect(self, worker: Worker, readable: bool, result: RewardResult, responses: Sequence[str]) -> None:
+        now = time.monotonic()
+        if worker.starting:
+            if readable:
+                self._ready(worker, worker.finish_start())
+            elif now >= worker.deadline:
+                raise RuntimeError("a reward worker did not start in time (its error, if any, is on stderr above)")
+            return
+        if not readable and now < worker.deadline:
+            return
+        task, elapsed = worker.task, now - worker.submitted
+        result.max_call_s = max(result.max_call_s, elapsed)
+        reply = worker.receive() if readable else None
+        if reply is not None:
+            reward, rss, peak = reply
+            result.rewards[task] = reward
+            result.max_rss_mb = max(result.max_rss_mb, peak / 2**20)
+            if (self.recycle_after and worker.calls >= self.recycle_after) or \
+                    (self.recycle_rss_mb and rss / 2**20 > self.recycle_rss_mb):
+                result.recycled += 1
+                self._retire(worker)
+            return
+        if readable:
+            result.crashes += 1
+            log.warning("reward worker died on call %d (%.60r); restarting it", task, responses[task])
+        else:
+            result.timeouts += 1
+            log.warning("reward call %d (%.60r) timed out; restarting its worker", task, responses[task])
+        self._replace(worker)
+
+    def _out_of_budget(self, result: RewardResult, todo: deque, busy: list[Worker]) -> None:
+        result.over_budget = len(todo) + len(busy)
+        now = time.monotonic()
+        for worker in busy:
+            result.max_call_s = max(result.max_call_s, now - worker.submitted)
+            self._replace(worker)
+        log.warning("reward batch ran past reward.batch_budget_s=%s: %d of %d calls unfinished score 0",
+                    self.batch_budget_s, result.over_budget, len(result.rewards))
+
+    def _score_inline(self, responses, labels, finished, deadline: float) -> RewardResult:
+        result = RewardResult([0.0] * len(responses))
+        for i, call in enumerate(zip(responses, labels, finished)):
+            if time.monotonic() >= deadline:
+                result.over_budget = len(responses) - i
+                break
+            start = time.monotonic()
+            result.rewards[i] = float(self.score_fn(*call, timeout_s=self.timeout_s))
+            result.max_call_s = max(result.max_call_s, time.monotonic() - start)
+        return result
+
+    def _new_worker(self) -> Worker:
+        return Worker(self.score_fn, self.timeout_s, self.memory_mb * 2**20 if self.memory_mb else None,
+                      self.memory_required)
+
+    def _ready(self, worker: Worker, limited: bool) -> None:
+        if self.memory_mb and not limited and not self._warned:
+            self._warned = True
+            log.warning("reward workers run without a memory limit: this platform cannot limit a process's "
+                        "address space (set reward.worker_memory_mb=0 to silence this)")
+
+    def _replace(self, worker: Worker) -> None:
+        """Kill `worker` and start its replacement in its slot (in the background)."""
         worker.kill()
-        (new,) = _start_workers(1, self.score_fn, self.timeout_s)
-        self._workers[self._workers.index(worker)] = new
-        return new
+        self._workers[self._workers.index(worker)] = self._new_worker()
 
-
-class _Worker:
-    """One worker process and the connection to it; runs one call at a time."""
-
-    def __init__(self, score_fn: Callable[..., float], timeout_s: float):
-        self.conn, child_end = Pipe()
-        fd = child_end.fileno()
-        cmd = [sys.executable, "-c", _BOOTSTRAP, str(fd), json.dumps(sys.path)]
-        self.process = subprocess.Popen(cmd, pass_fds=(fd,))
-        child_end.close()
-        self.conn.send((score_fn, timeout_s))  # buffered until the worker has started
-        self.task, self.deadline = -1, math.inf
-
-    def submit(self, task: int, args: tuple, limit_s: float) -> bool:
-        try:
-            self.conn.send(args)
-        except OSError:
-            return False
-        self.task, self.deadline = task, time.monotonic() + limit_s
-        return True
-
-    def receive(self) -> float | None:
-        """The reward of the call in flight, or None if the worker died."""
-        try:
-            return float(self.conn.recv())
-        except (EOFError, OSError):
-            return None
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.conn.close()
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(None)
-            self.process.wait(timeout=5)
-            self.conn.close()
-        except (OSError, subprocess.TimeoutExpired):  # dead already, or stuck in a call
-            self.kill()
-
-
-def _start_workers(n: int, score_fn: Callable[..., float], timeout_s: float) -> list[_Worker]:
-    """Start n workers together and wait until each has imported its score_fn."""
-    workers = [_Worker(score_fn, timeout_s) for _ in range(n)]
-    deadline = time.monotonic() + START_TIMEOUT_S
-    for worker in workers:
-        try:
-            ok = worker.conn.poll(max(0.0, deadline - time.monotonic())) and worker.conn.recv() == "ready"
-        except (EOFError, OSError):
-            ok = False
-        if not ok:
-            for w in workers:
-                w.kill()
-            raise RuntimeError("a reward worker failed to start (its error, if any, is on stderr above)")
-    return workers
+    def _retire(self, worker: Worker) -> None:
+        """Let an idle `worker` exit on its own and start its replacement (in the background)."""
+        worker.retire()
+        self._retired = [w for w in self._retired if not w.reaped()] + [worker]
+        self._workers[self._workers.index(worker)] = self._new_worker()

@@ -8,10 +8,13 @@ from caspo.reward.verify import score
 
 HANG = "<caspo-test-hang>"
 CRASH = "<caspo-test-crash>"
+ALLOCATE = "<caspo-test-allocate-mb>"  # + a number: allocate that many MB, then score 1
 
 
-def faulty_score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0) -> float:
-    """caspo.reward.verify.score, except that response HANG hangs and response CRASH kills the process.
+def faulty_score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0,
+                 **options) -> float:
+    """caspo.reward.verify.score (with its keyword options), except that response HANG hangs,
+    response CRASH kills the process and response ALLOCATE + "N" allocates N MB.
 
     The hang blocks SIGALRM first, like a call stuck in C code that math-verify's alarm
     cannot interrupt, so only the pool's own time limit can end it.
@@ -22,4 +25,7 @@ def faulty_score(response: str, label: str, finished: bool = True, timeout_s: fl
             time.sleep(60)
     if response == CRASH:
         os._exit(70)
-    return score(response, label, finished, timeout_s)
+    if response.startswith(ALLOCATE):
+        block = bytearray(int(response[len(ALLOCATE):]) * 2**20)  # MemoryError past the worker's limit
+        return float(len(block) > 0)
+    return score(response, label, finished, timeout_s, **options)

@@ -1,17 +1,17 @@
 """Final-answer reward: 1.0 if the response's final answer equals the gold label, else 0.0.
 
-The answer is extracted first (last box, else last number) and only that is handed to
-math-verify, wrapped as `$\\boxed{...}$`, because math-verify merges two nearby boxes into a
-set. Golds are wrapped as `$...$`: a bare `\\frac12` parses to nothing.
+The answer is extracted first (caspo.reward.extract: the last box by default) and checked by the
+pre-filter (caspo.reward.prefilter); only then is it handed to math-verify, wrapped as
+`$\\boxed{...}$`, because math-verify merges two nearby boxes into a set. Golds are wrapped as
+`$...$`: a bare `\\frac12` parses to nothing. Text labels (caspo.reward.labels) are compared as
+normalized strings, never by math-verify.
 
-This module is also the entry point of the reward worker processes, so it imports only the
-standard library and math-verify (never torch).
+The reward workers import this module, so it imports only the standard library, math-verify and
+caspo.reward's own light modules (never torch).
 """
 
-import logging
 import math
 import re
-import signal
 import threading
 from functools import lru_cache
 from importlib.metadata import version
@@ -20,22 +20,30 @@ from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
 from caspo.reward.extract import extract_answer
+from caspo.reward.labels import letter_word, normalize_text, same_text, text_label
+from caspo.reward.prefilter import MAX_ANSWER_CHARS, hedged, too_costly
 
 # Names this verifier and the libraries that decide its verdicts; bump the first part
 # whenever extraction or scoring changes, so results can be traced to the code that made them.
 VERIFIER_VERSION = (
-    "caspo-final-answer-1"
+    "caspo-final-answer-2"
     f"+math-verify-{version('math-verify')}"
     f"+latex2sympy2_extended-{version('latex2sympy2_extended')}"
 )
 
-_INTEGER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)")
+_INTEGER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)")  # ASCII digits only
+# A thin space (or `\ `, `\!`, `~`) between thousands groups: "1\,000" is 1000 (math-verify reads 1*0).
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=[0-9])(?:\\[,! ]|~)(?=[0-9]{3}(?![0-9]))")
 
 
-def score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0) -> float:
+def score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0, *,
+          extractor: str = "boxed", fallback: str = "none", max_answer_chars: int = MAX_ANSWER_CHARS) -> float:
     """Reward of one response: 1.0 if its final answer matches `label`, else 0.0.
 
-    A response cut off by the length limit (finished=False) scores 0 whatever it says.
+    A response cut off by the length limit (finished=False) scores 0 whatever it says, and so
+    does one without an answer (caspo.reward.extract.extract_answer with `extractor`, `fallback`)
+    or whose answer the pre-filter refuses as too costly (`max_answer_chars` and the rest of
+    caspo.reward.prefilter.too_costly) or, against a math label, as a hedge (prefilter.hedged).
     Never raises on model output: any failure to extract, parse or compare scores 0.
 
     timeout_s bounds each math-verify step (parsing the gold, parsing the answer, each
@@ -49,19 +57,25 @@ def score(response: str, label: str, finished: bool = True, timeout_s: float | N
         _require_main_thread()
     if not finished:
         return 0.0
+    answer = extract_answer(response, extractor, fallback)  # raises only on an unknown option
+    if answer is None or too_costly(answer, max_answer_chars):
+        return 0.0
+    gold = _strip_dollars(label)
+    if text_label(gold) or letter_word(gold):
+        return 1.0 if same_text(answer, gold) else 0.0
+    if hedged(answer):
+        return 0.0
     try:
-        answer = extract_answer(response)
-        if answer is None:
-            return 0.0
-        fast = _integer_verdict(answer, label)
+        answer = _DIGIT_GROUP_SPACE.sub("", answer)
+        fast = _integer_verdict(answer, gold)
         if fast is not None:
             return fast
         seconds = _alarm_seconds(timeout_s)
-        gold = _parse_gold(_strip_dollars(label), seconds)
+        parsed_gold = _parse_gold(_DIGIT_GROUP_SPACE.sub("", gold), seconds)
         # Unescaped "$" inside the box ("\boxed{$18$}") would close the math environment early.
         answer = re.sub(r"(?<!\\)\$", "", answer)
         prediction = parse("$\\boxed{" + answer + "}$", parsing_timeout=seconds)
-        return 1.0 if verify(list(gold), prediction, timeout_seconds=seconds) else 0.0
+        return 1.0 if verify(list(parsed_gold), prediction, timeout_seconds=seconds) else 0.0
     except (Exception, TimeoutException):  # TimeoutException is a BaseException
         return 0.0
 
@@ -69,9 +83,10 @@ def score(response: str, label: str, finished: bool = True, timeout_s: float | N
 def check_label(label: str) -> None:
     """Raise ValueError unless `label` is a usable gold answer (for validating dataset rows).
 
-    Usable means: a non-empty string that math-verify parses as math (not only as a raw
-    string), and that a response boxing exactly that label scores 1.0 against (otherwise no
-    response could ever earn reward).
+    Usable means: a non-empty string that is either marked as text (`\\text{...}`, see
+    caspo.reward.labels) or math that math-verify parses (not only as a raw string) and that is
+    not just a word, which math-verify would read as a product of letters; and a response boxing
+    exactly that label scores 1.0 against it (otherwise no response could ever earn reward).
     Runs math-verify with its SIGALRM timeouts, so call it from the main thread.
     """
     _require_main_thread()
@@ -80,50 +95,35 @@ def check_label(label: str) -> None:
     gold = _strip_dollars(label)
     if not gold:
         raise ValueError(f"empty label: {label!r}")
-    try:
-        parsed = _parse_gold(gold, _alarm_seconds(5.0))
-    except ValueError:
-        raise ValueError(f"math-verify cannot parse label {label!r}") from None
-    if all(isinstance(p, str) for p in parsed):  # math-verify only echoed the text back
-        raise ValueError(f"math-verify cannot parse label {label!r} as math (only as a string)")
+    if text_label(gold):
+        if not normalize_text(gold):
+            raise ValueError(f"empty text label: {label!r}")
+    else:
+        word = letter_word(gold)
+        if word is not None:
+            raise ValueError(f"label {label!r} is only letters, which math-verify reads as a product of symbols "
+                             f"({'*'.join(word[:4])}...): mark a word as text (\\text{{{gold}}}) or write math as "
+                             "LaTeX (\\pi, x \\cdot y)")
+        try:
+            parsed = _parse_gold(_DIGIT_GROUP_SPACE.sub("", gold), _alarm_seconds(5.0))
+        except ValueError:
+            raise ValueError(f"math-verify cannot parse label {label!r}") from None
+        if all(isinstance(p, str) for p in parsed):  # math-verify only echoed the text back
+            raise ValueError(f"math-verify cannot parse label {label!r} as math (only as a string)")
+    refused = too_costly(gold)
+    if refused:
+        raise ValueError(f"label {label!r} is refused by the verifier's pre-filter ({refused}), "
+                         "so no answer could match it; simplify the label")
     if score("\\boxed{" + gold + "}", label) != 1.0:
         raise ValueError(f"label {label!r} does not match itself: a response boxing it would score 0")
-
-
-def serve(fd: int) -> None:
-    """Entry point of a reward worker process (see caspo.reward.pool).
-
-    Talks over the multiprocessing Connection on file descriptor `fd`: receives
-    (score_fn, timeout_s) once, answers "ready", then answers each (response, label, finished)
-    task with a float reward, until it receives None or the other end closes.
-    """
-    from multiprocessing.connection import Connection
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops us
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeout warnings print whole responses
-    conn = Connection(fd)
-    score_fn, timeout_s = conn.recv()
-    conn.send("ready")
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:  # parent went away
-            return
-        if task is None:
-            return
-        try:
-            reward = float(score_fn(*task, timeout_s=timeout_s))
-        except Exception:
-            logging.getLogger(__name__).exception("score_fn raised; reward 0")
-            reward = 0.0
-        conn.send(reward)
 
 
 def _integer_verdict(answer: str, label: str) -> float | None:
     """Exact verdict when both sides are plain integers ("1,450,000", "\\$18", "-7"), else None.
 
     Agrees with math-verify, which compares integers exactly and reads thousands separators
-    and dollar signs the same way; it only saves the parse for the common case.
+    and dollar signs the same way; it only saves the parse for the common case. ASCII digits
+    only: "４２" is not an integer here (math-verify scores it 0 too).
     """
     a, b = _as_integer(answer), _as_integer(label)
     if a is None or b is None:

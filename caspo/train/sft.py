@@ -87,7 +87,7 @@ def run_sft(cfg: Config, output: str | Path, init: str | None = None) -> dict:
     output.mkdir(parents=True, exist_ok=True)
     log = JsonlWriter(output / "sft_log.jsonl")
     n_train = task.size("train")
-    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool, progress_bar() as progress:
+    with RewardPool.from_config(cfg.reward) as pool, progress_bar() as progress:
         bar = progress.add_task("sft", total=s.steps, status="")
         for step in range(s.steps):
             problems = [task.problem("train", rng.randrange(n_train)) for _ in range(s.batch_size)]

@@ -94,7 +94,7 @@ def build_trainer(cfg: Config) -> Trainer:
         engine=build_engine(cfg, policy, tokenizer, max_seq_len(cfg)),
         cursor=PromptCursor(len(data.train), cfg.train.seed),
         update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
-        pool=RewardPool(cfg.reward.workers, cfg.reward.timeout_s),
+        pool=RewardPool.from_config(cfg.reward),
         scaler=LossScaler(cfg.train.precision, cfg.train.loss_scale),
     )
     if cfg.rollout.staleness:  # record version 0; otherwise the engine already serves these weights

@@ -103,7 +103,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
     stats = {"prompts": len(indices), "base_rollouts": 0, "mixed_prompts": 0, "mc_requests": 0,
              "mc_unique_prefixes": 0, "mc_tokens": 0}
 
-    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool, progress_bar() as progress:
+    with RewardPool.from_config(cfg.reward) as pool, progress_bar() as progress:
         scorer = setup.scorer(pool)
         split = step_splitter(cfg, setup.decode)
         task = progress.add_task(f"collect {shard[0]}/{shard[1]}", total=len(indices), status="")

@@ -65,7 +65,7 @@ def run_check(cfg: Config, prompts: int, k: int = 9, m: int = 64, planted: int =
         raise ValueError(f"{prompts} prompts asked for, eval.heldout_size gives {len(data.eval)}")
     prompt_ids, labels = data.eval_prompts[:prompts], [e.label for e in data.eval[:prompts]]
 
-    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+    with RewardPool.from_config(cfg.reward) as pool:
         scorer = setup.scorer(pool)
         seed_fn = partial(continuation_seed, seed, CHECK_STEP)
         est = estimate_prefixes(engine, [Prefix(tuple(p), (), lab) for p, lab in zip(prompt_ids, labels)], k=k,
