@@ -157,3 +157,14 @@ def test_unknown_sources_name_the_forms(tmp_path):
         parse_source(str(tmp_path / "missing.parquet"))
     assert parse_source("hf:openai/gsm8k:main@test").__dict__ == {"kind": "hub", "target": "openai/gsm8k",
                                                                 "config": "main", "split": "test"}
+
+
+def test_a_label_read_off_the_last_box_of_a_worked_solution():
+    """data.label_field=boxed:solution, as MATH's train split needs: MATH-500's solutions give its answers."""
+    from caspo.data.load import load_source
+    from caspo.data.registry import SHIPPED
+
+    loaded = load_source(str(SHIPPED["math500"].path), label_field="boxed:solution", id_field="id")
+    assert len(loaded.examples) == 500
+    assert all(e.label == e.meta["answer"] for e in loaded.examples)
+    assert "solution" not in loaded.examples[0].meta  # the field the label came from is used up

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from caspo.config import Config
-from caspo.data.examples import Example
+from caspo.data.examples import SHOWN, DataError, Example
 from caspo.data.prompts import encode_prompts
 from caspo.data.task import arith_task, load_examples, task_examples
 from caspo.data.templates import prompt_bos, render_prompt
+from caspo.runlog import console
+
+LIMITLESS = 1 << 30  # data.long_prompts=skip: encode every prompt, then leave out the long ones
 
 __all__ = ["TaskData", "arith_task", "encode", "load_examples", "load_task_data"]
 
@@ -23,13 +26,35 @@ class TaskData:
 
 
 def encode(cfg: Config, tokenizer, examples: list[Example]) -> list[list[int]]:
-    """Rendered prompts (`chat`: through the tokenizer's chat template) as ids, with BOS as `data.add_bos` says."""
+    """Rendered prompts (`chat`: through the tokenizer's chat template) as ids, with BOS as `data.add_bos` says;
+    a prompt over data.max_prompt_tokens is an error, or with data.long_prompts=truncate_left keeps its end."""
     d = cfg.data
     texts = [render_prompt(d.template, e.query, tokenizer) for e in examples]
+    overflow = "truncate_left" if d.long_prompts == "truncate_left" else "error"
+    limit = d.max_prompt_tokens if d.long_prompts != "skip" else LIMITLESS
     return encode_prompts(tokenizer, texts, add_bos=prompt_bos(d.add_bos, tokenizer, texts),
-                          max_prompt_tokens=d.max_prompt_tokens)
+                          max_prompt_tokens=limit, on_overflow=overflow)
+
+
+def fitting(cfg: Config, tokenizer, examples: list[Example], summary: dict) -> tuple[list[Example], list]:
+    """The examples and their prompt ids; with data.long_prompts=skip, those over data.max_prompt_tokens are
+    left out and counted in `summary` (skipped_long, skipped_long_ids)."""
+    prompts = encode(cfg, tokenizer, examples)
+    if cfg.data.long_prompts != "skip":
+        return examples, prompts
+    keep = [i for i, ids in enumerate(prompts) if len(ids) <= cfg.data.max_prompt_tokens]
+    long = [examples[i].id for i in range(len(examples)) if len(prompts[i]) > cfg.data.max_prompt_tokens]
+    if long:
+        summary.update(skipped_long=len(long), skipped_long_ids=long[:SHOWN])
+        console.print(f"  {len(long)} prompts over data.max_prompt_tokens={cfg.data.max_prompt_tokens} left out "
+                      f"(data.long_prompts=skip): {', '.join(long[:SHOWN])}")
+    return [examples[i] for i in keep], [prompts[i] for i in keep]
 
 
 def load_task_data(cfg: Config, tokenizer) -> TaskData:
     ex = task_examples(cfg)
-    return TaskData(ex.train, encode(cfg, tokenizer, ex.train), ex.eval, encode(cfg, tokenizer, ex.eval), ex.summary)
+    train, train_prompts = fitting(cfg, tokenizer, ex.train, ex.summary["train"])
+    held, held_prompts = fitting(cfg, tokenizer, ex.eval, ex.summary["heldout"])
+    if not train:
+        raise DataError(f"every training prompt is over data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    return TaskData(train, train_prompts, held, held_prompts, ex.summary)

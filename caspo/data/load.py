@@ -9,9 +9,14 @@ rows (caspo.data.registry) are always left out and listed as excluded.
 
 from __future__ import annotations
 
+import functools
+
 from caspo.data.examples import SHOWN, SKIP_HINT, DataError, Example, InvalidRow, LoadResult
 from caspo.data.registry import SHIPPED
 from caspo.data.rows import RawRow, parse_source, read_rows
+from caspo.reward.extract import last_boxed
+
+BOXED = "boxed:"  # data.label_field=boxed:FIELD reads the label off the last \boxed{} of FIELD
 
 
 def load_source(source: str, *, query_field: str = "problem", label_field: str = "answer",
@@ -41,7 +46,6 @@ def load_jsonl(path, *, query_field: str = "problem", label_field: str = "answer
 
 def validate_rows(source: str, raw: list[RawRow], *, query_field: str, label_field: str, id_field: str | None,
                   skip_invalid: bool, known_invalid: dict[str, str] | None = None, limit: int = 0) -> LoadResult:
-    from caspo.reward.verify import check_label  # imported here so that importing caspo.data stays light
 
     known = known_invalid or {}
     result = LoadResult(source, [])
@@ -50,7 +54,7 @@ def validate_rows(source: str, raw: list[RawRow], *, query_field: str, label_fie
         if limit and len(result.examples) >= limit:
             break
         result.rows += 1
-        example, bad = parse_row(r, query_field, label_field, id_field, check_label)
+        example, bad = parse_row(r, query_field, label_field, id_field, checked_label)
         if bad is None and example.id in first_of:
             bad = InvalidRow(example.id, r.where, id_field or "id", f"duplicate id (first at {first_of[example.id]})")
         if bad is not None:
@@ -70,6 +74,15 @@ def invalid_message(result: LoadResult) -> str:
     ids = ", ".join(r.id for r in bad[:SHOWN]) + (", ..." if n > SHOWN else "")
     return (f"{result.source}: {n} invalid row{'s' if n > 1 else ''} of {result.rows} ({ids}); first: {bad[0]}; "
             f"fix the rows or the field names (data.query_field / data.label_field / data.id_field), {SKIP_HINT}")
+
+
+@functools.lru_cache(maxsize=None)
+def checked_label(label: str) -> None:
+    """`check_label`, once per distinct label in a process: benchmarks load again at every checkpoint and
+    the check parses every gold (a label it rejects raises, which is not cached)."""
+    from caspo.reward.verify import check_label  # imported here so that importing caspo.data stays light
+
+    check_label(label)
 
 
 def parse_row(r: RawRow, query_field: str, label_field: str, id_field: str | None,
@@ -95,9 +108,14 @@ def parse_row(r: RawRow, query_field: str, label_field: str, id_field: str | Non
         return bad(query_field, "missing field" + _fields(row))
     if not isinstance(query, str) or not query.strip():
         return bad(query_field, f"query must be a non-empty string, got {query!r}")
-    label = field_value(row, label_field)
+    boxed = label_field.startswith(BOXED)  # "boxed:solution": the last \boxed{} of a worked solution (MATH)
+    label = field_value(row, label_field.removeprefix(BOXED))
     if label is MISSING:
         return bad(label_field, "missing field" + _fields(row))
+    if boxed and isinstance(label, str):
+        label = last_boxed(label)
+        if label is None:
+            return bad(label_field, "the solution has no complete \\boxed{} answer")
     if isinstance(label, int) and not isinstance(label, bool):
         label = str(label)
     if not isinstance(label, str) or not label.strip():
@@ -106,7 +124,7 @@ def parse_row(r: RawRow, query_field: str, label_field: str, id_field: str | Non
         check_label(label)
     except ValueError as e:
         return bad(label_field, f"rejected by the verifier: {e}")
-    used = {query_field, label_field, id_field}
+    used = {query_field, label_field.removeprefix(BOXED), id_field}
     return Example(id_, query, label, {k: v for k, v in row.items() if k not in used}), None
 
 

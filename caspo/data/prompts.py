@@ -31,7 +31,8 @@ def encode_prompts(tokenizer, texts: list[str], *, add_bos: bool, max_prompt_tok
             if on_overflow == "error":
                 raise ValueError(
                     f"prompt {i} is {len(ids)} tokens, over data.max_prompt_tokens={max_prompt_tokens}; "
-                    "raise data.max_prompt_tokens or set on_overflow to truncate_left"
+                    "raise data.max_prompt_tokens, or set data.long_prompts=skip (leave such prompts out) or "
+                    "data.long_prompts=truncate_left"
                 )
             ids = bos + ids[len(ids) - max_prompt_tokens + len(bos):]
         encoded.append(ids)
