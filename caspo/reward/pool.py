@@ -15,7 +15,8 @@ The limits (docs/reliability.md, "Verifier"):
   it, or several slow steps in a row) gets reward 0, is counted in `timeouts`, and its worker is
   killed and replaced. The other calls are unaffected.
 - time per batch: calls not finished `batch_budget_s` after the batch began get reward 0 and are
-  counted in `over_budget`; the workers still busy are killed and replaced.
+  counted in `over_budget`; the workers still busy are killed and replaced. The clock starts once
+  the replacements left by the previous batch are ready, so a restart is never charged to a batch.
 - memory: each worker's address space is limited to `memory_mb` (RLIMIT_AS), so an allocation
   past it fails inside the call (reward 0) instead of swapping the machine; a worker is replaced
   after `recycle_after` calls, or when its resident set grows past `recycle_rss_mb` (caches keep
@@ -138,6 +139,9 @@ class RewardPool:
                              f"{len(finished)} finished")
         if not all(isinstance(label, str) for label in labels):
             raise TypeError("labels must be strings")  # a worker would score them 0 one by one
+        for worker in self._workers:
+            if worker.starting:
+                self._ready(worker, worker.wait_ready())
         deadline = time.monotonic() + self.batch_budget_s if self.batch_budget_s else math.inf
         if self.workers == 0:
             return self._score_inline(responses, labels, finished, deadline)
