@@ -171,6 +171,46 @@ def test_value_loss_clipping_by_hand():
     assert plain.item() == pytest.approx(0.5 * (1.0 + 0.16 + 0.01 + 1.0) / 4)
 
 
+def test_value_loss_counts_no_clip_inside_the_band_in_fp32():
+    # V and V_old within 0.19 of each other, of mixed magnitudes: V_old + (V − V_old) often differs from V
+    # in its last bit (a third of these), which counted some as clipped; clamp(V, V_old ± c) is V itself
+    g = torch.Generator().manual_seed(0)
+    V_old = (torch.rand(1, 4096, generator=g) * 2 - 1) * 0.1
+    V = ((torch.rand(1, 4096, generator=g) * 2 - 1) * 0.09).requires_grad_()
+    R = torch.randn(1, 4096, generator=g)
+    mask = torch.ones(1, 4096)
+    assert bool((V_old + (V - V_old).clamp(-0.2, 0.2) != V).any())  # the float trap is real on these vectors
+    loss, metrics = value_loss(V, V_old, R, mask, clip=0.2)
+    plain, _ = value_loss(V, V_old, R, mask, clip=None)
+    assert metrics["vf_clipfrac"].item() == 0.0
+    assert loss.item() == plain.item()
+    torch.testing.assert_close(grad_of(loss, V), grad_of(plain, V), rtol=0, atol=0)
+
+
+def test_value_loss_matches_the_verl_formula_elementwise():
+    """verl: V_c = clip(V, V_old − c, V_old + c); ½·masked_mean(max((V − R)², (V_c − R)²)); ∂ through the max."""
+    V_list = [0.30, -0.45, 1.10, 0.05, 0.70, -0.20]
+    V_old_list = [0.00, -0.10, 0.50, 0.05, 0.80, 0.10]
+    R_list = [1.00, -1.00, 0.00, 2.00, 0.75, -0.30]
+    c = 0.25
+    terms, grads, clipped = [], [], []
+    for v, vo, r in zip(V_list, V_old_list, R_list):
+        vc = min(max(v, vo - c), vo + c)
+        plain, clip_term = (v - r) ** 2, (vc - r) ** 2
+        terms.append(max(plain, clip_term))
+        clipped.append(clip_term > plain)
+        # the max picks the clipped branch: ∂ = 2(V_c − R)·∂V_c, and ∂V_c = 0 outside the band
+        inside = vo - c < v < vo + c
+        grads.append(2 * (v - r) if clip_term <= plain else (2 * (vc - r) if inside else 0.0))
+    n = len(V_list)
+    V = leaf([V_list])
+    loss, metrics = value_loss(V, row(V_old_list), row(R_list), torch.ones(1, n), clip=c)
+    assert loss.item() == pytest.approx(0.5 * sum(terms) / n, rel=1e-12)
+    assert metrics["vf_clipfrac"].item() == pytest.approx(sum(clipped) / n)
+    assert 0 < sum(clipped) < n  # both branches are exercised
+    torch.testing.assert_close(grad_of(loss, V), row([0.5 * g / n for g in grads]))
+
+
 # ---------------------------------------------------------------- decoupled PPO
 
 

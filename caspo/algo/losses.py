@@ -91,13 +91,15 @@ def value_loss(
     agg: str = "token-mean",
     denom: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss.
+    """Clipped value loss (verl's ``compute_value_loss``).
 
-        V_clip = V_old + clamp(V − V_old, −clip, clip)
+        V_clip = clamp(V, V_old − clip, V_old + clip)
         loss   = ½ · agg(max((V − R)², (V_clip − R)²))
 
     ``clip=None`` gives the plain ½·agg((V − R)²). Metric ``vf_clipfrac`` =
-    mmean[(V_clip − R)² > (V − R)²].
+    mmean[(V_clip − R)² > (V − R)²]. Clamping V itself keeps V_clip bit-equal to V
+    inside the band (V_old + (V − V_old) is not, in floating point), so an element
+    that was not clipped is never counted.
     """
     keep = mask.bool()
     values, values_old, returns = (masked_fill_zero(t, keep) for t in (values, values_old, returns))
@@ -105,7 +107,7 @@ def value_loss(
     if clip is None:
         clipped = unclipped
     else:
-        v_clip = values_old + (values - values_old).clamp(-clip, clip)
+        v_clip = torch.clamp(values, values_old - clip, values_old + clip)
         clipped = (v_clip - returns).square()
     loss = 0.5 * aggregate(torch.maximum(unclipped, clipped), keep, agg, denom=denom)
     return loss, {"vf_clipfrac": _metric(clipped > unclipped, keep)}
