@@ -178,7 +178,11 @@ class MethodConfig:
     # GAE and the critic
     gamma: float = 1.0
     lam: float = 1.0
-    critic_lr: float = 1e-5
+    # the critic's own AdamW settings (optim.* holds the policy's); the seed's PPO+critic recipe:
+    # critic_lr=1e-6 (= policy lr, matches VinePPO), critic_weight_decay=0.0, critic_grad_clip=1.0
+    critic_lr: float = 1e-6
+    critic_weight_decay: float = 0.0
+    critic_grad_clip: float = 1.0
     value_clip: float = 0.2
     # decoupled PPO: bounds of the behaviour importance weight π_prox/μ
     iw_low: float = 0.5

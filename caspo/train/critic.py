@@ -30,14 +30,17 @@ def critic_loss(critic: torch.nn.Module, batch: RolloutBatch, cfg: Config, denom
 
 
 class Critic(MethodState):
-    """A scalar critic (the policy's backbone + a zero-initialised head), trained beside the policy."""
+    """A scalar critic (the policy's backbone + a zero-initialised head), trained beside the policy with
+    its own AdamW settings (method.critic_lr, critic_weight_decay, critic_grad_clip; the schedule is optim's)."""
 
     def __init__(self, cfg: Config, policy_path: str, device: torch.device):
         super().__init__()
         model = load_critic(policy_path, device).eval()
         if cfg.train.recompute:
             enable_recompute(model)
-        self.learners = {"critic": learner(model, cfg, lr=cfg.method.critic_lr)}
+        m = cfg.method
+        self.learners = {"critic": learner(model, cfg, lr=m.critic_lr, weight_decay=m.critic_weight_decay,
+                                           grad_clip=m.critic_grad_clip)}
 
     @classmethod
     def build(cls, cfg: Config, policy_path: str, policy: torch.nn.Module, tokenizer, device: torch.device):

@@ -13,22 +13,25 @@ from caspo.config import Config, OptimConfig
 
 @dataclass
 class Learner:
-    """A model with its optimizer and schedule."""
+    """A model with its optimizer, schedule and gradient-norm clip."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    grad_clip: float  # max global gradient norm of one optimizer step
 
 
-def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None, schedule: str | None = None) -> Learner:
+def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None, schedule: str | None = None,
+            weight_decay: float | None = None, grad_clip: float | None = None) -> Learner:
     """Optimizer and schedule for `model` (built after the model is final, ready for FSDP2 wrapping first);
-    the schedule spans every optimizer step of the run."""
-    optim = cfg.optim if lr is None else dataclasses.replace(cfg.optim, lr=lr)
+    the schedule spans every optimizer step of the run. What is not given comes from `cfg.optim`."""
+    overrides = {"lr": lr, "weight_decay": weight_decay, "grad_clip": grad_clip}
+    optim = dataclasses.replace(cfg.optim, **{k: v for k, v in overrides.items() if v is not None})
     optim = optim if schedule is None else dataclasses.replace(optim, schedule=schedule, warmup_steps=0)
     updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
     optimizer = build_optimizer(model.parameters(), optim)
     return Learner(model, optimizer, build_scheduler(optimizer, warmup=optim.warmup_steps, total=updates,
-                                                     schedule=optim.schedule))
+                                                     schedule=optim.schedule), optim.grad_clip)
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -70,12 +70,12 @@ def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Co
     return out
 
 
-def optimizer_step(learner: Learner, scaler: LossScaler, grad_clip: float) -> float | None:
-    """Unscale, check, clip and step; None if the step was skipped for overflow."""
+def optimizer_step(learner: Learner, scaler: LossScaler) -> float | None:
+    """Unscale, check, clip at learner.grad_clip and step; None if the step was skipped for overflow."""
     params = [p for p in learner.model.parameters() if p.grad is not None]
     grad_norm = None
     if scaler.unscale_and_check(params):
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, learner.grad_clip))
         learner.optimizer.step()
     learner.scheduler.step()  # a skipped update still uses its slot of the schedule
     return grad_norm
@@ -111,7 +111,7 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
             for key, learner, loss_fn in learners:
                 learner.optimizer.zero_grad(set_to_none=True)
                 record(accumulate_gradients(learner.model, batch, rows, cfg, scaler, norm_len, loss_fn))
-                grad_norm = optimizer_step(learner, scaler, cfg.optim.grad_clip)
+                grad_norm = optimizer_step(learner, scaler)
                 if grad_norm is not None:
                     sums[key] += grad_norm
                     counts[key] += 1

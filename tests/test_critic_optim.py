@@ -1,0 +1,49 @@
+"""The critic trains with its own AdamW settings: lr, weight decay and gradient clip apart from the policy's."""
+
+import pytest
+import torch
+
+from caspo.config import MethodConfig, load_config
+from caspo.models.policy import load_policy, resolve_model_path
+from caspo.precision import LossScaler
+from caspo.train.critic import Critic
+from caspo.train.optim import learner
+from caspo.train.update import optimizer_step
+
+
+def test_the_seed_critic_defaults():
+    # the seed's PPO+critic recipe: critic_lr=1e-6, critic_weight_decay=0.0, critic_grad_clip=1.0
+    m = MethodConfig()
+    assert (m.critic_lr, m.critic_weight_decay, m.critic_grad_clip) == (1e-6, 0.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config("tests", ["method.name=ppo_critic", "optim.lr=3e-4", "optim.weight_decay=0.1",
+                                 "optim.grad_clip=1.0", "method.critic_lr=2e-5", "method.critic_weight_decay=0.0",
+                                 "method.critic_grad_clip=0.25"])
+
+
+@pytest.fixture(scope="module")
+def critic(cfg):
+    return Critic(cfg, resolve_model_path(cfg.model.policy), torch.device("cpu")).learners["critic"]
+
+
+def test_critic_and_policy_optimizers_are_configured_apart(cfg, critic):
+    policy = learner(load_policy(cfg.model.policy), cfg)
+    (critic_group,), (policy_group,) = critic.optimizer.param_groups, policy.optimizer.param_groups
+    assert (critic_group["lr"], critic_group["weight_decay"], critic.grad_clip) == (2e-5, 0.0, 0.25)
+    assert (policy_group["lr"], policy_group["weight_decay"], policy.grad_clip) == (3e-4, 0.1, 1.0)
+    assert critic_group["betas"] == policy_group["betas"] == (0.9, 0.999)  # the rest is optim.*
+
+
+def test_a_huge_critic_loss_is_clipped_at_the_critic_clip(critic):
+    model = critic.model
+    model.zero_grad(set_to_none=True)
+    loss = 1e6 * model(input_ids=torch.tensor([[3, 4, 5, 6, 7]])).logits.sum()
+    loss.backward()
+    before = optimizer_step(critic, LossScaler("fp32"))
+    after = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert before > 1e3  # the norm before clipping, as the run log reports it
+    # clipped to the critic's 0.25, not the policy's 1.0 (clip_grad_norm_ scales by c / (norm + 1e-6))
+    assert 0.25 * (1 - 1e-6) <= float(after) <= 0.25
