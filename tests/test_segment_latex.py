@@ -1,4 +1,9 @@
-"""LaTeX-aware and newline step splitters: one hand-derived case per rule, plus MATH-wide checks."""
+"""LaTeX-aware and newline step splitters.
+
+The LaTeX splitter is upstream VinePPO's in-place splitter: ``UPSTREAM_CASES`` are hand-derived cases, one or
+more per rule, whose expected steps upstream's ``split_solution_inplace`` also gives (checked when they were
+written; see tests/data/segment/README.md), and the fixture holds upstream's split of 64 more texts.
+"""
 
 import json
 import random
@@ -10,6 +15,7 @@ import pytest
 from caspo.segment import latex_step_starts, newline_step_starts
 
 MATH_TEST = Path("/work/shared/data/math_test_full.jsonl")
+FIXTURE = Path(__file__).parent / "data" / "segment" / "upstream_splits.jsonl"
 
 
 def steps(text, split=latex_step_starts):
@@ -23,19 +29,122 @@ def clause(n):
     return ("word " * n)[: n - 1] + ","
 
 
-# ---------------------------------------------------------------- failures upstream, fine here
+# ---------------------------------------------------------------- upstream's rules, by hand
+
+UPSTREAM_CASES = [
+    # stage 1: a masked span counts as 60 characters. "So $x=1.$" is 9 real characters but 63 masked, so
+    # stage 2 keeps it; stage 3 keeps it too because it ends in ".$"
+    pytest.param(["So $x=1.$", "\nNext line is long enough."], id="mask-counts-sixty"),
+    # stage 2: a sentence ends at a period before whitespace and a capital; the whitespace opens the next step
+    pytest.param(["We first compute the sum of all terms.", " Then we divide by the count."], id="sentence"),
+    pytest.param(["We tried apples, pears, etc.", " Bananas were not on the list at all."], id="sentence-etc"),
+    pytest.param(["The smallest value of the sum is 2.", " Larger values appear later."], id="sentence-digit"),
+    # "3x." is one letter after a word character (no word boundary), so it ends a sentence
+    pytest.param(["We find the product equals 3x.", " Then we divide both sides by three."], id="sentence-3x"),
+    pytest.param(["Let the answer be called x. Then it equals four times y."], id="no-sentence-one-letter"),
+    pytest.param(["Pick any even number, e.g. Twelve works fine here."], id="no-sentence-eg"),
+    pytest.param(["The letter was sent by Mr. Smith to the office today."], id="no-sentence-two-letters"),
+    pytest.param(["We first compute the sum of all terms. then we divide by the count."], id="no-sentence-lower"),
+    # stage 2: a newline opens the next step; a short piece not ending in "." is glued forward
+    pytest.param(["First line of the solution here", "\nSecond line of the solution here"], id="newline"),
+    pytest.param(["First line of the solution here", "\n\nSecond line of the solution here"], id="blank-line"),
+    pytest.param(["So we get\nthe total number of apples is ten apples."], id="short-glued-forward"),
+    # a blank run of 20 or more characters is long enough to stay a step
+    pytest.param(["First line of the solution here", "\n" + " " * 25, "\nSecond line of the solution here"],
+                 id="long-blank-run"),
+    # numbered lines: "\n1. $x=1$" is 64 masked characters (kept by stage 2) but 9 real ones, so stage 3 glues
+    # it forward until the piece reaches 20
+    pytest.param(["We list the cases in order.", "\n1. $x=1$\n2. $x=2$\n3. $x=3$, which is the largest.",
+                  "\nSo there are three cases."], id="numbered-lines"),
+    # stage 3: cut after math ending in ".$" / ".\]"; a plain "." does not protect a short piece here
+    pytest.param(["We find that $x = 19.$", " Substituting gives the value $y = 7.$"], id="period-math"),
+    pytest.param(["Hence \\[x = 4.\\]", " follows from the equation above"], id="period-display"),
+    pytest.param(["Short one.\nThe second line is long enough."], id="plain-period-glued"),
+    pytest.param(["We find that $x = 19.$ Done"], id="short-last-glued-back"),
+    # stage 4: each newline inside math opens a step; a lone opener ("\n\[", "\n$$", "\n\begin{align*}") or a
+    # piece under 3 characters is glued forward, backward when last
+    pytest.param(["We expand the product as follows:", "\n\\begin{align*}\na &= b + c \\\\", "\n&= d",
+                  "\n\\end{align*}"], id="align-rows"),
+    pytest.param(["We expand the product as follows:", "\n\\[\\begin{aligned}", "\na &= b + c \\\\", "\n&= d + e",
+                  "\n\\end{aligned}\\]"], id="stacked-openers-stay"),
+    pytest.param(["Here is the diagram of the triangle:", "\n[asy]\ndraw((0,0)--(1,1));",
+                  '\nlabel("$A$",(0,0),W);', "\n[/asy]"], id="asy-rows"),
+    # "\n3" is 2 characters; the closing "$$" line reads as an opener, and being last it goes backward
+    pytest.param(["The rows of the matrix are", "\n$$\n1 + 2 + 9", "\n3\n4 + 5\n$$"], id="tiny-row"),
+    # display math, then text: the closing delimiter opens the next step ("\n$$" glued forward, "\]where")
+    pytest.param(["The sum telescopes, so we get", "\n$$\nS = 1 - \\frac{1}{n+1}",
+                  "\n$$\nwhich tends to one as n grows."], id="dollars-then-text"),
+    pytest.param(["We solve the system and obtain", "\n\\[\nx = 2, \\quad y = 3",
+                  "\n\\]where both values are positive integers."], id="bracket-then-where"),
+    # equal math twice in one piece: only its first occurrence is cut at newlines
+    pytest.param(["First we get $$", "\nx = 1", "\n$$ and then again $$\nx = 1\n$$ as before."], id="equal-math"),
+    pytest.param(["First we get $$", "\nx = 1", "\n$$ and then again $$", "\nx = 2", "\n$$ as before."],
+                 id="different-math"),
+    # stage 5: a piece over 100 characters is halved at the cut nearest its middle; after "," the space opens
+    # the next piece, after " and" / " to" too
+    pytest.param(["The first part of this sentence is long enough to stand alone,",
+                  " and the second part and the third part are also quite long here"], id="comma"),
+    pytest.param(["The first part of this sentence is long enough to stand alone and",
+                  " the second part of this sentence is also long enough by itself"], id="and"),
+    pytest.param(["The first part of this sentence is long enough so that we want to",
+                  " be cut right after a word and before the space that follows it"], id="to"),
+    # commas at 45, 95, 150, 200 of 260: first cut 150 (middle 130), then 95 (middle 75) in [0, 150) and 200
+    # (middle 205) in [150, 260)
+    pytest.param([clause(45) + clause(50), clause(55), clause(50), "word " * 11 + "words"], id="halve-repeatedly"),
+    # raw cuts on the real text: after "=" inside display math, after ",$"
+    pytest.param(["\\[" + "a" * 48 + "=", "b" * 48 + "\\]"], id="raw-equals"),
+    pytest.param(["$" + "a" * 50 + ",$", "b" * 50], id="raw-comma-dollar"),
+    pytest.param(["\\[\\sum_{k=1}^{n} k^3 = \\left(\\frac{n(n+1)}{2}\\right)^2 =",
+                  " \\frac{n^2(n+1)^2}{4} = \\frac{100^2 \\cdot 101^2}{4} = 25502500\\]"], id="raw-equals-space"),
+    # the comma nearest the middle leaves a 6-character half, so the cut falls after "="
+    pytest.param(["Thus, \\[" + "a" * 45 + "=", "b" * 45 + "\\]"], id="raw-when-language-short"),
+    pytest.param(["a" * 150], id="no-cut-stays"),
+    # 148 characters. The comma nearest the masked middle (129 of 295) leaves 32 real characters, the first
+    # " and" 36, so no language cut; the "=" nearest the real middle (74) is at 43. The right half (105) starts
+    # in the raw-cut range, so it skips language cuts (its " and" would leave 43 and 62) and has no raw cut.
+    pytest.param(["Since $10^2 =100$, $17^2 = 289$, and $18^2=",
+                  "324$, we know that the integers whose squares are between 100 and 300 are the integers "
+                  "between 10 and 18."], id="no-language-after-raw"),
+    # a MATH solution: sentence cuts after "(x+3)$." and "-3$.". The middle sentence (140 real, 302 masked
+    # characters) stays whole: only the cut nearest the middle of each kind is tried, and the comma after "$0$"
+    # (159 of 302) leaves 38 real characters, the " and" 9, the "=" nearest the middle 16.
+    pytest.param(["The denominator of the rational function factors into $x^2+x-6=(x-2)(x+3)$.",
+                  " Since the numerator is always nonzero, there is a vertical asymptote whenever the denominator "
+                  "is $0$, which occurs for $x = 2$ and $x = -3$.",
+                  "  Therefore, the graph has $\\boxed{2}$ vertical asymptotes."], id="math-solution"),
+    # text resembling the mask: the masking character differs from every character of the text
+    pytest.param(["The token \ue000\ue000 appears in $x$ here and there.", "\nNext line is long enough."],
+                 id="mask-lookalike"),
+]
+
+
+@pytest.mark.parametrize("parts", UPSTREAM_CASES)
+def test_upstream_rule(parts):
+    assert steps("".join(parts)) == parts
+
+
+def test_fixture_matches_upstream():
+    rows = [json.loads(line) for line in FIXTURE.open()]
+    assert len(rows) == 64
+    differ = [r["id"] for r in rows if steps("".join(r["steps"])) != r["steps"]]
+    assert not differ, f"{len(differ)} fixture texts split differently from upstream: {differ[:5]}"
+
+
+# ---------------------------------------------------------------- texts upstream fails on
 
 
 def test_empty_text_has_no_steps():
     assert latex_step_starts("") == []
 
 
-@pytest.mark.parametrize("text", ["x = 5", "The answer is 5.", "$\\boxed{5}$", "   ", "\n", "a"])
+@pytest.mark.parametrize("text", ["x = 5", "The answer is 5.", "$\\boxed{5}$", "   ", "\n", "a", "$$" + " " * 20])
 def test_too_short_text_is_one_step(text):
+    # the whole text glues into one weak piece (under 20 characters, or one opener): upstream fails
     assert latex_step_starts(text) == [0]
 
 
 def test_math_nested_in_environment_is_absorbed():
+    # upstream masks $x>0$ first and then cannot unmask the align* around it
     rows = [
         "We consider two cases:",
         "\n\\begin{align*}\nf(x) &= 1 \\text{ if $x>0$}\\\\",  # the opener glues to the first row
@@ -43,188 +152,6 @@ def test_math_nested_in_environment_is_absorbed():
         "\n\\end{align*}",
     ]
     assert steps("".join(rows)) == rows
-
-
-def test_placeholder_lookalike_text():
-    # the masking character must differ from every character of the text
-    parts = ["The token \ue000\ue000 appears in $x$ here and there.", "\nNext line is long enough."]
-    assert steps("".join(parts)) == parts
-
-
-# ---------------------------------------------------------------- stage 2: sentences and lines
-
-
-def test_sentence_boundary_after_period_then_uppercase():
-    parts = ["We first compute the sum of all terms.", " Then we divide by the count."]
-    assert steps("".join(parts)) == parts
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "Let the answer be called x. Then it equals four times y.",  # one-letter word
-        "Pick any even number, e.g. Twelve works fine here.",  # one letter after a period
-        "The letter was sent by Mr. Smith to the office today.",  # two letters after whitespace
-        "We first compute the sum of all terms. then we divide by the count.",  # lowercase follows
-    ],
-)
-def test_no_sentence_boundary(text):
-    assert steps(text) == [text]
-
-
-@pytest.mark.parametrize(
-    "parts",
-    [
-        ["We tried apples, pears, etc.", " Bananas were not on the list at all."],
-        ["The smallest value of the sum is 2.", " Larger values appear later."],
-    ],
-)
-def test_digits_and_etc_do_split(parts):
-    assert steps("".join(parts)) == parts
-
-
-def test_newline_starts_the_next_step():
-    parts = ["First line of the solution here", "\nSecond line of the solution here"]
-    assert steps("".join(parts)) == parts
-
-
-def test_newline_only_piece_glued_forward():
-    parts = ["First line of the solution here", "\n\nSecond line of the solution here"]
-    assert steps("".join(parts)) == parts
-
-
-def test_short_piece_glued_forward():
-    text = "So we get\nthe total number of apples is ten apples."  # "So we get": 9 chars, no period
-    assert steps(text) == [text]
-
-
-def test_masked_math_counts_as_sixty():
-    # "So $x=1.$" is 9 real characters but 63 masked, so stage 2 keeps it;
-    # stage 3 keeps it too because it ends in ".$"
-    parts = ["So $x=1.$", "\nNext line is long enough."]
-    assert steps("".join(parts)) == parts
-
-
-# ---------------------------------------------------------------- stage 3: periods inside math
-
-
-def test_split_after_period_closed_math():
-    parts = ["We find that $x = 19.$", " Substituting gives the value $y = 7.$"]
-    assert steps("".join(parts)) == parts
-    parts = ["Hence \\[x = 4.\\]", " follows from the equation above"]  # 16 chars, protected
-    assert steps("".join(parts)) == parts
-
-
-def test_plain_period_does_not_protect_in_stage_3():
-    text = "Short one.\nThe second line is long enough."  # "Short one." kept in stage 2, glued in 3
-    assert steps(text) == [text]
-
-
-def test_short_last_piece_glued_backward():
-    text = "We find that $x = 19.$ Done"  # " Done" is last and short
-    assert steps(text) == [text]
-
-
-# ---------------------------------------------------------------- stage 4: newlines inside math
-
-
-def test_align_rows_are_steps():
-    rows = [
-        "We expand the product as follows:",
-        "\n\\begin{align*}\na &= b + c \\\\",
-        "\n&= d",
-        "\n\\end{align*}",  # closing delimiters stand alone, as upstream
-    ]
-    assert steps("".join(rows)) == rows
-
-
-def test_tiny_row_glued_forward():
-    # "\n3" is 2 characters; a closing "$$" reads as an opener, and being last it goes backward
-    rows = ["The rows of the matrix are", "\n$$\n1 + 2 + 9", "\n3\n4 + 5\n$$"]
-    assert steps("".join(rows)) == rows
-
-
-def test_stacked_openers_glued_forward():
-    rows = [
-        "We expand the product as follows:",
-        "\n\\[\\begin{aligned}\na &= b + c \\\\",
-        "\n&= d + e",
-        "\n\\end{aligned}\\]",
-    ]
-    assert steps("".join(rows)) == rows
-
-
-def test_asy_rows_are_steps():
-    rows = [
-        "Here is the diagram of the triangle:",
-        "\n[asy]\ndraw((0,0)--(1,1));",
-        '\nlabel("$A$",(0,0),W);',
-        "\n[/asy]",
-    ]
-    assert steps("".join(rows)) == rows
-
-
-# ---------------------------------------------------------------- stage 5: long pieces
-
-
-def test_language_cut_prefers_comma():
-    parts = [
-        "The first part of this sentence is long enough to stand alone,",
-        " and the second part and the third part are also quite long here",
-    ]
-    assert len(parts[0]) >= 40 and len(parts[1]) >= 40 and len("".join(parts)) > 100
-    assert steps("".join(parts)) == parts
-
-
-def test_language_cut_after_and():
-    parts = [
-        "The first part of this sentence is long enough to stand alone and ",
-        "the second part of this sentence is also long enough by itself",
-    ]
-    assert steps("".join(parts)) == parts
-
-
-def test_language_cuts_halve_repeatedly_nearest_midpoint():
-    # commas after 45, 95, 150, 200 of 260: first cut 150 (mid 130), then 95 (mid 75)
-    # in [0, 150) and 200 (mid 205) in [150, 260)
-    lengths = [45, 50, 55, 50]
-    parts = [clause(n) for n in lengths] + ["word " * 11 + "words"]
-    assert len(parts[-1]) == 60
-    text = "".join(parts)
-    assert steps(text) == [parts[0] + parts[1], parts[2], parts[3], parts[4]]
-
-
-def test_raw_cut_after_equals_inside_math():
-    parts = ["\\[" + "a" * 48 + "=", "b" * 48 + "\\]"]  # one math span: no language cut
-    assert steps("".join(parts)) == parts
-
-
-def test_raw_cut_after_comma_dollar():
-    parts = ["$" + "a" * 50 + ",$", "b" * 50]
-    assert steps("".join(parts)) == parts
-
-
-def test_raw_cut_when_language_halves_too_short():
-    # the comma leaves a 6-character half, so the cut falls after "="
-    parts = ["Thus, \\[" + "a" * 45 + "=", "b" * 45 + "\\]"]
-    assert steps("".join(parts)) == parts
-
-
-def test_long_piece_without_cut_stays():
-    assert steps("a" * 150) == ["a" * 150]
-
-
-def test_math_solution_by_hand():
-    # sentence cuts after "(x+3)$." and "-3$."; the 140-character middle sentence is cut
-    # after "$0$," (the comma after "nonzero" leaves a 39-character half); its first
-    # half is 102 characters but has no allowed cut
-    parts = [
-        "The denominator of the rational function factors into $x^2+x-6=(x-2)(x+3)$.",
-        " Since the numerator is always nonzero, there is a vertical asymptote whenever the denominator is $0$,",
-        " which occurs for $x = 2$ and $x = -3$.",
-        "  Therefore, the graph has $\\boxed{2}$ vertical asymptotes.",
-    ]
-    assert steps("".join(parts)) == parts
 
 
 # ---------------------------------------------------------------- newline splitter

@@ -2,6 +2,8 @@
 
 import json
 import random
+import re
+from bisect import bisect_right
 from pathlib import Path
 
 import pytest
@@ -10,12 +12,14 @@ import torch
 from caspo.segment import (
     char_offsets_from_tokens,
     final_box_end,
+    latex_step_starts,
     pad_step_ids,
     segment_response,
     token_step_ids,
 )
 
 MATH_TEST = Path("/work/shared/data/math_test_full.jsonl")
+FIXTURE = Path(__file__).parent / "data" / "segment" / "upstream_splits.jsonl"
 UNICODE_TEXT = "Café ∑ x² = 4 😀 — naïve 数学\n$\\boxed{7}$ done."
 
 
@@ -235,6 +239,31 @@ def test_segment_response_latex_with_bpe(bpe):
     ids = out.token_step_ids
     assert ids[0] == 0 and ids[-1] == out.num_steps - 1
     assert all(b - a in (0, 1) for a, b in zip(ids, ids[1:]))  # contiguous, non-decreasing
+
+
+def test_space_before_a_word_opens_the_step_with_its_token():
+    # the language cut falls after " and", so the next step starts with the token " the"
+    text = ("The first part of this sentence is long enough to stand alone and"
+            " the second part of this sentence is also long enough by itself")
+    words = re.findall(r" ?\S+", text)
+    out = segment_response(piece_decoder(words), list(range(len(words))))
+    k = words.index(" the")
+    assert out.num_steps == 2 and out.step_starts_chars == [0, text.index(" the")]
+    assert out.token_step_ids == [0] * k + [1] * (len(words) - k)
+
+
+def test_token_steps_follow_upstream_token_rule(bpe):
+    # upstream gives each token the step of the character at its tokenizer offset; caspo reads the offset off the
+    # cumulative decode. The tokens of every step must be the same (a step no token starts in owns none)
+    for row in map(json.loads, FIXTURE.open()):
+        text = "".join(row["steps"])
+        enc = bpe.encode(text)
+        starts = latex_step_starts(text)
+        upstream = [bisect_right(starts, a) - 1 for a, _ in enc.offsets]
+        rank = {k: i for i, k in enumerate(sorted(set(upstream)))}
+        out = segment_response(bpe.decode, enc.ids)
+        assert out.token_step_ids == [rank[k] for k in upstream], row["id"]
+        assert out.step_starts_chars == [starts[k] for k in sorted(rank)]
 
 
 # ---------------------------------------------------------------- batching

@@ -1,108 +1,135 @@
-"""LaTeX-aware step splitter (VinePPO's in-place splitter, rebuilt from its rules).
+"""LaTeX-aware step splitter: upstream VinePPO's in-place splitter, rule for rule.
 
 ``latex_step_starts(text)`` returns the character offsets where reasoning steps
 start. Steps are ``text[s_i:s_{i+1}]`` (the last one runs to the end), so they
 tile the text exactly: the splitter only chooses cut positions, it never
 rewrites text. Empty text gives ``[]``; any other text gives at least ``[0]``.
 
-Five stages: mask math, cut sentences and lines, cut after period-closed math,
-cut rows of display math, halve long pieces. docs/segment.md states every rule,
-the constants below, and where this splitter differs from upstream.
+On every text that upstream's ``split_solution_inplace``
+(McGill-NLP/VinePPO, ``src/treetune/tasks/math_extract_steps_inplace.py``)
+splits, the starts are upstream's. Five stages: mask math, cut sentences and
+lines, cut after period-closed math, cut rows of display math, halve long
+pieces. docs/segment.md states every rule, the texts upstream fails on, and
+what this splitter returns for them.
 """
 
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
+from bisect import bisect_right
 from itertools import chain
+from typing import Callable, Iterator
 
-MATH_MASK_LEN = 60  # masked math counts as this many characters
+MASK_LEN = 60  # a masked math span counts as this many characters (upstream's placeholder length)
 SHORT_MASKED = 20  # stage 2: shorter pieces not ending in "." are glued forward
 SHORT_REAL = 20  # stage 3: shorter pieces without a period-closed math ending are glued
-TINY = 3  # stage 4: shorter pieces are glued forward
+TINY = 3  # stage 4: shorter pieces are glued
 LONG = 100  # stage 5: longer pieces are halved
-LANG_MIN_HALF = 40
-RAW_MIN_HALF = 20
+LANG_MIN_HALF = 40  # stage 5: least real length of each half at a language cut
+RAW_MIN_HALF = 20  # stage 5: least length of each half at a raw cut
 
+# one pass each, in this order; a later pass sees earlier matches as opaque runs
 MATH_PATTERNS = [
     re.compile(p, re.DOTALL)
     for p in (
         r"\[asy\].*?\[/asy\]",
-        r"\$\\begin\{tabular\}.*?\\end\{tabular\}\$|\\begin\{tabular\}.*?\\end\{tabular\}",
+        r"\$\\begin\{tabular\}.*?\\end\{tabular\}\$",
+        r"\\begin\{tabular\}.*?\\end\{tabular\}",
         r"\\\(.*?\\\)",
         r"\\\[.*?\\\]",
-        r"\$\$.+?\$\$",
-        r"(?<!\\)\$(?!\$).+?(?<!\\)\$(?!\$)",
-        r"\\begin\{([^{}]+)\}.*?\\end\{\1\}",
+        r"\$\$.*?\$\$",
+        r"(?<!\\)\$.*?[^\\]\$(?!\$)",
+        r"\\begin\{([^}]*)\}.*?\\end\{\1\}",
     )
 ]
 PERIOD_MATH_ENDINGS = (".$", ".$$", ".\\)", ".\\]")
+# a period then whitespace and a capital, unless the word before the period is one letter
+# (x., e.g.) or two letters after whitespace (Mr.)
+SENTENCE_END = re.compile(r"(?<=\.)(?<!\b[A-Za-z]\.)(?<!\s[A-Za-z]{2}\.)(?=\s+[A-Z])")
 NEWLINE = re.compile("\n")
-SENTENCE_END = re.compile(r"\.(?=\s+[A-Z])")
-OPENERS_ONLY = re.compile(
-    r"\s*(?:(?:\$\$?|\\\(|\\\[|\\begin\{[^{}]*\}(?:\{[^{}]*\})?|\[asy\])\s*)+"
-)
-LANGUAGE_SEPARATORS = (",", " and ", ":", " to ")  # in priority order
-RAW_SEPARATORS = (",$", ",\\)", ",\\]", "=", "\\equiv", "+", "\\cancelto")
+SINGLE_OPENER = re.compile(r"\$\$?|\\\(|\\\[|\\begin\{[^}]*\}|\[asy\]")
+# (regex, characters after the cut that stay with the next piece), in priority order
+LANGUAGE_SEPARATORS = [(re.compile(","), 0), (re.compile(r"\sand\s"), 1), (re.compile(":"), 0),
+                       (re.compile(r"\sto\s"), 1)]
+RAW_SEPARATORS = [re.compile(re.escape(s)) for s in (",$", ",\\)", ",\\]", "=", "\\equiv", "+", "\\cancelto")]
 
 
 def latex_step_starts(text: str) -> list[int]:
     """Character offsets where steps start; ``[]`` for empty text."""
     if not text:
         return []
-    sentinel = _unused_char(text)
-    spans = mask_math(text, sentinel)
-    starts = _sentences_and_lines(text, spans, sentinel)
-    starts = _period_math_cuts(text, spans, starts)
-    starts = _math_newline_cuts(text, spans, starts)
-    return _halve_long(text, spans, sentinel, starts)
+    view = MaskedText(text)
+    starts = _sentences_and_lines(view)
+    starts = _period_math_cuts(view, starts)
+    if starts is not None:
+        starts = _math_row_cuts(view, starts)
+    if starts is None:  # too short to make one valid step: upstream fails, here it is one step
+        return [0]
+    return _halve_long(text, starts)
 
 
 # ---------------------------------------------------------------- masking
 
 
-def _unused_char(text: str) -> str:
-    """A private-use character that does not occur in ``text``."""
-    for code in chain(range(0xE000, 0xF900), range(0xF0000, 0xFFFFE)):
-        if chr(code) not in text:
-            return chr(code)
-    raise ValueError("text uses every private-use character")
+class MaskedText:
+    """``text`` with its top-level math spans masked, as upstream's placeholders mask them.
 
-
-def masked_view(text, spans, a, b, sentinel):
-    """``text[a:b]`` with each (clipped) math span replaced by 60 sentinels.
-
-    Returns the masked string and, per masked character, its offset in ``text``
-    (a span's sentinels all map to the span start).
+    Each span shows as ``MASK_LEN`` copies of one private-use character chosen
+    per distinct span content (equal math, equal mask, as upstream's hashed
+    placeholders). A later match that contains earlier spans (``$x$`` inside
+    ``align*``) absorbs them; upstream fails on such text.
     """
-    parts, origin, pos = [], [], a
-    first = max(bisect_left(spans, (a, a)) - 1, 0)
-    for s, e in spans[first:]:
-        s, e = max(s, a), min(e, b)
-        if s >= b:
-            break
-        if s >= e:
-            continue
-        parts += [text[pos:s], sentinel * MATH_MASK_LEN]
-        origin += list(range(pos, s)) + [s] * MATH_MASK_LEN
-        pos = e
-    parts.append(text[pos:b])
-    origin += range(pos, b)
-    return "".join(parts), origin
+
+    def __init__(self, text: str):
+        self.text = text
+        keys: dict[str, str] = {}
+        free = _unused_chars(text)
+        self._render([])
+        for pattern in MATH_PATTERNS:
+            found = []
+            for m in pattern.finditer(self.masked):  # matches start and end on real delimiters
+                if m.group(0) not in keys:
+                    keys[m.group(0)] = next(free, None) or _out_of_chars()
+                ch = keys[m.group(0)]
+                found.append((self.to_real(m.start()), self.to_real(m.end() - 1) + 1, ch))
+            if found:
+                found_starts = [s for s, _, _ in found]
+                outside = [sp for sp in self.spans if not _covered(sp, found, found_starts)]
+                self._render(sorted(outside + found))
+
+    def _render(self, spans: list[tuple[int, int, str]]):
+        """Build ``masked`` from the real ``(start, end, mask character)`` spans."""
+        parts, self.mstarts, pos, shift = [], [], 0, 0
+        for s, e, ch in spans:
+            parts += [self.text[pos:s], ch * MASK_LEN]
+            self.mstarts.append(s - shift)
+            shift += e - s - MASK_LEN
+            pos = e
+        parts.append(self.text[pos:])
+        self.masked, self.spans = "".join(parts), spans
+
+    def to_real(self, d: int) -> int:
+        """Offset in ``text`` of masked offset ``d`` (a span's mask maps to its start)."""
+        k = bisect_right(self.mstarts, d) - 1
+        if k < 0:
+            return d
+        s, e, _ = self.spans[k]
+        return s if d < self.mstarts[k] + MASK_LEN else e + d - self.mstarts[k] - MASK_LEN
 
 
-def mask_math(text: str, sentinel: str) -> list[tuple[int, int]]:
-    """Sorted, disjoint ``(start, end)`` math spans, patterns applied in priority order."""
-    spans: list[tuple[int, int]] = []
-    for pattern in MATH_PATTERNS:
-        masked, origin = masked_view(text, spans, 0, len(text), sentinel)
-        found = [(origin[m.start()], origin[m.end() - 1] + 1) for m in pattern.finditer(masked)]
-        if not found:
-            continue
-        # a new span starts and ends on a real delimiter, so old spans are inside or outside it
-        outside = [sp for sp in spans if not any(s <= sp[0] and sp[1] <= e for s, e in found)]
-        spans = sorted(outside + found)
-    return spans
+def _covered(span, found, found_starts) -> bool:
+    """Whether ``span`` lies inside one of the sorted, disjoint ``found`` spans (starting at ``found_starts``)."""
+    k = bisect_right(found_starts, span[0]) - 1
+    return k >= 0 and found[k][1] >= span[1]
+
+
+def _unused_chars(text: str) -> Iterator[str]:
+    return (chr(c) for c in chain(range(0xE000, 0xF900), range(0xF0000, 0xFFFFE)) if chr(c) not in text)
+
+
+def _out_of_chars():
+    raise ValueError("too many distinct math spans for the private-use characters the text leaves free; "
+                     "use method.step_splitter=newline")
 
 
 # ---------------------------------------------------------------- helpers
@@ -112,8 +139,12 @@ def _pieces(starts, n):
     return list(zip(starts, starts[1:] + [n]))
 
 
-def _glue(pieces, is_weak, backward_last):
-    """Merge each weak piece into the next; a weak last piece into the previous one."""
+def _glue(pieces, is_weak: Callable[[int, int], bool], backward_last: bool) -> list[int] | None:
+    """Merge each weak piece into the next, rechecking the merged piece; a weak last piece into the previous.
+
+    Returns the starts, or None when backward gluing has no previous piece
+    (the whole text is one weak piece: upstream fails there).
+    """
     out, start = [], None
     for a, b in pieces:
         start = a if start is None else start
@@ -121,51 +152,35 @@ def _glue(pieces, is_weak, backward_last):
             out.append((start, b))
             start = None
     if start is not None:
-        end = pieces[-1][1]
-        if out and backward_last:
-            out[-1] = (out[-1][0], end)
+        if backward_last:
+            if not out:
+                return None
+            out[-1] = (out[-1][0], pieces[-1][1])
         else:
-            out.append((start, end))
+            out.append((start, pieces[-1][1]))
     return [a for a, _ in out]
-
-
-def _cut(starts, cuts, n):
-    return sorted(set(starts) | {c for c in cuts if 0 < c < n})
-
-
-def _short_word_before(masked: str, p: int) -> bool:
-    """True when the word ending at ``masked[p-1]`` is one letter, or two letters after whitespace."""
-
-    def letter(i):
-        return i >= 0 and masked[i].isascii() and masked[i].isalpha()
-
-    if not letter(p - 1):
-        return False
-    if not letter(p - 2):
-        return True
-    return not letter(p - 3) and (p - 3 < 0 or masked[p - 3].isspace())
 
 
 # ---------------------------------------------------------------- stages
 
 
-def _sentences_and_lines(text, spans, sentinel):
-    masked, origin = masked_view(text, spans, 0, len(text), sentinel)
-    cuts = {m.start() for m in NEWLINE.finditer(masked)}
-    cuts |= {m.end() for m in SENTENCE_END.finditer(masked) if not _short_word_before(masked, m.start())}
-    starts = _cut([0], cuts, len(masked))
+def _sentences_and_lines(view: MaskedText) -> list[int]:
+    """Cut after sentence ends and before newlines outside math; glue short pieces forward (masked lengths)."""
+    masked = view.masked
+    cuts = {m.start() for m in SENTENCE_END.finditer(masked)} | {m.start() for m in NEWLINE.finditer(masked)}
+    starts = sorted(cuts | {0})
 
     def weak(a, b):
-        piece = masked[a:b]
-        return not piece.strip() or (len(piece) < SHORT_MASKED and not piece.endswith("."))
+        return b - a < SHORT_MASKED and not masked[a:b].endswith(".")
 
-    starts = _glue(_pieces(starts, len(masked)), weak, backward_last=False)
-    return [origin[s] for s in starts]
+    return [view.to_real(s) for s in _glue(_pieces(starts, len(masked)), weak, backward_last=False)]
 
 
-def _period_math_cuts(text, spans, starts):
-    cuts = [e for s, e in spans if text[s:e].endswith(PERIOD_MATH_ENDINGS)]
-    starts = _cut(starts, cuts, len(text))
+def _period_math_cuts(view: MaskedText, starts: list[int]) -> list[int] | None:
+    """Cut after math ending in a period; glue pieces under 20 characters without such an ending."""
+    text = view.text
+    cuts = {e for s, e, _ in view.spans if text[s:e].endswith(PERIOD_MATH_ENDINGS)}
+    starts = sorted(set(starts) | (cuts - {len(text)}))
 
     def weak(a, b):
         return b - a < SHORT_REAL and not text[a:b].endswith(PERIOD_MATH_ENDINGS)
@@ -173,53 +188,78 @@ def _period_math_cuts(text, spans, starts):
     return _glue(_pieces(starts, len(text)), weak, backward_last=True)
 
 
-def _math_newline_cuts(text, spans, starts):
-    cuts = [m.start() for s, e in spans for m in NEWLINE.finditer(text, s + 1, e)]
-    starts = _cut(starts, cuts, len(text))
+def _math_row_cuts(view: MaskedText, starts: list[int]) -> list[int] | None:
+    """Cut before newlines inside math (once per distinct math of a piece); glue lone openers and tiny pieces."""
+    text, cuts, seen = view.text, set(), set()
+    for s, e, ch in view.spans:
+        piece = bisect_right(starts, s) - 1
+        if (piece, ch) not in seen:  # upstream unmasks equal math of a piece all at once, so cuts it once
+            seen.add((piece, ch))
+            cuts |= {m.start() for m in NEWLINE.finditer(text, s + 1, e)}
+    starts = sorted(set(starts) | cuts)
 
     def weak(a, b):
-        return b - a < TINY or OPENERS_ONLY.fullmatch(text, a, b) is not None
+        return b - a < TINY or SINGLE_OPENER.fullmatch(text[a:b].strip()) is not None
 
     return _glue(_pieces(starts, len(text)), weak, backward_last=True)
 
 
-def _halve_long(text, spans, sentinel, starts):
+def _halve_long(text: str, starts: list[int]) -> list[int]:
     out: list[int] = []
     for a, b in _pieces(starts, len(text)):
-        _halve(text, spans, sentinel, a, b, out)
+        out += [a + c for c in (_break_long(text[a:b]) if b - a > LONG else [0])]
     return out
 
 
-def _halve(text, spans, sentinel, a, b, out):
-    cut = _language_cut(text, spans, sentinel, a, b) if b - a > LONG else None
-    if cut is None and b - a > LONG:
-        cut = _nearest_cut(text[a:b], RAW_SEPARATORS, RAW_MIN_HALF)
-        cut = None if cut is None else a + cut
-    if cut is None:
-        out.append(a)
-        return
-    _halve(text, spans, sentinel, a, cut, out)
-    _halve(text, spans, sentinel, cut, b, out)
+def _break_long(part: str) -> list[int]:
+    """Starts of ``part`` halved at language, else raw cuts, while a piece is over ``LONG`` characters.
+
+    After a raw cut, pieces starting in [lo, hi) skip language cuts. As
+    upstream, lo is the raw cut and hi the length of the piece it was found in,
+    both relative to that piece, not to ``part``.
+    """
+    bounds, lo, hi = [0, len(part)], None, 0
+    i = 0
+    while i < len(bounds) - 1:
+        a, b = bounds[i], bounds[i + 1]
+        cut = None
+        if b - a > LONG:
+            sub = part[a:b]
+            if lo is None or not lo <= a < hi:
+                cut = _language_cut(sub)
+            if cut is None:
+                cut = _raw_cut(sub)
+                if cut is not None:
+                    lo, hi = (cut if lo is None else min(lo, cut)), max(hi, len(sub))
+        if cut is None:
+            i += 1
+        else:
+            bounds.insert(i + 1, a + cut)
+    return bounds[:-1]
 
 
-def _language_cut(text, spans, sentinel, a, b):
-    masked, origin = masked_view(text, spans, a, b, sentinel)
-    for sep in LANGUAGE_SEPARATORS:
-        cut = _nearest_cut(masked, (sep,), LANG_MIN_HALF)
-        if cut is not None:
-            return origin[cut - 1] + 1  # the separator's last character is real text
+def _nearest_middle(cuts: list[int], n: int) -> int:
+    return min(cuts, key=lambda c: abs(2 * c - n))  # ties: the earlier cut
+
+
+def _language_cut(sub: str) -> int | None:
+    """Cut after the first kind of separator whose cut nearest the middle (masked) leaves 40 real characters a side."""
+    view = MaskedText(sub)  # masked afresh, as upstream does for each long piece
+    for pattern, keep in LANGUAGE_SEPARATORS:
+        cuts = [m.end() - keep for m in pattern.finditer(view.masked)]
+        if cuts:
+            cut = view.to_real(_nearest_middle(cuts, len(view.masked)))
+            if min(cut, len(sub) - cut) >= LANG_MIN_HALF:
+                return cut
     return None
 
 
-def _nearest_cut(s: str, separators, min_half: int):
-    """Offset right after a separator, both halves >= ``min_half``, nearest the middle."""
-    best = None
-    for sep in separators:
-        i = s.find(sep)
-        while i >= 0:
-            cut = i + len(sep)
-            if min_half <= cut <= len(s) - min_half:
-                if best is None or (abs(2 * cut - len(s)), cut) < (abs(2 * best - len(s)), best):
-                    best = cut
-            i = s.find(sep, i + 1)
-    return best
+def _raw_cut(sub: str) -> int | None:
+    """Cut after the first kind of raw separator whose cut nearest the middle leaves 20 characters a side."""
+    for pattern in RAW_SEPARATORS:
+        cuts = [m.end() for m in pattern.finditer(sub)]
+        if cuts:
+            cut = _nearest_middle(cuts, len(sub))
+            if min(cut, len(sub) - cut) >= RAW_MIN_HALF:
+                return cut
+    return None
