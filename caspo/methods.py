@@ -3,6 +3,9 @@
     advantages  fn(batch, token_rewards, method config) -> (advantages, returns)   caspo.train.advantages
     loss        the policy loss of one micro-batch                                 caspo.train.policy_losses
     whiten      token whitening when method.adv_whiten=auto: "batch" or "none"
+    step_whiten what method.step_adv_scope (batch | group | off) standardises, for step methods:
+                "tokens" (each response token once, as VinePPO's PPO trainer whitens) or "steps"
+                (each valid step once: the seed's CASPO standardize_step_advantage); "none" otherwise
     schedule    "minibatches": train.epochs_per_rollout × minibatches of train.minibatch_size;
                 "halves": one epoch of two optimizer steps, each on half the completions
     state       the method-owned state and its hooks (caspo.train.method_state): a critic, a
@@ -32,6 +35,7 @@ class Method:
     advantages: Callable[..., adv.Advantages]
     loss: PolicyLoss
     whiten: Literal["none", "batch"] = "none"
+    step_whiten: Literal["none", "tokens", "steps"] = "none"
     schedule: Literal["minibatches", "halves"] = "minibatches"
     state: type[MethodState] = MethodState
     group_baseline: bool = False  # compares samples within a prompt group: needs G >= 2
@@ -58,9 +62,9 @@ for _row in [
            doc="decoupled PPO: behaviour log-probs from the engine, proximal ones recomputed, bounded weight"),
     Method("flow_dppo", adv.gae, losses.DIVERGENCE_GATE, whiten="batch", schedule="halves", state=CriticAndFrozenOld,
            doc="categorical divergence gate against frozen old-policy distributions; two steps on halves"),
-    Method("vineppo", adv.mc_step_td, losses.PPO_CLIP, whiten="batch", state=MonteCarloValues,
+    Method("vineppo", adv.mc_step_td, losses.PPO_CLIP, step_whiten="tokens", state=MonteCarloValues,
            doc="VinePPO: step values = mean reward of K Monte Carlo continuations from each step boundary"),
-    Method("caspo", adv.prefix_step_td, losses.PPO_CLIP, state=PrefixValues,
+    Method("caspo", adv.prefix_step_td, losses.PPO_CLIP, step_whiten="steps", state=PrefixValues,
            doc="step TD on values from a learned prefix value model (IPVRM-style), frozen or online"),
     Method("dppo_tv", adv.group_relative, losses.DPPO_TV, group_baseline=True,
            doc="Divergence-PPO binary total-variation mask, group-relative advantages"),
@@ -89,7 +93,14 @@ def resolve_method(cfg: Config) -> Method:
             f"set train.minibatch_size={n // 2} and train.epochs_per_rollout=1 "
             f"(got {t.minibatch_size} and {t.epochs_per_rollout})"
         )
-    groups = method.group_baseline or (method.advantages is adv.terminal and m.terminal_scope == "group")
+    if method.step_whiten != "none" and m.adv_whiten != "auto":
+        raise ConfigError(f"method {m.name} whitens its step advantages by method.step_adv_scope (batch | group | "
+                          f"off); leave method.adv_whiten=auto (got {m.adv_whiten})")
+    if method.step_whiten == "none" and m.step_adv_scope != "batch":
+        raise ConfigError(f"method.step_adv_scope={m.step_adv_scope} scopes the step advantages of vineppo and caspo; "
+                          f"method {m.name} has none (its whitening is method.adv_whiten): leave it batch")
+    groups = (method.group_baseline or (method.advantages is adv.terminal and m.terminal_scope == "group")
+              or (method.step_whiten != "none" and m.step_adv_scope == "group"))
     if groups and r.samples_per_prompt < 2:
         raise ConfigError(
             f"method {m.name} compares samples within a prompt group: rollout.samples_per_prompt must be >= 2, "

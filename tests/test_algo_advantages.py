@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from caspo.algo import gae, group_advantages, step_td, terminal_advantages
+from caspo.algo.advantages import scoped_whiten
 
 NAN, INF = float("nan"), float("inf")
 
@@ -130,3 +131,41 @@ def test_step_td_by_hand():
     # γ = 0.5, row 0: .35 − .5 = −.15,  .45 − .7 = −.25,  1 − .9 = .1
     half = step_td(rewards, values, mask, gamma=0.5)
     torch.testing.assert_close(half[0], torch.tensor([-0.15, -0.25, 0.1, 0.0]))
+
+
+def test_scoped_whiten_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0, NAN], [5.0, INF, 0.0, 0.0], [0.0, 4.0, 9.0, 9.0], [2.0, 2.0, 9.0, 9.0]],
+                     dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]])
+    groups = torch.tensor([4, 4, -2, -2])
+    # group 4 = {1, 2, 3, 5}: mean 2.75, d = −1.75 −.75 .25 2.25, Σd² = 8.75, var = 8.75/3
+    # group −2 = {0, 4, 2, 2}: mean 2, d = −2 2 0 0, Σd² = 8, var = 8/3
+    s4, s2 = math.sqrt(8.75 / 3 + 1e-8), math.sqrt(8 / 3 + 1e-8)
+    expected = torch.tensor([[-1.75 / s4, -0.75 / s4, 0.25 / s4, 0.0], [2.25 / s4, 0.0, 0.0, 0.0],
+                             [-2 / s2, 2 / s2, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(scoped_whiten(x, mask, groups, "group"), expected)
+    # batch: all eight entries, sum 19, mean 2.375; Σd² = Σx² − 8·mean² = 63 − 45.125 = 17.875, var = 17.875/7
+    sb = math.sqrt(17.875 / 7 + 1e-8)
+    batch = scoped_whiten(x, mask, groups, "batch")
+    torch.testing.assert_close(batch[0, :3], (torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64) - 2.375) / sb)
+    torch.testing.assert_close(batch[2, :2], (torch.tensor([0.0, 4.0], dtype=torch.float64) - 2.375) / sb)
+    off = scoped_whiten(x, mask, groups, "off")
+    torch.testing.assert_close(off, torch.where(mask.bool(), x, 0.0))  # untouched, padding zeroed
+    with pytest.raises(ValueError, match="batch, group, off"):
+        scoped_whiten(x, mask, groups, "prompt")
+
+
+def test_scoped_whiten_flat_and_single_entry_groups_are_exactly_zero():
+    x = torch.tensor([[0.1, 0.1, 0.1], [0.1, 0.1, 7.0], [3.0, 0.0, 0.0], [1.0, 2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0]])
+    out = scoped_whiten(x, mask, torch.tensor([0, 0, 1, 2]), "group")
+    assert (out[:3] == 0).all()  # group 0: five equal entries; group 1: one entry
+    torch.testing.assert_close(out[3, :2], torch.tensor([-0.5, 0.5]) / math.sqrt(0.5 + 1e-8))
+
+
+def test_scoped_whiten_one_group_is_the_batch():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 7, generator=g, dtype=torch.float64)
+    mask = (torch.rand(6, 7, generator=g) > 0.3).long()
+    same = torch.full((6,), 9)
+    torch.testing.assert_close(scoped_whiten(x, mask, same, "group"), scoped_whiten(x, mask, same, "batch"))

@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE, group-relative, terminal-reward, step-level TD.
+"""Advantage estimators: GAE, group-relative, terminal-reward, step-level TD; whitening over a scope.
 
 All outputs are plain tensors without gradient; padded positions are 0.
 """
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from caspo.algo.stats import masked_fill_zero
+from caspo.algo.stats import masked_fill_zero, masked_whiten
 
 TERMINAL_SCOPES = ("batch", "group", "off")
+WHITEN_SCOPES = ("batch", "group", "off")
 
 
 @torch.no_grad()
@@ -144,3 +145,50 @@ def step_td(
     """
     advantages, _ = gae(step_rewards, step_values, step_mask, gamma=gamma, lam=0.0)
     return advantages
+
+
+@torch.no_grad()
+def scoped_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    scope: str,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Standardise the masked entries of ``x`` ``[B, N]`` (tokens or steps) over a scope.
+
+        batch:  out = (x − μ) / sqrt(σ² + eps)          μ, σ² over every masked entry (``masked_whiten``)
+        group:  out = (x − μ_g) / sqrt(σ²_g + eps)      μ_g, σ²_g over the masked entries of the rows of
+                                                        group g (``group_ids`` [B], one label per row)
+        off:    out = x
+
+    Variances are unbiased, Σ(x − μ)² / (n − 1); a group with a single entry has σ²_g = 0. A group
+    whose entries are all equal gets exactly 0 (no signal, and no rounding residue divided by √eps).
+    ``out`` is 0 where ``mask`` is 0.
+    """
+    keep = mask.bool()
+    if scope == "off":
+        return masked_fill_zero(x, keep)
+    if scope == "batch":
+        return masked_whiten(x, keep, eps=eps)
+    if scope != "group":
+        raise ValueError(f"unknown whitening scope {scope!r}; valid scopes: {', '.join(WHITEN_SCOPES)}")
+    if group_ids.shape != x.shape[:1]:
+        raise ValueError(f"scoped_whiten: group_ids must be [B] = {tuple(x.shape[:1])}, got {tuple(group_ids.shape)}")
+    x = masked_fill_zero(x, keep)
+    _, index = torch.unique(group_ids, return_inverse=True)
+    groups = int(index.max()) + 1 if index.numel() else 0
+
+    def per_group(rows: torch.Tensor, reduce: str = "sum", start: float = 0.0) -> torch.Tensor:
+        return torch.full((groups,), start, dtype=x.dtype, device=x.device).scatter_reduce_(0, index, rows, reduce)
+
+    n = per_group(keep.sum(-1).to(x.dtype))
+    mean = per_group(x.sum(-1)) / n.clamp_min(1)
+    centered = masked_fill_zero(x - mean[index, None], keep)
+    var = per_group(centered.square().sum(-1)) / (n - 1).clamp_min(1)
+    out = centered * torch.rsqrt(var[index, None] + eps)
+    inf = float("inf")
+    low = per_group(torch.where(keep, x, inf).amin(-1), "amin", inf)
+    high = per_group(torch.where(keep, x, -inf).amax(-1), "amax", -inf)
+    flat = (low == high)[index, None]
+    return masked_fill_zero(torch.where(flat, torch.zeros_like(out), out), keep)

@@ -194,6 +194,9 @@ class MethodConfig:
     max_steps: int = 0  # 0 = no cap
     after_final_box: Literal["keep", "merge"] = "keep"
     vineppo_k: int = 9  # Monte Carlo continuations per step boundary
+    # vineppo / caspo: step advantages standardised over the "batch" (the seed's standardize_advantage_scope:
+    # batch), within each prompt's "group" of samples, or "off"; vineppo over tokens, caspo over valid steps
+    step_adv_scope: Literal["batch", "group", "off"] = "batch"
     caspo: CaspoConfig = field(default_factory=CaspoConfig)
     # dppo_tv / dppo_kl
     dppo_delta_low: float = 0.15

@@ -7,13 +7,14 @@ Each is `fn(batch, token_rewards, m) -> (advantages [B, R], returns [B, R] or No
     gae             Â_t = Σ_l (γλ)^l δ_{t+l},  δ_t = r_t + γV_{t+1} − V_t;  returns R_t = Â_t + V_t
     mc_step_td      A_k = r_k + γ·V(s_{k+1}) − V(s_k) on Monte Carlo step values (VinePPO);
                     r_k = R on the last step, V(s_n) = 0; each token takes its step's advantage
-    prefix_step_td  the same on CASPO's transformed values T(V(s_k)), then whitened over all valid
-                    steps (each step once) and clipped at ±method.caspo.step_adv_clip
+    prefix_step_td  the same on CASPO's transformed values T(V(s_k)), then whitened over the valid
+                    steps (each step once) of method.step_adv_scope and clipped at ±method.caspo.step_adv_clip σ
 
 Token rewards carry the verifier's score on the last response token, minus
 β·k1(π_old, π_ref) on every token when the KL is folded into the reward; a sequence
-score is their sum. Token whitening (the row's rule, or method.adv_whiten) and
-clipping follow, in `compute_advantages`.
+score is their sum. Token whitening and the ±method.adv_clip σ clip follow, in
+`compute_advantages`: over method.step_adv_scope for a row whose step advantages are
+whitened per token (vineppo), else by method.adv_whiten (or the row's rule when "auto").
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from caspo import algo
+from caspo.algo.advantages import scoped_whiten
 from caspo.batch import RolloutBatch
 from caspo.config import Config, MethodConfig
 
@@ -45,16 +47,33 @@ def token_rewards(batch: RolloutBatch, cfg: Config) -> torch.Tensor:
 
 def compute_advantages(batch: RolloutBatch, cfg: Config, method: "Method") -> Advantages:
     """(advantages [B, R], returns [B, R] or None): the row's advantage function, then token whitening
-    (method.adv_whiten, or the row's rule when "auto") and the ±adv_clip clip."""
+    over `token_scope` and the ±adv_clip σ clip."""
     m, mask = cfg.method, batch.response_mask
     adv, returns = method.advantages(batch, token_rewards(batch, cfg), m)
-    whiten = method.whiten if m.adv_whiten == "auto" else m.adv_whiten
-    if whiten == "batch":
-        adv = algo.masked_whiten(adv, mask)
-    if m.adv_clip > 0:
-        sigma = 1.0 if whiten == "batch" else float(algo.masked_var(adv, mask).sqrt())
-        adv = adv.clamp(-m.adv_clip * sigma, m.adv_clip * sigma)
+    scope = token_scope(method, m)
+    adv = scoped_whiten(adv, mask, batch.group_ids, scope) if scope != "off" else adv
+    adv = clip_sigmas(adv, mask, m.adv_clip, whitened=scope != "off")
     return adv * mask, returns
+
+
+def token_scope(method: "Method", m: MethodConfig) -> str:
+    """What token advantages are whitened over: "batch", "group" or "off".
+
+    method.step_adv_scope for a row whose step advantages are whitened per token (vineppo);
+    otherwise "batch" when method.adv_whiten (the row's rule when "auto") is "batch"."""
+    if method.step_whiten == "tokens":
+        return m.step_adv_scope
+    whiten = method.whiten if m.adv_whiten == "auto" else m.adv_whiten
+    return "batch" if whiten == "batch" else "off"
+
+
+def clip_sigmas(adv: torch.Tensor, mask: torch.Tensor, k: float, whitened: bool) -> torch.Tensor:
+    """adv clamped at ±k·σ (k = 0: unchanged); σ = 1 for whitened advantages (each scope has unit
+    variance), else the masked std of `adv`."""
+    if k <= 0:
+        return adv
+    sigma = 1.0 if whitened else float(algo.masked_var(adv, mask).sqrt())
+    return adv.clamp(-k * sigma, k * sigma)
 
 
 def group_relative(batch: RolloutBatch, rewards: torch.Tensor, m: MethodConfig) -> Advantages:
@@ -93,7 +112,9 @@ def mc_step_td(batch: RolloutBatch, rewards: torch.Tensor, m: MethodConfig) -> A
 
 
 def prefix_step_td(batch: RolloutBatch, rewards: torch.Tensor, m: MethodConfig) -> Advantages:
-    step_adv = algo.masked_whiten(step_td_advantages(batch, rewards.sum(-1), m.gamma), batch.step_mask)
-    clip = m.caspo.step_adv_clip
-    batch.step_advantages = step_adv.clamp(-clip, clip) if clip > 0 else step_adv
+    step_adv = step_td_advantages(batch, rewards.sum(-1), m.gamma)
+    scope = m.step_adv_scope
+    if scope != "off":
+        step_adv = scoped_whiten(step_adv, batch.step_mask, batch.group_ids, scope)
+    batch.step_advantages = clip_sigmas(step_adv, batch.step_mask, m.caspo.step_adv_clip, whitened=scope != "off")
     return to_tokens(batch, batch.step_advantages), None
