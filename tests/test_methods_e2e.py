@@ -49,10 +49,18 @@ def test_each_method_runs_five_steps(tmp_path, method):
 
 
 def test_grpo_two_epochs_per_rollout(tmp_path):
+    from caspo.train.checkpoint import load_trainer_state
+
     cfg, rows = run(tmp_path, "train.epochs_per_rollout=2", steps=2)
-    assert len(rows) == 2  # μ = 2 doubles the optimizer steps: the scheduler counted them
-    state = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
-    assert state["version"] == 2
+    assert len(rows) == 2
+    checkpoint = tmp_path / "checkpoints" / "step_000002"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["version"] == 2  # one publication per step
+    # optimizer steps: 2 outer steps × μ = 2 epochs × (8 responses / minibatch 4) = 8
+    assert cfg.responses_per_step // cfg.train.minibatch_size == 2
+    state = load_trainer_state(checkpoint)
+    steps = {float(s["step"]) for s in state["optimizers"]["policy"]["state"].values()}
+    assert steps == {8.0}  # AdamW's count, on every parameter
+    assert state["schedulers"]["policy"]["last_epoch"] == 8  # the schedule advanced once per optimizer step
 
 
 def test_dppo_with_staleness_weights_differ_and_are_clamped(tmp_path):
