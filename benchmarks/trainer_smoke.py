@@ -4,9 +4,11 @@ A random-init Qwen2.5-1.5B-shaped policy (saved with the embedded character toke
 arithmetic prompts, 32 prompts × G = 8 samples of up to 1,024 new tokens from the native
 engine with CUDA graphs, bf16 compute with fp32 master weights, and the synthetic reward
 (`reward.synthetic`: the policy cannot see it, but advantages are non-zero). Two training
-steps of each method; prints the per-phase timers, the peak memory and the post-publish
+steps of each method; prints the per-phase timers, the peak memory, the policy phase's model
+FLOP utilisation (6 · parameters · tokens / t_pol against --peak-tflops) and the post-publish
 parity (mean |behaviour − recomputed log-prob| of the sampled tokens), and appends one JSON
-line to --out.
+line to --out. Memory knobs: --micro-tokens (token-budget micro-batches), --checkpointing,
+--gpu-memory-fraction (the engine's KV share); --set passes any other config override.
 
     python benchmarks/trainer_smoke.py --out benchmarks/results.jsonl --commit $COMMIT
     # smoke test:
@@ -26,6 +28,7 @@ import torch
 from _common import add_model_args, append_result, build_model, environment, print_table
 
 from caspo.config import load_config
+from caspo.data.build import load_task_data
 from caspo.models.policy import resolve_model_path
 from caspo.models.tokenizer import load_tokenizer, save_tokenizer
 from caspo.train.loop import train
@@ -42,6 +45,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--micro-tokens", type=int, default=0, help="train.micro_batch_tokens (0 = rows)")
+    parser.add_argument("--checkpointing", action="store_true", help="train.activation_checkpointing=true")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="the card's dense bf16 peak (H200: ~790)")
+    parser.add_argument("--set", action="append", default=[], help="another config override, KEY=VALUE")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode (CPU smoke tests)")
     args = parser.parse_args()
 
@@ -49,7 +56,9 @@ def main() -> None:
     policy = work / "policy"
     model = build_model(argparse.Namespace(**{**vars(args), "dtype": "float32"}))  # fp32 masters
     model.save_pretrained(policy)
-    save_tokenizer(load_tokenizer(resolve_model_path("embedded:tiny-arith")), policy)
+    tokenizer = load_tokenizer(resolve_model_path("embedded:tiny-arith"))
+    save_tokenizer(tokenizer, policy)
+    parameters = sum(p.numel() for p in model.parameters())  # tied head counted once: its matmul
     del model
 
     for method in args.methods.split(","):
@@ -60,7 +69,10 @@ def main() -> None:
             "train.precision=" + ("bf16" if args.dtype == "bfloat16" else "fp32"), "reward.synthetic=true",
             f"method.name={method}", f"train.steps={args.steps}", f"train.minibatch_size={args.prompts * args.samples}",
             f"train.micro_batch_size={args.micro_batch}", "eval.before=false", "eval.after=false",
-            "train.save_every=0", "optim.lr=1e-6", f"train.output_dir={work / method}"])
+            "train.save_every=0", "optim.lr=1e-6", f"train.output_dir={work / method}",
+            f"rollout.gpu_memory_fraction={args.gpu_memory_fraction}", f"train.micro_batch_tokens={args.micro_tokens}",
+            f"train.activation_checkpointing={str(args.checkpointing).lower()}", *args.set])
+        prompt_len = mean_prompt_tokens(cfg, tokenizer)
         if torch.device(args.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
         train(cfg)
@@ -68,18 +80,30 @@ def main() -> None:
         steps = [json.loads(line) for line in (work / method / "metrics.jsonl").read_text().splitlines()]
         steps = [s for s in steps if "t_step" in s]
         # One table and one JSON line per method, so a run stopped midway keeps what finished.
-        print_table(["method", "step", *PHASES, "resp len", "|Δ logp|", "peak GiB"],
+        for s in steps:  # forward + backward of every (prompt + response) token, attention FLOPs left out
+            tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
+            s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.peak_tflops * 1e12)
+        print_table(["method", "step", *PHASES, "resp len", "|Δ logp|", "policy MFU", "peak GiB"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
-                      f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{peak / 2**30:.1f}" if peak else "-"]
+                      f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{s['policy_mfu']:.0%}",
+                      f"{peak / 2**30:.1f}" if peak else "-"]
                      for s in steps])
         append_result(args.out, {"benchmark": "trainer_smoke", "method": method, **environment(args),
                                  "shape": {"prompts": args.prompts, "samples": args.samples,
-                                           "new_tokens": args.new_tokens},
+                                           "new_tokens": args.new_tokens, "prompt_tokens_mean": prompt_len},
+                                 "knobs": {"micro_tokens": args.micro_tokens, "checkpointing": args.checkpointing,
+                                           "kv_share": args.gpu_memory_fraction, "micro_batch": args.micro_batch,
+                                           "set": args.set},
                                  "steps": steps, "peak_bytes": peak})
         # The final checkpoint (fp32 masters and AdamW state, ~50 GB with a critic) is not needed
         # here; two methods' checkpoints filled a 64 GB disk.
         shutil.rmtree(work / method / "checkpoints", ignore_errors=True)
     shutil.rmtree(work / "policy", ignore_errors=True)
+
+
+def mean_prompt_tokens(cfg, tokenizer) -> float:
+    prompts = load_task_data(cfg, tokenizer).train_prompts[:512]
+    return sum(len(p) for p in prompts) / len(prompts)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ class RolloutBatch:
     # filled by later phases
     rewards: Optional[torch.Tensor] = None  # [B]
     old_logprobs: Optional[torch.Tensor] = None  # [B, R]
+    # π_old is the policy being trained: the update's own forward fills old_logprobs (train.update.old_is_current)
+    old_is_current: bool = False
     ref_logprobs: Optional[torch.Tensor] = None  # [B, R]
     values: Optional[torch.Tensor] = None  # [B, R] critic values before the update
     returns: Optional[torch.Tensor] = None  # [B, R] GAE returns
@@ -108,27 +110,53 @@ class RolloutBatch:
         return replace(self, **moved)
 
     def select(self, index: torch.Tensor | Sequence[int]) -> "RolloutBatch":
-        """Rows `index` of every per-sample field, with the response frame trimmed to their longest response."""
+        """Rows `index` of every per-sample field, in a frame trimmed to their longest prompt and response."""
         idx = torch.as_tensor(index, dtype=torch.long)
         R = max(1, int(self.response_mask[idx].sum(-1).max()))
-        width = {**dict.fromkeys(SEQUENCE_FRAME, self.prompt_width + R), **dict.fromkeys(RESPONSE_FRAME, R)}
+        P = max(1, int(self.attention_mask[idx, :self.prompt_width].sum(-1).max()))
+        columns = {**dict.fromkeys(SEQUENCE_FRAME, slice(self.prompt_width - P, self.prompt_width + R)),
+                   **dict.fromkeys(RESPONSE_FRAME, slice(0, R))}
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[idx]
-                if f.name in width:
-                    value = value[:, :width[f.name]]
+                if f.name in columns:
+                    value = value[:, columns[f.name]]
             elif isinstance(value, list) and value:
                 value = [value[i] for i in idx.tolist()]
             elif isinstance(value, dict):
                 value = dict(value)
             out[f.name] = value
+        out["prompt_width"] = P
         return replace(self, **out)
 
-    def micro_batches(self, size: int, rows: torch.Tensor | None = None):
-        """(row indices, the selected micro-batch) for consecutive chunks of `rows` (default: every row)."""
+    def micro_batches(self, size: int, rows: torch.Tensor | None = None, max_tokens: int = 0):
+        """(row indices, the selected micro-batch) over `rows` (default: every row).
+
+        max_tokens = 0: consecutive chunks of `size` rows. max_tokens > 0: the rows sorted by
+        length, longest first, packed so that each micro-batch's padded frame (rows × (longest
+        prompt + longest response)) holds at most max_tokens, and at most `size` rows; a row
+        longer than max_tokens goes alone.
+        """
         rows = torch.arange(self.size) if rows is None else rows
-        for start in range(0, len(rows), size):
-            idx = rows[start:start + size]
+        if not max_tokens:
+            for start in range(0, len(rows), size):
+                idx = rows[start:start + size]
+                yield idx, self.select(idx)
+            return
+        prompt_lengths = self.attention_mask[rows, :self.prompt_width].sum(-1)
+        response_lengths = self.response_mask[rows].sum(-1)
+        order = sorted(range(len(rows)), key=lambda i: -int(prompt_lengths[i] + response_lengths[i]))
+        chunk, widest_prompt, widest_response = [], 0, 0
+        for i in order:
+            p, r = max(widest_prompt, int(prompt_lengths[i])), max(widest_response, int(response_lengths[i]))
+            if chunk and (len(chunk) == size or (len(chunk) + 1) * (p + r) > max_tokens):
+                idx = rows[chunk]
+                yield idx, self.select(idx)
+                chunk, p, r = [], int(prompt_lengths[i]), int(response_lengths[i])
+            chunk.append(i)
+            widest_prompt, widest_response = p, r
+        if chunk:
+            idx = rows[chunk]
             yield idx, self.select(idx)

@@ -8,6 +8,7 @@ from caspo.algo import (
     decoupled_ppo_loss,
     divergence_gate_loss,
     dppo_binary_loss,
+    head_categorical_kl,
     kl,
     ppo_clip_loss,
     value_loss,
@@ -257,40 +258,43 @@ def test_decoupled_ppo_clips_then_weights():
 # ---------------------------------------------------------------- divergence gate
 
 
+OLD, FAR, NEAR = [0.5, 0.3, 0.2], [0.6, 0.25, 0.15], [0.51, 0.295, 0.195]
+
+
 def gate_inputs():
-    old = [0.5, 0.3, 0.2]
-    new_far = [0.6, 0.25, 0.15]
-    new_near = [0.51, 0.295, 0.195]
-    old_logp = torch.tensor([[old, old, old, [NAN, INF, 0.0]]], dtype=f64).log()
-    new_logp = torch.tensor([[new_far, new_far, new_near, [NAN, NAN, NAN]]], dtype=f64).log().requires_grad_()
-    actions = torch.tensor([[0, 0, 0, -100]])  # padded id out of range
+    old_logp = torch.tensor([[OLD[0], OLD[0], OLD[0], INF]], dtype=f64).log()
+    new_logp = torch.tensor([[FAR[0], FAR[0], NEAR[0], NAN]], dtype=f64).log().requires_grad_()
+    # with an identity head the logits are the hidden states: log-probs in, the same distributions out
+    eye = torch.eye(3, dtype=f64)
+    divergence = head_categorical_kl(torch.tensor([OLD, OLD, OLD], dtype=f64).log(), eye,
+                                     torch.tensor([FAR, FAR, NEAR], dtype=f64).log(), eye)
+    divergence = torch.cat([divergence, torch.tensor([NAN], dtype=f64)])[None]  # padding: any value
     A = row([1.0, -1.0, 1.0, NAN])
     mask = torch.tensor([[1, 1, 1, 0]])
-    return new_logp, old_logp, actions, A, mask
+    return new_logp, old_logp, divergence, A, mask
 
 
 def test_divergence_gate_blocks_outward_moves_beyond_threshold():
-    new_logp, old_logp, actions, A, mask = gate_inputs()
-    loss, metrics = divergence_gate_loss(new_logp, old_logp, actions, A, mask, threshold=0.01, agg="token-sum")
+    new_logp, old_logp, divergence, A, mask = gate_inputs()
+    loss, metrics = divergence_gate_loss(new_logp, old_logp, divergence, A, mask, threshold=0.01, agg="token-sum")
     # D(far)  = .5 ln(.5/.6) + .3 ln(.3/.25) + .2 ln(.2/.15)     = 0.0210721 > 0.01
     # D(near) = .5 ln(.5/.51) + .3 ln(.3/.295) + .2 ln(.2/.195)  = 0.0002043 < 0.01
     d_far = 0.5 * math.log(0.5 / 0.6) + 0.3 * math.log(0.3 / 0.25) + 0.2 * math.log(0.2 / 0.15)
     d_near = 0.5 * math.log(0.5 / 0.51) + 0.3 * math.log(0.3 / 0.295) + 0.2 * math.log(0.2 / 0.195)
+    torch.testing.assert_close(divergence[0, :3], torch.tensor([d_far, d_far, d_near], dtype=f64))
     # token 0: A>0, r = 1.2 > 1, outward and far → blocked (value kept, no gradient)
     # token 1: A<0, r = 1.2 > 1 → corrective, never blocked: ℓ = 1.2, ∂ℓ/∂logp(a) = −A·r = 1.2
     # token 2: A>0, r = 1.02, outward but near → free: ℓ = −1.02, ∂ = −1.02
     assert loss.item() == pytest.approx(-1.2 + 1.2 - 1.02)
-    grad = grad_of(loss, new_logp)
-    expected = torch.zeros(1, 4, 3, dtype=f64)
-    expected[0, 1, 0], expected[0, 2, 0] = 1.2, -1.02
-    torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(grad_of(loss, new_logp), row([0.0, 1.2, -1.02, 0.0]))
     assert metrics["blocked_frac"].item() == pytest.approx(1 / 3)
     assert metrics["categorical_kl"].item() == pytest.approx((2 * d_far + d_near) / 3)
     assert_detached_scalars(metrics)
 
-    loose, loose_metrics = divergence_gate_loss(new_logp, old_logp, actions, A, mask, threshold=0.05, agg="token-sum")
+    loose, loose_metrics = divergence_gate_loss(new_logp, old_logp, divergence, A, mask, threshold=0.05,
+                                                agg="token-sum")
     assert loose_metrics["blocked_frac"].item() == 0.0
-    assert grad_of(loose, new_logp)[0, 0, 0].item() == pytest.approx(-1.2)
+    assert grad_of(loose, new_logp)[0, 0].item() == pytest.approx(-1.2)
 
 
 # ---------------------------------------------------------------- DPPO binary masks

@@ -42,3 +42,26 @@ def test_micro_batches_cover_the_rows_in_order():
     assert [idx.tolist() for idx, _ in chunks] == [[2, 0], [1]]
     assert [micro.labels for _, micro in chunks] == [["7", "3"], ["3"]]
     assert [idx.tolist() for idx, _ in batch.micro_batches(2)] == [[0, 1], [2]]
+
+
+def test_select_trims_the_prompt_frame_to_the_longest_selected_prompt():
+    batch = make_batch()  # prompts of 2, 1 and 3 tokens, left-padded to 3
+    micro = batch.select([0, 1])
+    assert micro.prompt_width == 2 and micro.input_ids.shape == (2, 2 + 3)
+    assert micro.input_ids.tolist() == [[1, 2, 5, 6, 7], [0, 3, 8, 0, 0]]
+    # the response columns are where the trimmed frame says they are
+    assert torch.equal(micro.input_ids[:, micro.prompt_width:], micro.responses)
+    assert torch.equal(micro.position_ids, batch.position_ids[[0, 1], 1:])
+
+
+def test_token_budget_packs_rows_by_length_within_the_budget():
+    batch = make_batch()  # row lengths (prompt + response): 5, 2, 5
+    chunks = list(batch.micro_batches(8, max_tokens=10))
+    assert sorted(i for idx, _ in chunks for i in idx.tolist()) == [0, 1, 2]  # every row once
+    for idx, micro in chunks:
+        assert micro.input_ids.numel() <= 10 or len(idx) == 1
+    # longest first; rows 0 and 2 together would be 2 × (3 + 3) = 12, rows 2 and 1 fit: 2 × (3 + 2) = 10
+    assert [idx.tolist() for idx, _ in chunks] == [[0], [2, 1]]
+    # the row cap still holds, and a row over the budget goes alone
+    assert [len(idx) for idx, _ in batch.micro_batches(1, max_tokens=100)] == [1, 1, 1]
+    assert [len(idx) for idx, _ in batch.micro_batches(8, max_tokens=3)] == [1, 1, 1]

@@ -12,7 +12,7 @@ from caspo.train.verify_resume import verify_resume
 
 pytestmark = pytest.mark.timeout(300)
 
-LOOPED = ["optim.name=sgd", "optim.lr=1e-3", "train.recompute=true"]
+LOOPED = ["optim.name=sgd", "optim.lr=1e-3", "train.activation_checkpointing=true"]
 
 
 @pytest.fixture(scope="module")

@@ -33,13 +33,15 @@ def rollout(tmp_path_factory):
 def test_gradients_agree_across_micro_batch_splits(rollout, mode):
     tr, batch = rollout
     grads = {}
-    for micro in (8, 4, 1):
-        cfg = load_config("tests", ["train.minibatch_size=8", f"train.micro_batch_size={micro}",
-                                    f"method.loss_agg={mode}", "method.kl_coef=0.1"])
+    # (rows, tokens): row chunks, and micro-batches packed by length under a token budget
+    for micro in ((8, 0), (4, 0), (1, 0), (8, 60), (8, 1)):
+        cfg = load_config("tests", ["train.minibatch_size=8", f"train.micro_batch_size={micro[0]}",
+                                    f"train.micro_batch_tokens={micro[1]}", f"method.loss_agg={mode}",
+                                    "method.kl_coef=0.1"])
         tr.policy.zero_grad(set_to_none=True)
         accumulate_gradients(tr.policy, batch, torch.arange(8), cfg, LossScaler("fp32"), batch.responses.shape[1],
                              actor_loss(tr.method, tr.method_state, batch.responses.shape[1]))
         grads[micro] = torch.cat([p.grad.flatten() for p in tr.policy.parameters()])
-    assert grads[8].abs().max() > 0
-    for micro in (4, 1):
-        assert torch.allclose(grads[micro], grads[8], atol=1e-6, rtol=0), (mode, micro)
+    assert grads[8, 0].abs().max() > 0
+    for micro in ((4, 0), (1, 0), (8, 60), (8, 1)):
+        assert torch.allclose(grads[micro], grads[8, 0], atol=1e-6, rtol=0), (mode, micro)

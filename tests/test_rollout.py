@@ -6,6 +6,7 @@ from publication_checks import check_failed_publications_keep_old_weights, pertu
 from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
+from caspo.rollout.publication import PublicationError
 from caspo.rollout.sampling import sample_next, sample_seed, uniform_noise
 
 SAMPLING = SamplingParams(temperature=1.0, stop_token_ids=[1])
@@ -121,6 +122,23 @@ def test_sleep_and_wake_through_the_protocol(tiny_model, backend):
     engine.wake()
     assert not engine.asleep
     assert engine.generate(requests(8), SAMPLING) == before  # tokens, log-probs, finish reasons, versions
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_sleep_can_free_the_weights_until_the_next_publication(tiny_model, backend):
+    if backend == "hf":
+        engine = HFEngine(tiny_model, pad_token_id=0)
+    else:
+        engine = NativeEngine(tiny_model, max_seq_len=32, capacity_tokens=32 * 8)
+    before = engine.generate(requests(8), SAMPLING)
+    engine.sleep(weights=True)
+    assert all(p.numel() == 0 for p in engine._params().values())  # the storage is gone
+    engine.wake()
+    assert all(p.numel() > 0 for p in engine._params().values())
+    with pytest.raises(PublicationError, match="publish the policy before generating"):
+        engine.generate(requests(2), SAMPLING)  # the storage is back, but not yet the weights
+    publish(engine, tiny_model, 0)
+    assert engine.generate(requests(8), SAMPLING) == before
 
 
 def test_nucleus_keeps_ties_at_the_cut():

@@ -1,6 +1,7 @@
 """Advantages, KL estimators, losses and masked statistics as pure tensor functions."""
 
 from caspo.algo.advantages import TERMINAL_SCOPES, gae, group_advantages, step_td, terminal_advantages
+from caspo.algo.head_logprobs import head_categorical_kl, head_token_logprobs
 from caspo.algo.kl import KL_KINDS, kl
 from caspo.algo.logprobs import token_entropy, token_logprobs
 from caspo.algo.losses import (
@@ -32,6 +33,8 @@ __all__ = [
     "dppo_binary_loss",
     "gae",
     "group_advantages",
+    "head_categorical_kl",
+    "head_token_logprobs",
     "kl",
     "masked_fill_zero",
     "masked_mean",

@@ -168,9 +168,9 @@ def decoupled_ppo_loss(
 
 
 def divergence_gate_loss(
-    logp_full: torch.Tensor,
-    old_logp_full: torch.Tensor,
-    actions: torch.Tensor,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    divergence: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     threshold: float = 0.01,
@@ -179,10 +179,11 @@ def divergence_gate_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Full-vocabulary divergence gate (categorical Flow-DPPO), no ratio clipping.
 
-    ``logp_full`` / ``old_logp_full`` are ``[B, T, V]`` log-softmaxes of the current
-    and frozen old policy, ``actions`` ``[B, T]`` the sampled ids.
+    ``logp`` / ``old_logp`` are ``[B, T]`` log-probs of the sampled tokens under the
+    current and the frozen old policy; ``divergence`` ``[B, T]`` is the per-token
+    D_t = KL(π_old ‖ π_θ) over the whole vocabulary, no grad
+    (`caspo.algo.head_categorical_kl` computes it without the full logits).
 
-        D_t       = max(0, Σ_v π_old(v)·(log π_old(v) − log π_θ(v)))      KL(old ‖ new)
         r_t       = exp(clamp(log π_θ(a_t) − log π_old(a_t), ±20))
         outward_t = (A_t > 0 ∧ r_t > 1) ∨ (A_t < 0 ∧ r_t < 1)
         blocked_t = outward_t ∧ D_t > threshold
@@ -194,22 +195,13 @@ def divergence_gate_loss(
     ``categorical_kl`` = mmean(D), ``ratio_mean`` = mmean(r).
     """
     keep = mask.bool()
-    # Padded action ids may be out of range; point them at id 0 before gathering.
-    actions = torch.where(keep, actions, torch.zeros_like(actions)).unsqueeze(-1)
     advantages = masked_fill_zero(advantages, keep)
-    old_logp_full = old_logp_full.to(device=logp_full.device)
-
-    logp = masked_fill_zero(logp_full.gather(-1, actions).squeeze(-1), keep)
-    old_logp = masked_fill_zero(old_logp_full.gather(-1, actions).squeeze(-1).to(logp.dtype), keep)
+    logp = masked_fill_zero(logp, keep)
+    old_logp = masked_fill_zero(old_logp.to(device=logp.device, dtype=logp.dtype), keep)
     ratio = _ratio(logp, old_logp)
 
     with torch.no_grad():
-        old = old_logp_full.to(torch.float32)
-        new = logp_full.detach().to(torch.float32)
-        p_old = old.exp()
-        # 0·log 0 = 0 for tokens the old policy never picks.
-        terms = torch.where(p_old > 0, p_old * (old - new), torch.zeros_like(old))
-        divergence = masked_fill_zero(terms.sum(-1).clamp_min(0.0), keep)
+        divergence = masked_fill_zero(divergence.to(device=logp.device, dtype=torch.float32), keep)
         outward = ((advantages > 0) & (ratio > 1)) | ((advantages < 0) & (ratio < 1))
         blocked = outward & (divergence > threshold) & keep
 

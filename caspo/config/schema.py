@@ -93,8 +93,9 @@ class RolloutConfig:
     max_batch: int = 0
     # Generate with the policy of `staleness` updates ago, as asynchronous RL does (0 = on-policy).
     staleness: int = 0
-    # Put the engine to sleep (KV cache and CUDA graphs freed) while the trainer updates, so the update
-    # has that memory; it wakes for the next rollout (the native engine re-allocates and recaptures).
+    # Put the engine to sleep (KV cache, CUDA graphs and its copy of the weights freed) while the trainer
+    # updates, so the update has that memory; it wakes for the next rollout (the native engine
+    # re-allocates and recaptures), and the publication after the update refills the weights.
     sleep_during_update: bool = True
     # The engine's compute dtype; "auto" = the training precision's compute dtype.
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -225,12 +226,19 @@ class TrainConfig:
     # Responses per optimizer step; the rollout's responses must split into whole minibatches.
     minibatch_size: int = 128
     micro_batch_size: int = 32
+    # > 0: micro-batches packed by tokens instead: rows sorted by length, each micro-batch's padded
+    # frame (rows × (longest prompt + longest response)) at most this many tokens and at most
+    # micro_batch_size rows. The loss is still normalised over the whole minibatch.
+    micro_batch_tokens: int = 0
     epochs_per_rollout: int = 1
+    # "auto": skip the old-log-prob pass when the update's first forward gives the same log-probs
+    # (μ = 1, one minibatch per rollout, no staleness, no KL reward, no dropout); "recompute": always run it
+    old_logprobs: Literal["auto", "recompute"] = "auto"
     # fp32 | bf16 (bf16 compute, fp32 master weights) | fp16 (fp32 master weights, fixed loss scale)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scale: float = 128.0
-    # Recompute activations: checkpoint each block (in every loop of a looped model).
-    recompute: bool = False
+    # Recompute activations in the backward: checkpoint each decoder block (in every loop of a looped model).
+    activation_checkpointing: bool = False
     save_every: int = 0
     # Stop cleanly (checkpoint written) after this many outer steps of this process; 0 = run to train.steps.
     stop_after: int = 0

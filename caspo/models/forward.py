@@ -1,19 +1,22 @@
-"""Log-probs and logits of the response tokens, computed from the response columns only."""
+"""Log-probs of the response tokens, from the response columns only and without the full logits.
+
+The decoder runs on the whole sequence; the LM head runs on the R positions that
+predict response tokens, chunk by chunk (`caspo.algo.head_token_logprobs`), so
+neither a long prompt nor a 150k vocabulary costs a ``[tokens × vocab]`` tensor.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from caspo.algo import token_logprobs
+from caspo.algo import head_categorical_kl, head_token_logprobs
 from caspo.batch import RolloutBatch
 
+LOGIT_CHUNK_TOKENS = 1024  # rows of logits alive at once: 1024 × 151,936 × 4 B = 622 MB in fp32
 
-def response_logits(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
-    """[B, R, V] logits / temperature at the positions that predict each response token.
 
-    The LM head runs on these R positions only, so a long prompt costs no
-    [tokens × vocab] logits.
-    """
+def response_hidden(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """[B, R, H] last hidden states at the positions that predict each response token."""
     hidden = model.get_decoder()(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -21,9 +24,43 @@ def response_logits(model: torch.nn.Module, batch: RolloutBatch, temperature: fl
         use_cache=False,
     ).last_hidden_state
     P, R = batch.prompt_width, batch.responses.shape[1]
-    return model.get_output_embeddings()(hidden[:, P - 1:P + R - 1]) / temperature
+    return hidden[:, P - 1:P + R - 1]
+
+
+def head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The weight of `model`'s LM head (a bias-free nn.Linear, tied or not)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise TypeError(f"{type(model).__name__}'s output head is {head!r}; log-probs need a bias-free nn.Linear")
+    return head.weight
+
+
+def as_compute(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in the autocast dtype when autocast is on (what the head's matmul would run in)."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return tuple(t.to(dtype) for t in tensors)
+    dtype = torch.promote_types(tensors[0].dtype, tensors[1].dtype)
+    return tuple(t.to(dtype) for t in tensors)
+
+
+def hidden_logprobs(model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log π(tokens), entropy or None) from `hidden` [B, R, H] through `model`'s head, chunked."""
+    hidden, weight = as_compute(hidden, head_weight(model))
+    return head_token_logprobs(hidden, weight, tokens, temperature, LOGIT_CHUNK_TOKENS, with_entropy)
 
 
 def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
-    """[B, R] log π(y_t | x, y_<t) under softmax(logits / temperature), via a chunked log-softmax."""
-    return token_logprobs(response_logits(model, batch), batch.responses, temperature=temperature)
+    """[B, R] log π(y_t | x, y_<t) under softmax(logits / temperature)."""
+    return hidden_logprobs(model, response_hidden(model, batch), batch.responses, temperature)[0]
+
+
+@torch.no_grad()
+def hidden_kl(p_model: torch.nn.Module, p_hidden: torch.Tensor, q_model: torch.nn.Module, q_hidden: torch.Tensor,
+              temperature: float = 1.0) -> torch.Tensor:
+    """[B, R] KL(p ‖ q) over the whole vocabulary between two models' next-token distributions, chunked."""
+    p_hidden, p_weight = as_compute(p_hidden, head_weight(p_model))
+    q_hidden, q_weight = as_compute(q_hidden, head_weight(q_model))
+    return head_categorical_kl(p_hidden, p_weight, q_hidden, q_weight, temperature, LOGIT_CHUNK_TOKENS)

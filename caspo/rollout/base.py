@@ -51,11 +51,13 @@ class Engine(Protocol):
     def asleep(self) -> bool:
         """True between `sleep()` and `wake()`."""
 
-    def sleep(self) -> None:
-        """Free the KV cache and whatever points into it (e.g. CUDA graphs), so the trainer can use the memory."""
+    def sleep(self, weights: bool = False) -> None:
+        """Free the KV cache and whatever points into it (e.g. CUDA graphs), so the trainer can use the memory;
+        with `weights`, the engine's copy of the weights too (the next publication brings them back)."""
 
     def wake(self) -> None:
-        """Re-allocate what `sleep()` freed; completions are then exactly those of before sleeping."""
+        """Re-allocate what `sleep()` freed; completions are then exactly those of before sleeping
+        (after a publication, if the weights were freed)."""
 
     def begin(self, version: int) -> None: ...
 

@@ -49,17 +49,23 @@ class HFEngine(PublishedWeights):
     def asleep(self) -> bool:
         return self._asleep
 
-    def sleep(self) -> None:
-        """Mark the engine asleep: generate() raises until wake()."""
+    def sleep(self, weights: bool = False) -> None:
+        """Mark the engine asleep: generate() raises until wake(); with `weights`, free its weights too."""
         self._asleep = True
+        if weights:
+            self.release_weights()
+            if next(self.model.parameters()).device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def wake(self) -> None:
+        self.reallocate_weights()
         self._asleep = False
 
     # ------------------------------------------------------------ generation
     def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
         if self._asleep:
             raise asleep_error("generate()")
+        self.check_weights()
         if sampling.stop_strings and self.decode is None:
             raise ValueError("stop strings need a decode function: HFEngine(..., decode=tokenizer.decode)")
         size = self.max_batch or len(requests)

@@ -74,9 +74,32 @@ class PublishedWeights:
 
     version: int
     _publication: Publication | None
+    _released: dict[str, torch.Size] | None = None  # shapes of the weights `release_weights` freed
 
     def _params(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    # The engine's weights are its own copy of the policy's: while the trainer trains they can be
+    # freed, and the next publication brings them back.
+    def release_weights(self) -> None:
+        """Free the served weights' storage; generating then needs a publication first."""
+        if self._released is None:
+            params = self._params()
+            self._released = {name: p.shape for name, p in params.items()}
+            for p in params.values():
+                p.data = p.data.new_empty(0)
+
+    def reallocate_weights(self) -> None:
+        """Give released weights their storage back (uninitialised: a publication fills it)."""
+        if self._released is not None:
+            for name, p in self._params().items():
+                if p.numel() == 0 and self._released[name].numel():
+                    p.data = p.data.new_empty(self._released[name])
+
+    def check_weights(self) -> None:
+        if self._released is not None:
+            raise PublicationError("the engine's weights were released by sleep(weights=True); publish the "
+                                   "policy before generating")
 
     def begin(self, version: int) -> None:
         self._publication = Publication(self._params(), version)
@@ -93,6 +116,7 @@ class PublishedWeights:
         publication, self._publication = self._publication, None
         digest = publication.commit()
         self.version = publication.version
+        self._released = None  # every weight was staged, so every released one is filled again
         return digest
 
     def digest(self) -> str:

@@ -11,7 +11,6 @@ from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.models.critic import critic_values, load_critic
-from caspo.models.forward import response_logits
 from caspo.models.policy import enable_recompute
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import learner
@@ -36,7 +35,7 @@ class Critic(MethodState):
     def __init__(self, cfg: Config, policy_path: str, device: torch.device):
         super().__init__()
         model = load_critic(policy_path, device).eval()
-        if cfg.train.recompute:
+        if cfg.train.activation_checkpointing:
             enable_recompute(model)
         m = cfg.method
         self.learners = {"critic": learner(model, cfg, lr=m.critic_lr, weight_decay=m.critic_weight_decay,
@@ -69,6 +68,5 @@ class CriticAndFrozenOld(Critic):
     def before_update(self, tr: "Trainer") -> None:
         self.old_policy.load_state_dict(tr.policy.state_dict())
 
-    @torch.no_grad()
-    def old_distributions(self, micro: RolloutBatch, temperature: float) -> torch.Tensor:
-        return torch.log_softmax(response_logits(self.old_policy, micro, temperature).float(), -1)
+    def frozen_old_policy(self) -> torch.nn.Module:
+        return self.old_policy

@@ -40,7 +40,7 @@ from caspo.train.signals import StopRequest
 from caspo.train.step_values import control_seed
 from caspo.train.timers import PhaseTimer
 from caspo.train.trainer import Trainer, build_trainer, publish_current, restore, save
-from caspo.train.update import update
+from caspo.train.update import old_is_current, update
 
 __all__ = ["Trainer", "build_trainer", "evaluate", "outer_step", "restore", "save", "train"]
 
@@ -57,7 +57,11 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
         with timer("t_reward"):
             batch.rewards = reward(tr, batch)
         with timer("t_old"):  # the proximal policy: recomputed by the trainer, never the engine's scores
-            batch.old_logprobs = score(tr.policy, batch, cfg)
+            if old_is_current(cfg, tr.policy):  # ... or given by the update's own forward, when that is exact
+                batch.old_is_current = True  # NaN until then: a reader before the update would show
+                batch.old_logprobs = torch.full_like(batch.behaviour_logprobs, float("nan"))
+            else:
+                batch.old_logprobs = score(tr.policy, batch, cfg)
         with timer("t_ref"):
             if tr.ref is not None:
                 batch.ref_logprobs = score(tr.ref, batch, cfg)
@@ -78,11 +82,12 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
 
 @contextmanager
 def engine_asleep(tr: Trainer):
-    """The engine's KV cache freed for the update (rollout.sleep_during_update), and back after it."""
+    """The engine's KV cache and its copy of the weights freed for the update (rollout.sleep_during_update),
+    and back after it; the publication that follows the update refills the weights."""
     if not tr.cfg.rollout.sleep_during_update:
         yield
         return
-    tr.engine.sleep()
+    tr.engine.sleep(weights=True)
     try:
         yield
     finally:

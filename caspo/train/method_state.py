@@ -54,7 +54,8 @@ class MethodState:
         """The update's loss for each learner of `learners` it trains with the policy, in that order."""
         return {}
 
-    def old_distributions(self, micro: RolloutBatch, temperature: float) -> torch.Tensor:
+    def frozen_old_policy(self) -> torch.nn.Module:
+        """The policy as it was before this update, for a loss that reads its full-vocabulary distributions."""
         raise TypeError(f"{type(self).__name__} keeps no frozen old policy, so it cannot serve a loss that reads "
                         "the old policy's full-vocabulary distributions")
 

@@ -66,3 +66,29 @@ def build_scheduler(optimizer, *, warmup: int, total: int, schedule: str, min_ra
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, warmup=warmup, total=total, schedule=schedule, min_ratio=min_ratio)
     )
+
+
+@torch.no_grad()
+def allocate_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate AdamW's moments now, as zeros, so that an engine sizing its KV cache from free memory
+    leaves room for them; the steps that follow are those of a fresh optimizer, bit for bit.
+
+    One step at lr 0 on zero gradients lets torch build its own state (the parameters do not move:
+    p·(1 − 0·wd) − 0·m/(√v + ε) = p), then the step counters go back to 0. SGD is left alone: its
+    momentum buffer starts as the first gradient, not as zeros.
+    """
+    if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p, grad in zip(params, grads):
+        p.grad = grad
+        optimizer.state[p]["step"].zero_()

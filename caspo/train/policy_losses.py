@@ -26,8 +26,9 @@ class LossInputs:
     logp: torch.Tensor  # [b, R] log-probs of the sampled tokens under the policy being trained (with grad)
     batch: RolloutBatch  # the micro-batch: old / behaviour log-probs, advantages, mask
     denom: Optional[torch.Tensor]  # the whole minibatch's normaliser (algo.aggregate_denom)
-    logp_full: Optional[torch.Tensor] = None  # [b, R, V] when the loss reads the vocabulary
-    old_full: Optional[torch.Tensor] = None  # [b, R, V] the frozen old policy's log-probs, no grad
+    # losses that read the vocabulary: the frozen old policy's log-probs and KL(old ‖ current), no grad
+    frozen_old_logp: Optional[torch.Tensor] = None  # [b, R]
+    divergence: Optional[torch.Tensor] = None  # [b, R]
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def dppo_binary(divergence: str):
 
 def divergence_gate(x: LossInputs, m: MethodConfig):
     b = x.batch
-    return algo.divergence_gate_loss(x.logp_full, x.old_full, b.responses, b.advantages, b.response_mask,
+    return algo.divergence_gate_loss(x.logp, x.frozen_old_logp, x.divergence, b.advantages, b.response_mask,
                                      threshold=m.gate_threshold, agg=m.loss_agg, denom=x.denom)
 
 

@@ -17,7 +17,7 @@ def no_grad_pass(model: torch.nn.Module, batch: RolloutBatch, cfg: Config,
                  fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
     """`fn(model, micro_batch, *args)` -> [b, R] over the batch, micro-batch by micro-batch, no grad."""
     out = torch.zeros_like(batch.behaviour_logprobs)
-    for idx, micro in batch.micro_batches(cfg.train.micro_batch_size):
+    for idx, micro in batch.micro_batches(cfg.train.micro_batch_size, max_tokens=cfg.train.micro_batch_tokens):
         with autocast(cfg.train.precision, micro.input_ids.device):
             out[idx, :micro.responses.shape[1]] = fn(model, micro, *args).float()
     return out

@@ -111,12 +111,13 @@ class PrefixValues(MethodState):
         return cls(cfg, tokenizer, ValueSource(cfg.method.caspo.value_model, cfg.model.policy), policy, device)
 
     @torch.no_grad()
-    def read(self, batch: RolloutBatch, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, batch: RolloutBatch, micro_batch_size: int,
+             max_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """V(s_k) [B, S] and the step mask, micro-batch by micro-batch."""
         S = max(int(batch.step_ids.max()) + 1, 1)
         values = torch.zeros(batch.size, S, device=batch.step_ids.device)
         mask = torch.zeros_like(values)
-        for idx, micro in batch.micro_batches(micro_batch_size):
+        for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
             v, m = step_values(self.model.cumulative(micro), micro.step_ids)
             values[idx, :v.shape[1]], mask[idx, :m.shape[1]] = v, m
         return values, mask
@@ -124,23 +125,24 @@ class PrefixValues(MethodState):
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         c = tr.cfg.method.caspo
         batch.step_ids = segment(tr, batch)
-        values, batch.step_mask = self.read(batch, tr.cfg.train.micro_batch_size)
+        values, batch.step_mask = self.read(batch, tr.cfg.train.micro_batch_size, tr.cfg.train.micro_batch_tokens)
         if c.shuffle_values:
             values = shuffled_within_batch(values, batch.step_mask, seed=control_seed(tr.cfg, tr.step))
         batch.step_values = transform_values(values, c.transform, self.model.beta)
         return step_stats(batch, values)
 
     def after_advantages(self, tr: "Trainer", batch: RolloutBatch) -> dict:
-        return self.online_step(batch, tr.cfg.train.micro_batch_size) if self.online is not None else {}
+        t = tr.cfg.train
+        return self.online_step(batch, t.micro_batch_size, t.micro_batch_tokens) if self.online is not None else {}
 
-    def online_step(self, batch: RolloutBatch, micro_batch_size: int) -> dict:
+    def online_step(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0) -> dict:
         """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
         step boundaries k >= 1 (V(s_0) = 0 whatever φ is)."""
         beta = self.model.beta
         boundaries = float((batch.step_ids.max(-1).values.clamp(min=0)).sum())  # steps after the first, per row
         self.online.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for idx, micro in batch.micro_batches(micro_batch_size):
+        for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
             v, m = step_values(self.model.cumulative(micro), micro.step_ids)
             target = micro.rewards.float()[:, None].expand_as(v)
             bce = torch.nn.functional.binary_cross_entropy_with_logits(v / beta, target, reduction="none")

@@ -24,7 +24,7 @@ from caspo.rollout.base import Engine, SamplingParams, publish
 from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
 from caspo.train import checkpoint as ckpt
 from caspo.train.method_state import MethodState
-from caspo.train.optim import Learner, learner
+from caspo.train.optim import Learner, allocate_state, learner
 
 
 @dataclass
@@ -82,15 +82,18 @@ def build_trainer(cfg: Config) -> Trainer:
     path = resolve_model_path(cfg.model.policy)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, device).eval()
-    if cfg.train.recompute:
+    if cfg.train.activation_checkpointing:
         enable_recompute(policy)
     data = load_task_data(cfg, tokenizer)
     needs_ref = cfg.method.kl_coef > 0 or cfg.method.kl_reward_coef > 0
+    actor = learner(policy, cfg)
+    ref = copy.deepcopy(policy).requires_grad_(False) if needs_ref else None
+    method_state = method.state.build(cfg, path, policy, tokenizer, device)
+    for lr in [actor, *method_state.learners.values()]:  # allocated before the engine reserves its KV cache
+        allocate_state(lr.optimizer)
     tr = Trainer(
         cfg=cfg, method=method, run_dir=Path(cfg.train.output_dir), device=device, tokenizer=tokenizer,
-        actor=learner(policy, cfg),
-        ref=copy.deepcopy(policy).requires_grad_(False) if needs_ref else None,
-        method_state=method.state.build(cfg, path, policy, tokenizer, device),
+        actor=actor, ref=ref, method_state=method_state,
         engine=build_engine(cfg, policy, tokenizer, max_seq_len(cfg)),
         cursor=PromptCursor(len(data.train), cfg.train.seed),
         update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,

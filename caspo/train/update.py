@@ -16,7 +16,7 @@ import torch
 from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config
-from caspo.models.forward import response_logits, response_logprobs
+from caspo.models.forward import hidden_kl, hidden_logprobs, response_hidden
 from caspo.precision import LossScaler, autocast
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import Learner
@@ -30,19 +30,28 @@ ADDITIVE = {"pg_loss", "kl", "vf_loss"}  # parts of a minibatch loss: summed ove
 
 def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, method: "Method",
                 state: MethodState):
-    """The method's policy loss (+ KL to the reference as a loss term) on one micro-batch."""
+    """The method's policy loss (+ KL to the reference as a loss term) on one micro-batch.
+
+    With `batch.old_is_current` (the proximal policy is the one being trained, see
+    `old_is_current`), this forward's detached log-probs are the old ones, and are
+    written into `batch.old_logprobs` for the caller.
+    """
     m, T = cfg.method, cfg.rollout.temperature
-    inputs = LossInputs(logp=None, batch=batch, denom=denom)
+    hidden = response_hidden(model, batch)
+    logp, entropy = hidden_logprobs(model, hidden, batch.responses, T, with_entropy=True)
+    if batch.old_is_current:
+        batch.old_logprobs = logp.detach()
+    inputs = LossInputs(logp=logp, batch=batch, denom=denom)
     if method.loss.full_vocab:
-        inputs.logp_full = torch.log_softmax(response_logits(model, batch, T).float(), -1)
-        inputs.old_full = state.old_distributions(batch, T)
-        inputs.logp = inputs.logp_full.gather(-1, batch.responses[..., None]).squeeze(-1)
-    else:
-        inputs.logp = response_logprobs(model, batch, T)
+        old = state.frozen_old_policy()
+        with torch.no_grad():
+            old_hidden = response_hidden(old, batch)
+            inputs.frozen_old_logp = hidden_logprobs(old, old_hidden, batch.responses, T)[0]
+            inputs.divergence = hidden_kl(old, old_hidden, model, hidden.detach(), T)
     loss, metrics = method.loss.fn(inputs, m)
-    metrics = dict(metrics, pg_loss=loss.detach())
+    metrics = dict(metrics, pg_loss=loss.detach(), entropy=algo.masked_mean(entropy, batch.response_mask))
     if m.kl_coef > 0:
-        kl = algo.kl(inputs.logp, batch.ref_logprobs, m.kl_estimator)
+        kl = algo.kl(logp, batch.ref_logprobs, m.kl_estimator)
         kl_loss = algo.aggregate(kl, batch.response_mask, m.loss_agg, norm_len=norm_len, denom=denom)
         loss = loss + m.kl_coef * kl_loss
         metrics["kl"] = kl_loss.detach()
@@ -56,16 +65,37 @@ def actor_loss(method: "Method", state: MethodState, norm_len: int) -> LearnerLo
     return loss
 
 
+def old_is_current(cfg: Config, policy: torch.nn.Module) -> bool:
+    """Whether the old-log-prob pass would recompute exactly what the update's own forward gives.
+
+    That holds when every row is trained once on the weights that scored it (μ = 1, one
+    minibatch per rollout, no staleness), nothing reads π_old before the update
+    (method.kl_reward_coef = 0), and the forward is the same in train mode (no dropout).
+    train.old_logprobs=recompute keeps the pass anyway.
+    """
+    t = cfg.train
+    return (t.old_logprobs == "auto" and t.epochs_per_rollout == 1 and t.minibatch_size >= cfg.responses_per_step
+            and cfg.rollout.staleness == 0 and cfg.method.kl_reward_coef == 0 and not has_dropout(policy))
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    rates = [getattr(config, key, 0.0) or 0.0 for key in ("attention_dropout", "hidden_dropout", "dropout")]
+    return any(r > 0 for r in rates) or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+
+
 def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Config, scaler: LossScaler,
-                         norm_len: int, loss_fn: LearnerLoss) -> list[dict]:
+                         norm_len: int, loss_fn: LearnerLoss, fill_old: bool = False) -> list[dict]:
     """Backward of one minibatch (`rows`), micro-batch by micro-batch, normalised by the minibatch's counts;
     `loss_fn(model, micro, cfg, denom)` -> (loss, metrics)."""
     denom = algo.aggregate_denom(batch.response_mask[rows], cfg.method.loss_agg, norm_len)
     out = []
-    for _, micro in batch.micro_batches(cfg.train.micro_batch_size, rows):
+    for idx, micro in batch.micro_batches(cfg.train.micro_batch_size, rows, cfg.train.micro_batch_tokens):
         with autocast(cfg.train.precision, micro.input_ids.device):
             loss, metrics = loss_fn(model, micro, cfg, denom)
         scaler.scale_loss(loss).backward()
+        if fill_old and micro.old_is_current:  # the policy's forward gave them (policy_loss)
+            batch.old_logprobs[idx, :micro.responses.shape[1]] = micro.old_logprobs
         out.append({"tokens": micro.response_mask.sum().item(), **metrics})
     return out
 
@@ -110,7 +140,8 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
             rows = order[start:start + t.minibatch_size]
             for key, learner, loss_fn in learners:
                 learner.optimizer.zero_grad(set_to_none=True)
-                record(accumulate_gradients(learner.model, batch, rows, cfg, scaler, norm_len, loss_fn))
+                record(accumulate_gradients(learner.model, batch, rows, cfg, scaler, norm_len, loss_fn,
+                                            fill_old=learner is actor))
                 grad_norm = optimizer_step(learner, scaler)
                 if grad_norm is not None:
                     sums[key] += grad_norm

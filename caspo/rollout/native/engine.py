@@ -149,12 +149,13 @@ class NativeEngine(PublishedWeights):
     def asleep(self) -> bool:
         return not self.cache.allocated
 
-    def sleep(self) -> None:
-        """Free the KV cache (and the graphs that point into it); the weights stay."""
-        self.model_runner.sleep()
+    def sleep(self, weights: bool = False) -> None:
+        """Free the KV cache (and the graphs that point into it), and with `weights` the weights too."""
+        self.model_runner.sleep(release=self.release_weights if weights else None)
 
     def wake(self) -> None:
-        """Allocate the KV cache again (and recapture the graphs on first use)."""
+        """Allocate the KV cache (and released weights) again, and recapture the graphs."""
+        self.reallocate_weights()
         self.model_runner.wake()
 
     # ------------------------------------------------------------ generation
@@ -167,6 +168,7 @@ class NativeEngine(PublishedWeights):
     def _check(self, requests: Sequence[Request], sampling: SamplingParams, top_logprobs: int) -> None:
         if self.asleep:
             raise asleep_error("generate()")
+        self.check_weights()
         if sampling.stop_strings and self.decode is None:
             raise ValueError("stop strings need a decode function: NativeEngine(..., decode=tokenizer.decode)")
         if not 0 <= top_logprobs <= self.spec.vocab_size:
@@ -217,6 +219,7 @@ class NativeEngine(PublishedWeights):
         """
         if self.asleep:
             raise asleep_error("teacher_forced_logits()")
+        self.check_weights()
         if any(not 0 < len(s) <= self.max_seq_len for s in sequences):
             raise ValueError(f"every sequence needs 1..max_seq_len={self.max_seq_len} tokens")
         with torch.no_grad():

@@ -36,10 +36,12 @@ class ModelRunner:
         self.graphs = self._capture() if graph_batch_sizes is not None else None
 
     # ------------------------------------------------------------ memory
-    def sleep(self) -> None:
-        """Drop the graphs (they point into the cache), then the cache."""
+    def sleep(self, release=None) -> None:
+        """Drop the graphs (they point into the cache and the weights), the cache, and `release()` what else."""
         self.graphs = None
         self.cache.release()
+        if release is not None:
+            release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

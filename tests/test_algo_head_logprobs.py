@@ -1,0 +1,107 @@
+"""The LM-head log-probs, entropies and KLs that never build the [N, V] logits, against the full formula."""
+
+import pytest
+import torch
+
+from caspo.algo import head_categorical_kl, head_token_logprobs, token_entropy, token_logprobs
+
+
+def inputs(dtype=torch.float32, B=3, T=5, H=6, V=17, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=gen).to(dtype)
+    weight = (torch.randn(V, H, generator=gen) / 2).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    return hidden, weight, tokens
+
+
+def full_formula(hidden, weight, tokens, temperature):
+    logp = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_values_and_gradients_equal_the_full_vocabulary_formula(chunk_size, temperature):
+    hidden, weight, tokens = inputs()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, entropy = head_token_logprobs(h, w, tokens, temperature, chunk_size, with_entropy=True)
+    expected, expected_entropy = full_formula(h_ref, w_ref, tokens, temperature)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy.detach(), atol=1e-5, rtol=1e-5)
+    assert not entropy.requires_grad
+    upstream = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(logp, (h, w), upstream)
+    expected_grads = torch.autograd.grad(expected, (h_ref, w_ref), upstream)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradcheck_fp64():
+    hidden, weight, tokens = inputs(torch.float64, B=2, T=3, H=4, V=5)
+    hidden.requires_grad_(), weight.requires_grad_()
+    assert torch.autograd.gradcheck(lambda h, w: head_token_logprobs(h, w, tokens, 0.7, 2)[0], (hidden, weight))
+
+
+def test_bf16_equals_the_bf16_head_then_the_chunked_log_softmax():
+    # what the update computed before: bf16 logits from nn.Linear, then token_logprobs in fp32
+    hidden, weight, tokens = inputs(torch.bfloat16, V=64)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, _ = head_token_logprobs(h, w, tokens, 0.8, chunk_size=4)
+    before = token_logprobs(h_ref @ w_ref.T, tokens, temperature=0.8)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, before, atol=1e-6, rtol=0)
+    grads = torch.autograd.grad(logp.sum(), (h, w))
+    grads_before = torch.autograd.grad(before.sum(), (h_ref, w_ref))
+    for got, want in zip(grads, grads_before):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_keeps_no_logits_sized_tensor_for_backward():
+    hidden, weight, tokens = inputs(torch.float32, B=4, T=16, H=8, V=512)
+    hidden.requires_grad_(), weight.requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        head_token_logprobs(hidden, weight, tokens, chunk_size=8)
+    assert saved and max(saved) <= weight.numel()  # hidden, weight, tokens and one normaliser per row
+    assert max(saved) < tokens.numel() * weight.shape[0]
+
+
+def test_categorical_kl_equals_the_formula_and_is_zero_for_equal_heads():
+    hidden_p, weight_p, _ = inputs(seed=0)
+    hidden_q, weight_q, _ = inputs(seed=1)
+    log_p = torch.log_softmax(hidden_p @ weight_p.T / 0.9, -1)
+    log_q = torch.log_softmax(hidden_q @ weight_q.T / 0.9, -1)
+    expected = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl = head_categorical_kl(hidden_p, weight_p, hidden_q, weight_q, 0.9, chunk_size=4)
+    torch.testing.assert_close(kl, expected, atol=1e-6, rtol=1e-5)
+    assert (kl > 0).all()
+    assert head_categorical_kl(hidden_p, weight_p, hidden_p, weight_p).abs().max() == 0
+
+
+def test_entropy_matches_token_entropy_with_minus_inf_logits():
+    # a head row of -inf logits (a banned token) contributes 0, not nan
+    hidden = torch.tensor([[1.0, 0.2], [0.5, 0.5]])
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-float("inf"), -float("inf")]])
+    _, entropy = head_token_logprobs(hidden, weight, torch.tensor([0, 1]), with_entropy=True)
+    torch.testing.assert_close(entropy, token_entropy(hidden @ weight.T))
+    assert torch.isfinite(entropy).all()
+
+
+def test_bad_arguments_are_named():
+    hidden, weight, tokens = inputs()
+    with pytest.raises(ValueError, match="share a dtype"):
+        head_token_logprobs(hidden.double(), weight, tokens)
+    with pytest.raises(ValueError, match="disagree on H"):
+        head_token_logprobs(hidden[..., :3], weight, tokens)
+    with pytest.raises(ValueError, match="leading dims"):
+        head_token_logprobs(hidden, weight, tokens[:, :2])
+    with pytest.raises(ValueError, match="temperature"):
+        head_token_logprobs(hidden, weight, tokens, temperature=0.0)

@@ -1,0 +1,73 @@
+"""The old-log-prob pass is skipped exactly when the update's own forward gives the same log-probs."""
+
+import copy
+
+import pytest
+import torch
+
+from caspo.config import load_config
+from caspo.models.policy import load_policy
+from caspo.train import loop
+from caspo.train.update import has_dropout, old_is_current
+
+pytestmark = pytest.mark.timeout(240)
+
+ONE_MINIBATCH = ["train.minibatch_size=8", "train.micro_batch_size=2", "eval.before=false", "eval.after=false"]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy("embedded:tiny-arith")
+
+
+def config(tmp_path, *overrides):
+    return load_config("tests", [f"train.output_dir={tmp_path}", *ONE_MINIBATCH, *overrides])
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], True),
+    (["train.old_logprobs=recompute"], False),
+    (["train.epochs_per_rollout=2"], False),
+    (["train.minibatch_size=4"], False),  # two minibatches: the second is trained on updated weights
+    (["rollout.staleness=1"], False),
+    (["method.kl_reward_coef=0.01"], False),  # the KL reward reads π_old before the update
+])
+def test_the_rule(tmp_path, policy, overrides, expected):
+    assert old_is_current(config(tmp_path, *overrides), policy) is expected
+
+
+def test_dropout_keeps_the_pass(tmp_path, policy):
+    assert not has_dropout(policy)
+    with_dropout = copy.deepcopy(policy)
+    with_dropout.config.attention_dropout = 0.1
+    assert has_dropout(with_dropout) and not old_is_current(config(tmp_path), with_dropout)
+
+
+def one_step(tmp_path, *overrides):
+    tr = loop.build_trainer(config(tmp_path, *overrides))
+    with tr.pool:
+        batch, stats = loop.outer_step(tr)
+    return tr, batch, stats
+
+
+def test_skipping_gives_the_same_update_as_recomputing(tmp_path):
+    skipped, batch, stats = one_step(tmp_path / "auto")
+    kept, batch_kept, stats_kept = one_step(tmp_path / "recompute", "train.old_logprobs=recompute")
+    assert batch.old_is_current and not batch_kept.old_is_current
+    assert torch.equal(batch.responses, batch_kept.responses)  # the same rollout
+    # the update's forward filled π_old: every response token, equal to the recomputed pass in fp32
+    mask = batch.response_mask.bool()
+    assert torch.isfinite(batch.old_logprobs[mask]).all()
+    torch.testing.assert_close(batch.old_logprobs[mask], batch_kept.old_logprobs[mask], atol=1e-5, rtol=0)
+    for p, q in zip(skipped.policy.parameters(), kept.policy.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    assert stats["clipfrac"] == 0 and stats["behaviour_vs_old_logp_absdiff"] == pytest.approx(
+        stats_kept["behaviour_vs_old_logp_absdiff"], abs=1e-5)
+    assert stats["entropy"] > 0 and stats["entropy"] == pytest.approx(stats_kept["entropy"], rel=1e-5)
+
+
+def test_two_minibatches_recompute_and_differ_from_the_current_policy(tmp_path):
+    # the second minibatch is trained on weights the first one changed: π_old is not the current policy
+    tr, batch, stats = one_step(tmp_path, "train.minibatch_size=4")
+    assert not batch.old_is_current and stats["t_old"] > 0
+    assert torch.isfinite(batch.old_logprobs).all()
