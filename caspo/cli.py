@@ -1,4 +1,4 @@
-"""The `caspo` command line: train, sft, eval, config, verify-resume, value."""
+"""The `caspo` command line: train, sft, eval, config, verify-resume, value, report, suite."""
 
 from __future__ import annotations
 
@@ -89,6 +89,52 @@ def verify_resume(preset: str = PRESET, overrides: Optional[List[str]] = OVERRID
 
     config_or_exit(preset, overrides)  # fail fast on a bad config
     if not run_verify(preset, overrides or [], workdir):
+        raise typer.Exit(1)
+
+
+
+@app.command()
+def report(runs: List[str] = typer.Argument(..., help="run folders, or suite folders (holding suite.json)"),
+           out: str = typer.Option(..., help="folder for report.md, summary.json and the PNGs"),
+           group_by: str = typer.Option("config", help="config (runs differing only in seed), method, or run"),
+           allow_mismatch: bool = typer.Option(False, help="compare runs made under different conditions")):
+    """Curves, timing and pins of runs (running, finished or crashed); runs × seeds compared, mean ± std."""
+    from caspo.config import ConfigError
+    from caspo.report.compare import expand
+    from caspo.report.compare import report as write_report
+
+    try:
+        path = write_report(expand(runs), out, group_by=group_by, allow_mismatch=allow_mismatch)
+    except ValueError as err:  # runs that do not compare, a bad --group-by, a damaged metrics.jsonl
+        raise ConfigError(str(err)) from None
+    typer.echo(str(path))
+
+
+@app.command()
+def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
+          methods: str = typer.Option(..., help="comma list of METHOD or LABEL=METHOD, each with +KEY=VALUE "
+                                                "overrides of its own (e.g. mu2=grpo+train.epochs_per_rollout=2)"),
+          seeds: str = typer.Option("0", help="comma list of train.seed values"),
+          out: str = typer.Option(..., help="the suite's folder: <label>/seed<k>/, suite.json, report/"),
+          devices: Optional[str] = typer.Option(None, help="CUDA device indices (comma list), one run on each at a "
+                                                           "time; default: model.device, one run at a time"),
+          benchmarks: Optional[str] = typer.Option(None, help="evaluate each finished run's checkpoints on these "
+                                                              "(as caspo eval --benchmarks)"),
+          group_by: str = typer.Option("config", help="the report's grouping: config, method or run")):
+    """Methods × seeds from one preset, queued one run per device; rerun to resume; then a caspo report."""
+    from caspo.config import ConfigError
+    from caspo.train.suite import run_suite
+
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+        device_list = [d.strip() if d.strip() == "cpu" else f"cuda:{int(d)}" for d in devices.split(",")] \
+            if devices else None
+        result = run_suite(preset, methods, seed_list, out, devices=device_list, overrides=overrides or [],
+                           benchmarks=benchmarks, group_by=group_by)
+    except ValueError as err:  # a bad --methods / --seeds / --devices item, a folder holding another suite
+        raise ConfigError(str(err)) from None
+    typer.echo(json.dumps(result, indent=2))
+    if result["failed"]:
         raise typer.Exit(1)
 
 

@@ -1,8 +1,18 @@
-"""What a run writes as it goes: metrics.jsonl (one line a step), samples.jsonl (one line a sample)."""
+"""What a run writes as it goes: metrics.jsonl (one line a step), samples.jsonl (one line a sample),
+run.json (what the run ran on, one entry per process that ran it) and status.json (running, stalled,
+finished, stopped or failed; rewritten as the run goes)."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
@@ -10,6 +20,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console(stderr=True)
+
+PACKAGES = ("caspo", "torch", "transformers", "tokenizers", "safetensors", "math-verify", "numpy", "triton",
+            "tensorboard", "wandb")
+# The machine counts as shared when the 1-minute load average is at least this fraction of its CPUs
+# when the run starts, or another process holds more than SHARED_GPU_MB of the run's GPU.
+SHARED_LOAD_FRACTION = 0.5
+SHARED_GPU_MB = 1024
 
 
 class JsonlWriter:
@@ -22,7 +39,7 @@ class JsonlWriter:
             def kept(record: dict) -> bool:
                 return record.get("step", -1) <= truncate_after_step and not (drop and drop(record))
 
-            keep = [line for line in path.read_text().splitlines() if line and kept(json.loads(line))]
+            keep = [json.dumps(r) for r in read_jsonl(path) if kept(r)]
             path.write_text("".join(line + "\n" for line in keep))
         self.file = path.open("a")
 
@@ -32,6 +49,144 @@ class JsonlWriter:
 
     def close(self) -> None:
         self.file.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSONL file, as a running or crashed run left it: a last line cut short by a
+    crash is left out; a bad line anywhere else is an error naming the file and line."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:  # being written, or cut by a crash
+                break
+            raise ValueError(f"{path}, line {i + 1}: not JSON ({err}); the file is damaged before its end") from err
+    return records
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Written whole or not at all (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+class StatusFile:
+    """<run>/status.json: the run's state, its last finished step and when; safe to update from two threads."""
+
+    def __init__(self, path: Path, total_steps: int):
+        self.path, self.lock = path, threading.Lock()
+        self.status = {"state": "running", "step": 0, "steps": total_steps, "pid": os.getpid(), "started_at": now(),
+                       "updated_at": now(), "last_step_at": None, "message": ""}
+
+    def update(self, **fields) -> None:
+        with self.lock:
+            self.status.update(fields, updated_at=now())
+            write_json(self.path, self.status)
+
+
+def read_status(run_dir: str | Path) -> dict | None:
+    path = Path(run_dir) / "status.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# ---------------------------------------------------------------- run.json
+
+
+def git_commit(where: Path) -> dict:
+    """The commit of the checkout holding `where`, and whether it had uncommitted changes; {} outside git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def package_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def machine_load(cuda_device: int | None = None) -> dict:
+    """How busy the machine is before the run loads anything: load average, CPUs, and on CUDA the memory
+    other processes hold on the run's GPU; `shared` by the rule of SHARED_LOAD_FRACTION / SHARED_GPU_MB."""
+    cpus = os.cpu_count() or 1
+    load = {"cpus": cpus}
+    reasons = []
+    if hasattr(os, "getloadavg"):
+        load["load_1m"], load["load_5m"], load["load_15m"] = (round(x, 2) for x in os.getloadavg())
+        if load["load_1m"] >= SHARED_LOAD_FRACTION * cpus:
+            reasons.append(f"1-minute load {load['load_1m']} on {cpus} CPUs")
+    if cuda_device is not None:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(cuda_device)
+        used_mb = (total - free - torch.cuda.memory_reserved(cuda_device)) / 2**20
+        load["gpu_used_mb_by_others"] = round(used_mb)
+        if used_mb > SHARED_GPU_MB:
+            reasons.append(f"{used_mb:.0f} MB of GPU {cuda_device} held by other processes")
+    load["shared"] = bool(reasons)
+    load["shared_why"] = "; ".join(reasons)
+    return load
+
+
+def device_name(device) -> str:
+    """The accelerator's name (a torch.device of type cuda), else the CPU's model name."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def run_start(*, step: int, device: str, device_name: str, precision: str, engine_dtype: str, load: dict,
+              command: list[str] | None = None) -> dict:
+    """One entry of run.json's `starts`: what this process runs on."""
+    return {"started_at": now(), "step": step, "command": list(sys.argv if command is None else command),
+            "cwd": os.getcwd(), "host": socket.gethostname(), "pid": os.getpid(),
+            "git": git_commit(Path(__file__).parent), "packages": package_versions(), "platform": platform.platform(),
+            "device": device, "device_name": device_name, "precision": precision, "engine_dtype": engine_dtype,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")), "load_at_start": load}
+
+
+def record_start(run_dir: Path, start: dict, resumed: bool) -> dict:
+    """Append `start` to <run>/run.json (a fresh run begins a new file); returns the whole record."""
+    path = run_dir / "run.json"
+    record = json.loads(path.read_text()) if resumed and path.is_file() else {"format": "caspo-run-1", "starts": []}
+    record["starts"].append(start)
+    write_json(path, record)
+    return record
+
+
+def record_end(run_dir: Path, record: dict, **end) -> None:
+    """The end of the latest start: how it ended, the step reached, the load seen while it ran."""
+    record["starts"][-1]["end"] = {"ended_at": now(), **end}
+    write_json(run_dir / "run.json", record)
+
+
+def read_run_json(run_dir: str | Path) -> dict | None:
+    path = Path(run_dir) / "run.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def progress_bar() -> Progress:

@@ -219,6 +219,36 @@ class OptimConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str = "caspo"
+    entity: Optional[str] = None
+    name: Optional[str] = None  # null = the run folder's name
+    # "offline" writes under <run>/wandb/ (`wandb sync` uploads it later); "online" needs a login
+    mode: Literal["offline", "online"] = "offline"
+
+
+@dataclass
+class HealthConfig:
+    # Each detector (docs/monitoring.md): "warn" prints and records it, "stop" checkpoints and stops the
+    # run, "off" skips it.
+    # reward 0 and pass@G 0 (no group with a correct sample) for no_reward_steps steps in a row
+    no_reward: Literal["off", "warn", "stop"] = "stop"
+    no_reward_steps: int = 5
+    # response length, or steps per response, rising over rise_steps steps to rise_cap_fraction of its cap
+    # (rollout.max_new_tokens; method.max_steps for steps, else the length must be near its cap too)
+    length_rise: Literal["off", "warn", "stop"] = "warn"
+    rise_steps: int = 5
+    rise_cap_fraction: float = 0.8
+    # the update's KL to the reference (the `kl` metric, as method.loss_agg reduces it) above kl_max
+    kl: Literal["off", "warn", "stop"] = "warn"
+    kl_max: float = 1.0
+    # a NaN or infinity in any metric of a step
+    nan: Literal["off", "warn", "stop"] = "stop"
+    # no outer step for this many seconds: a warning and <run>/status.json says "stalled" (0 = no watchdog)
+    watchdog_s: float = 1800.0
+
+
+@dataclass
 class TrainConfig:
     steps: int = 50
     output_dir: str = "runs/default"
@@ -247,6 +277,12 @@ class TrainConfig:
     # Stop the run (the last good checkpoint kept) after this many consecutive outer steps with an update
     # skipped for non-finite gradients; 0 = never stop.
     max_bad_steps: int = 3
+    # Where metrics go besides metrics.jsonl (which is always written; "jsonl" must be listed):
+    # "tensorboard" (<run>/tensorboard/), "wandb" (pip install 'caspo[wandb]').
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = field(default_factory=lambda: ["jsonl"])
+    log_samples: int = 8  # sample texts of each step in the trackers' table
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 @dataclass

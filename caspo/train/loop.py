@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,18 +30,34 @@ from caspo.eval.benchmarks import load_suites
 from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
 from caspo.eval.run import evaluate_checkpoint
 from caspo.eval.suite import eval_samplers
+from caspo.models.policy import resolve_device
 from caspo.report.curves import plot_run
+from caspo.report.trackers import RunRecords, build_trackers, check_loggers
 from caspo.rollout.base import Request, publish
 from caspo.rollout.sampling import sample_seed
-from caspo.runlog import JsonlWriter, console, progress_bar
+from caspo.runlog import (
+    JsonlWriter,
+    StatusFile,
+    console,
+    device_name,
+    machine_load,
+    progress_bar,
+    read_jsonl,
+    record_end,
+    record_start,
+    run_start,
+)
 from caspo.train import checkpoint as ckpt
 from caspo.train.advantages import compute_advantages
+from caspo.train.health import HealthWatch, step_health
+from caspo.train.health import check_config as check_health_config
 from caspo.train.scoring import score
 from caspo.train.signals import StopRequest
 from caspo.train.step_values import control_seed
 from caspo.train.timers import PhaseTimer
 from caspo.train.trainer import Trainer, build_trainer, publish_current, restore, save
 from caspo.train.update import old_is_current, update
+from caspo.train.watchdog import Watchdog
 
 __all__ = ["Trainer", "build_trainer", "evaluate", "outer_step", "restore", "save", "train"]
 
@@ -211,7 +228,8 @@ class RunStopped(RuntimeError):
     """The run stopped itself: its last good checkpoint is kept, the message says why and what to do."""
 
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "samples.jsonl", "refresh", "curves.png")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "samples.jsonl", "refresh", "curves.png", "run.json", "status.json",
+             "tensorboard", "wandb")
 
 
 def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | None:
@@ -234,27 +252,100 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
           overwrite: bool = False) -> dict:
     """The run: evaluation before, outer steps with checkpoints, logs and evaluation, evaluation after.
     `refresh` runs between segments; a config with method.caspo.refresh_every needs one. SIGTERM or
-    Ctrl-C end the run after the current step, with a checkpoint to resume from."""
+    Ctrl-C end the run after the current step, with a checkpoint to resume from; so does a train.health
+    detector set to stop (raising RunStopped). run.json records what the run ran on, status.json its state."""
     if cfg.method.caspo.refresh_every and refresh is None:
         raise ConfigError("method.caspo.refresh_every needs the refresh pipeline: run `caspo train`, or pass "
                           "refresh=caspo.value.refresh.Refresh(cfg) to train()")
+    check_loggers(cfg)
+    check_health_config(cfg.train.health)
     refresh = refresh or NoRefresh()
     checkpoint = prepare_run_dir(cfg, resume, overwrite)  # the newest checkpoint: a refresh resumes from it
+    device = resolve_device(cfg.model.device)
+    cuda_index = (device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else None
+    load = machine_load(cuda_index)  # before the trainer takes the machine
     tr = build_trainer(cfg)
     tr.run_dir.mkdir(parents=True, exist_ok=True)
     (tr.run_dir / "config.yaml").write_text(to_yaml(cfg))
     if checkpoint is not None:
         restore(tr, checkpoint)
         console.print(f"resumed from {checkpoint} at step {tr.step}, policy version {tr.version}")
+    engine_dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else cfg.train.precision  # auto: its compute dtype
+    run_record = record_start(tr.run_dir, run_start(step=tr.step, device=str(tr.device),
+                                                    device_name=device_name(tr.device),
+                                                    precision=cfg.train.precision, engine_dtype=engine_dtype,
+                                                    load=load), resumed=resume is not None)
+    status = StatusFile(tr.run_dir / "status.json", cfg.train.steps)
+    status.update(step=tr.step)
     truncate = tr.step if resume else -1
     # a run resumed at a refresh step does that refresh again (reusing what it finds) and logs it again
     redo = refresh.record_at(tr.step) if resume and refresh.due(tr.step) else None
-    metrics = JsonlWriter(tr.run_dir / "metrics.jsonl", truncate_after_step=truncate, drop=redo)
+    jsonl = JsonlWriter(tr.run_dir / "metrics.jsonl", truncate_after_step=truncate, drop=redo)
+    watch = HealthWatch(cfg, [r for r in read_jsonl(jsonl.path) if "reward_mean" in r])
+    metrics = RunRecords(jsonl, build_trackers(cfg, tr.run_dir, tr.step if resume else 0,
+                                               run_record["starts"][0]["started_at"]))
     samples = JsonlWriter(tr.run_dir / "samples.jsonl", truncate_after_step=truncate)
+    loads: list[float] = []  # the 1-minute load average after every step of this process
+    try:
+        summary = run_steps(tr, cfg, refresh, checkpoint, metrics, samples, watch, status, loads)
+    except BaseException as err:
+        state = "stopped" if isinstance(err, RunStopped) else "failed"
+        status.update(state=state, message=str(err) or type(err).__name__)
+        record_end(tr.run_dir, run_record, state=state, step=tr.step, **load_during(loads))
+        if isinstance(err, RunStopped):
+            plot_run(tr.run_dir)
+        raise
+    finally:
+        metrics.close()
+        samples.close()
+    summary["curves"] = str(plot_run(tr.run_dir))
+    finished = tr.step == cfg.train.steps
+    status.update(state="finished" if finished else "stopped", step=tr.step,
+                  message="" if finished else f"stopped after step {tr.step} of {cfg.train.steps} "
+                                              f"({summary.get('stopped_by', 'train.stop_after')}); continue with "
+                                              "--resume latest")
+    record_end(tr.run_dir, run_record, state="finished" if finished else "stopped", step=tr.step,
+               **load_during(loads))
+    return summary
+
+
+def load_during(loads: list[float]) -> dict:
+    """The machine's 1-minute load average over this process's steps (it counts the run's own threads)."""
+    if not loads:
+        return {}
+    return {"load_1m_mean": round(sum(loads) / len(loads), 2), "load_1m_max": round(max(loads), 2)}
+
+
+def batch_histograms(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The step's token advantages, and the ratio π_old/μ of the trainer's recomputed scores to the
+    engine's (the update's own ratios π/π_old stay inside the update; their mean is `ratio_mean`)."""
+    mask = batch.response_mask.bool()
+    out = {}
+    if batch.advantages is not None:
+        out["advantages"] = batch.advantages[mask]
+    if batch.old_logprobs is not None:
+        ratio = (batch.old_logprobs - batch.behaviour_logprobs)[mask].exp()
+        out["old_over_behaviour_ratio"] = ratio[torch.isfinite(ratio)]
+    return out
+
+
+def weights_finite(tr: Trainer) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in tr.policy.parameters())
+
+
+def health_stop(tr: Trainer, stops: list, checkpoint) -> RunStopped:
+    reasons = "\n".join(f"train.health.{a.detector}: {a.message}" for a in stops)
+    return RunStopped(f"the run stopped itself after step {tr.step}:\n{reasons}\nIts checkpoint: "
+                      f"{checkpoint or 'none (no save yet)'}; once fixed, continue with --resume latest")
+
+
+def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords, samples: JsonlWriter,
+              watch: HealthWatch, status: StatusFile, loads: list[float]) -> dict:
     summary: dict = {"run_dir": str(tr.run_dir)}
     last = min(cfg.train.steps, tr.step + cfg.train.stop_after) if cfg.train.stop_after else cfg.train.steps
     bad_steps = 0  # consecutive outer steps with an update skipped for non-finite gradients
-    with tr.pool, StopRequest() as stop:
+    with tr.pool, StopRequest() as stop, Watchdog(status, cfg.train.health.watchdog_s) as watchdog:
         suites = load_suites(cfg, tr.tokenizer, cfg.eval.benchmarks) if cfg.eval.benchmarks else []
         if cfg.eval.before and tr.step == 0:
             timer = PhaseTimer()
@@ -275,7 +366,10 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
                     metrics.write(refresh(tr, checkpoint))
                     progress.start()
                 skipped_before = tr.scaler.skipped_steps
+                if tr.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(tr.device)
                 batch, stats = outer_step(tr)
+                stats |= step_health(tr, batch, stats)
                 bad_steps = bad_steps + 1 if tr.scaler.skipped_steps > skipped_before else 0
                 if cfg.train.max_bad_steps and bad_steps >= cfg.train.max_bad_steps:
                     metrics.write({"step": tr.step, **stats})
@@ -285,24 +379,40 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
                         "optim.lr, use train.precision=bf16 or fp32, or raise train.max_bad_steps")
                 train_time += stats["t_step"]
                 record = {"step": tr.step, **stats}
+                alarms = watch.check(dict(record))
+                stops = [a for a in alarms if a.action == "stop"]
+                for a in alarms:
+                    console.print(f"[{'red' if a in stops else 'yellow'}]health ({a.detector}, step {tr.step}): "
+                                  f"{a.message}[/]")
+                if alarms:
+                    record["health"] = [a.detector for a in alarms]
                 timer = PhaseTimer()
                 if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or tr.step == last \
-                        or refresh.due(tr.step) or stop.requested:
-                    with timer("t_ckpt"):
-                        checkpoint = save(tr)
-                    if suites and not stop.requested:  # every checkpoint's benchmarks, as `caspo eval` has them
+                        or refresh.due(tr.step) or stop.requested or stops:
+                    if not stops or weights_finite(tr):  # never a checkpoint of non-finite weights
+                        with timer("t_ckpt"):
+                            checkpoint = save(tr)
+                    if suites and not stop.requested and not stops:  # every checkpoint's benchmarks
                         with timer("t_bench"):
                             record |= evaluate_benchmarks(tr, suites, checkpoint.name, str(checkpoint / "policy"),
                                                           progress)
-                if cfg.eval.every and tr.step % cfg.eval.every == 0 and tr.step != cfg.train.steps:
+                if cfg.eval.every and tr.step % cfg.eval.every == 0 and tr.step != cfg.train.steps and not stops:
                     with timer("t_eval"):
                         record.update(evaluate(tr))
                 record.update(timer.reset())
                 metrics.write(record)
-                for s in sample_records(tr, batch, tr.step):
+                step_samples = sample_records(tr, batch, tr.step)
+                for s in step_samples:
                     samples.write(s)
+                if metrics.trackers:
+                    metrics.batch(tr.step, step_samples[:cfg.train.log_samples], batch_histograms(batch))
+                if hasattr(os, "getloadavg"):
+                    loads.append(os.getloadavg()[0])
+                watchdog.beat(tr.step)
                 progress.update(task, completed=tr.step,
                                 status=f"reward {stats['reward_mean']:.3f}  step {stats['t_step']:.1f}s")
+                if stops:
+                    raise health_stop(tr, stops, checkpoint)
                 if stop.requested:
                     console.print(f"{stop.requested}: stopped after step {tr.step} with checkpoint {checkpoint}; "
                                   "continue with --resume latest")
@@ -317,7 +427,4 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
             summary["after"] = after
             console.print(f"held-out greedy after {tr.step} steps: accuracy {after['eval_accuracy']:.3f}, "
                           f"boxed {after['eval_boxed_rate']:.3f}{sampled_note(after)}")
-    metrics.close()
-    samples.close()
-    summary["curves"] = str(plot_run(tr.run_dir))
     return summary

@@ -1,0 +1,116 @@
+"""`caspo report`: two configs × 2 seeds compared (numbers checked against the metrics.jsonl written here),
+grouping, runs made under other conditions refused, a crashed run with a cut last line, JSONL reading."""
+
+import json
+import statistics
+import subprocess
+
+import pytest
+
+from caspo.config import load_config, to_yaml
+from caspo.report.compare import expand, group_runs, report
+from caspo.report.runs import mean_std, read_run
+from caspo.runlog import read_jsonl, record_start, run_start
+
+REWARDS = {("grpo", 0): [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], ("grpo", 1): [0.0, 0.1, 0.1, 0.3, 0.3, 0.5],
+           ("ppo", 0): [0.2, 0.2, 0.2, 0.2, 0.2, 0.2], ("ppo", 1): [0.3, 0.1, 0.4, 0.2, 0.6, 0.4]}
+HELDOUT = {("grpo", 0): (0.20, 0.50), ("grpo", 1): (0.20, 0.40), ("ppo", 0): (0.20, 0.30), ("ppo", 1): (0.20, 0.25)}
+
+
+def make_run(folder, method, seed, overrides=(), cut_last_line=False, state="finished", pid=None):
+    cfg = load_config("tests", [f"method.name={method}", f"train.seed={seed}", f"train.output_dir={folder}",
+                                "train.steps=6", *overrides])
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(to_yaml(cfg))
+    before, after = HELDOUT[(method, seed)]
+    records = [{"step": 0, "eval_accuracy": before, "t_eval": 1.0}]
+    for i, r in enumerate(REWARDS[(method, seed)]):
+        records.append({"step": i + 1, "reward_mean": r, "pass_at_g": min(1.0, 2 * r), "kl": 0.01 * (i + 1) + seed,
+                        "response_len_mean": 20.0 + i, "policy_tokens": 8 * (20 + i), "mc_tokens": 0,
+                        "t_roll": 0.5, "t_pol": 0.25 + seed, "t_step": 1.0 + seed})
+    records.append({"step": 6, "eval_accuracy": after, "t_eval": 2.0})
+    records[3]["t_ckpt"] = 0.5
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if cut_last_line:
+        text = text[:-20]  # a crash in the middle of writing the last line
+    (folder / "metrics.jsonl").write_text(text)
+    record_start(folder, run_start(step=0, device="cpu", device_name="test cpu", precision="fp32", engine_dtype="fp32",
+                                   load={"cpus": 2, "load_1m": 0.1, "shared": False, "shared_why": ""}), resumed=False)
+    (folder / "status.json").write_text(json.dumps({"state": state, "step": 6, "pid": pid, "updated_at": None}))
+    return folder, records
+
+
+def test_two_configs_by_two_seeds_compared_against_their_metrics(tmp_path):
+    made = {(m, s): make_run(tmp_path / f"{m}-s{s}", m, s) for m in ("grpo", "ppo") for s in (0, 1)}
+    path = report(expand([str(folder) for folder, _ in made.values()]), tmp_path / "report")
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert set(summary["groups"]) == {"grpo", "ppo"}  # seeds of one config form its group
+    for method in ("grpo", "ppo"):
+        numbers = summary["groups"][method]["numbers"]
+        runs = [made[(method, s)][1] for s in (0, 1)]
+        steps = [[r for r in rows if "reward_mean" in r] for rows in runs]
+        last5 = [statistics.mean(r["reward_mean"] for r in s[-5:]) for s in steps]
+        assert numbers["reward_mean (last 5)"]["mean"] == pytest.approx(statistics.mean(last5))
+        assert numbers["reward_mean (last 5)"]["std"] == pytest.approx(statistics.stdev(last5))
+        assert numbers["reward_mean (last 5)"]["n"] == 2
+        finals = [HELDOUT[(method, s)][1] for s in (0, 1)]
+        assert numbers["eval_accuracy"]["mean"] == pytest.approx(statistics.mean(finals))
+        # 95% t interval of the mean, 1 degree of freedom: 12.706 s / sqrt(2)
+        assert numbers["eval_accuracy"]["ci95"] == pytest.approx(12.706 * statistics.stdev(finals) / 2 ** 0.5)
+        assert numbers["policy_tokens"]["mean"] == statistics.mean(sum(r["policy_tokens"] for r in s) for s in steps)
+        walls = [sum(r.get(k, 0) for r in rows for k in ("t_step", "t_ckpt", "t_eval")) for rows in runs]
+        assert numbers["wall_s"]["mean"] == pytest.approx(statistics.mean(walls))
+    per_run = summary["runs"][str(made[("ppo", 1)][0])]
+    assert per_run["state"] == "finished"
+    assert per_run["timing"]["t_pol"] == pytest.approx(1.25) and per_run["timing"]["t_step"] == pytest.approx(2.0)
+    assert per_run["pins"]["device"] == "cpu test cpu" and per_run["pins"]["dtype"] == "fp32 (engine fp32)"
+    text = path.read_text()
+    grpo_last5 = [statistics.mean(REWARDS[("grpo", s)][-5:]) for s in (0, 1)]
+    assert f"| grpo | 2 | 6 | {statistics.mean(grpo_last5):.3f} ± {statistics.stdev(grpo_last5):.3f} (n=2) |" in text
+    for png in ("curves.png", "phases.png", "eval_accuracy_vs_compute.png"):
+        assert (tmp_path / "report" / png).stat().st_size > 5000
+
+
+def test_grouping_by_config_names_what_differs_and_by_method_pools(tmp_path):
+    runs = [read_run(make_run(tmp_path / f"e{e}-s{s}", "grpo", s, [f"train.epochs_per_rollout={e}"])[0])
+            for e in (1, 2) for s in (0, 1)]
+    by_config = group_runs(runs, "config")
+    assert {k: len(v) for k, v in by_config.items()} == {"grpo train.epochs_per_rollout=1": 2,
+                                                        "grpo train.epochs_per_rollout=2": 2}
+    assert {k: len(v) for k, v in group_runs(runs, "method").items()} == {"grpo": 4}
+    assert len(group_runs(runs, "run")) == 4
+
+
+def test_runs_under_other_conditions_are_refused_unless_allowed(tmp_path):
+    a, _ = make_run(tmp_path / "a", "grpo", 0)
+    b, _ = make_run(tmp_path / "b", "grpo", 1, ["rollout.temperature=0.7"])
+    with pytest.raises(ValueError, match=r"not made under the same conditions.*\n  rollout.temperature: a=1.0, b=0.7"):
+        report(expand([str(a), str(b)]), tmp_path / "out")
+    path = report(expand([str(a), str(b)]), tmp_path / "out", allow_mismatch=True)
+    assert "**Conditions differ**" in path.read_text()
+
+
+def test_a_crashed_run_with_a_cut_last_line_is_reported(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid no longer runs: the run's process is gone while status.json says running
+    folder, records = make_run(tmp_path / "crashed", "grpo", 0, cut_last_line=True, state="running", pid=gone.pid)
+    run = read_run(folder)
+    assert run.records == records[:-1] and run.state == "crashed"
+    path = report([run], tmp_path / "out")
+    assert "| crashed | grpo | 0 | crashed | 6/6 |" in path.read_text()
+
+
+def test_read_jsonl_names_a_damaged_line_before_the_end(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="m.jsonl, line 2: not JSON"):
+        read_jsonl(path)
+    path.write_text('{"step": 1}\n{"step": 2')
+    assert read_jsonl(path) == [{"step": 1}]
+
+
+def test_mean_std_and_its_interval():
+    assert mean_std([2.0]) == {"mean": 2.0, "std": 0.0, "n": 1, "ci95": 0.0}
+    stats = mean_std([1.0, 2.0, 3.0])
+    assert (stats["mean"], stats["std"], stats["n"]) == (2.0, 1.0, 3)
+    assert stats["ci95"] == pytest.approx(4.303 / 3 ** 0.5)
