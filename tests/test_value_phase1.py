@@ -211,8 +211,11 @@ def test_a_sure_phi_reaches_the_ceiling_and_no_phi_passes_it(tiny_model):
                 return SimpleNamespace(last_hidden_state=hidden)
             return decoder
 
-        def get_output_embeddings(self):
-            return torch.nn.Identity()
+        def get_output_embeddings(self):  # the identity as a bias-free linear head: logits = hidden states
+            head = torch.nn.Linear(100, 100, bias=False)
+            with torch.no_grad():
+                head.weight.copy_(torch.eye(100))
+            return head
 
     rows = [LabelRow(prompt_id="p0", prompt_index=0, sample=0, prompt_tokens=[5, 6], response_tokens=[7, 8, 9, 10],
                      boundary=b, step=b, p_hat=1.0, j=4, base_reward=1.0, label="3", provenance=PROVENANCE)
@@ -247,3 +250,171 @@ def test_collect_splits_steps_as_training_does(tmp_path):
     assert max(free_steps) > 1 and capped_steps == {1}  # two steps leave one interior boundary
     latex = collect(load_config("tests", [*base, "method.step_splitter=latex"]), spec, tmp_path / "latex.jsonl")
     assert latex["splitter"] == "latex"
+
+
+# ---------------------------------------------------------------- the seed's phase-1 knobs
+
+
+def test_pairings_by_hand():
+    from caspo.value.collect import paired_samples
+
+    outcomes = [0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]  # right: 1 2 5; wrong: 0 3 4 6 7
+    assert paired_samples(outcomes, "all") == list(range(8))
+    assert paired_samples(outcomes, "paper") == [0, 1]  # the first right and the first wrong
+    assert paired_samples(outcomes, "paper_multi") == [0, 1, 2, 3, 4, 5]  # min(3, 5) = 3 disjoint pairs
+    assert paired_samples([1.0, 0.0, 1.0, 1.0], "paper_multi") == [0, 1]
+    with pytest.raises(ValueError, match="choose from all, paper, paper_multi"):
+        paired_samples(outcomes, "pairs")
+    with pytest.raises(ValueError, match="needs a right and a wrong sample"):
+        paired_samples([1.0, 1.0], "paper")
+
+
+def test_the_config_offers_the_pairings_collect_knows():
+    import typing
+    from dataclasses import fields
+
+    from caspo.config.schema import CaspoConfig
+    from caspo.value.collect import PAIRINGS
+
+    hints = typing.get_type_hints(CaspoConfig)
+    assert {f.name for f in fields(CaspoConfig)} >= {"refresh_pairing", "refresh_max_train_prefix_len"}
+    assert typing.get_args(hints["refresh_pairing"]) == PAIRINGS
+
+
+@pytest.mark.timeout(120)
+def test_collect_labels_balanced_pairs(tmp_path):
+    from collections import defaultdict
+
+    from caspo.config import load_config
+    from caspo.value.collect import CollectSpec, collect
+
+    cfg = load_config("tests", ["reward.workers=0", "model.threads=1"])
+    header = collect(cfg, CollectSpec(prompts=8, k=4, j=1, boundaries=1, pairing="paper_multi"),
+                     tmp_path / "labels.jsonl")
+    rows = read_label_file(tmp_path / "labels.jsonl").rows
+    assert header["pairing"] == "paper_multi" and rows
+    outcomes = defaultdict(dict)  # prompt -> sample -> reward, of the labelled rollouts
+    for r in rows:
+        outcomes[r.prompt_index][r.sample] = r.base_reward
+    for samples in outcomes.values():
+        right = sum(1 for v in samples.values() if v > 0.5)
+        assert right == len(samples) - right  # as many right as wrong rollouts, each used once
+    # every labelled rollout with an interior boundary got a row: the count of labelled rollouts bounds them
+    assert sum(len(s) for s in outcomes.values()) <= header["stats"]["labelled_rollouts"]
+    assert header["stats"]["labelled_rollouts"] % 2 == 0
+
+
+def labelled_response(prompt_index, sample, response, boundaries, p_hats, provenance=PROVENANCE):
+    return [LabelRow(prompt_id=f"p{prompt_index}", prompt_index=prompt_index, sample=sample, prompt_tokens=[5, 6],
+                     response_tokens=response, boundary=b, step=i + 1, p_hat=p, j=4, base_reward=float(p > 0.5),
+                     label="3", provenance=provenance) for i, (b, p) in enumerate(zip(boundaries, p_hats))]
+
+
+def test_long_prefixes_are_dropped_and_counted():
+    from caspo.value.train import drop_long_prefixes
+
+    rows = labelled_response(0, 0, [7, 8, 9, 10, 11], [1, 3, 5], [0.2, 0.5, 0.9])
+    kept, dropped = drop_long_prefixes(rows, 3)
+    assert [r.boundary for r in kept] == [1, 3] and dropped == 1
+    assert drop_long_prefixes(rows, 0) == (rows, 0)  # 0: no cap
+    with pytest.raises(ValueError, match="drops all 1 training prefixes"):
+        drop_long_prefixes(rows[2:], 4)
+
+
+def test_truncated_rollouts_give_the_same_loss_and_gradient(tiny_model):
+    """Cutting rollouts at max_train_prefix_len changes no kept prefix's value: the model is causal."""
+    import torch
+
+    from caspo.models.prefix_value import PrefixValueModel
+    from caspo.value.labels import group_responses
+    from caspo.value.train import TrainSpec, drop_long_prefixes, train_step, truncate_responses
+
+    rows = (labelled_response(0, 0, [7, 8, 9, 10, 11, 12], [1, 3, 6], [0.25, 0.5, 1.0])
+            + labelled_response(0, 1, [7, 13, 14, 15], [2, 4], [0.25, 0.0]))
+    kept, dropped = drop_long_prefixes(rows, 3)
+    assert dropped == 2
+
+    def loss_and_grad(responses):
+        model = PrefixValueModel.from_reference(tiny_model)
+        with torch.no_grad():  # φ off the reference, so values and gradients are not trivial
+            for p in model.policy.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        optimizer = torch.optim.SGD(model.policy.parameters(), lr=0.0)
+        loss = train_step(model, optimizer, responses, 0, TrainSpec(micro_batch_size=2, grad_clip=1e9), "cpu")
+        return loss, torch.cat([p.grad.flatten() for p in model.policy.parameters() if p.grad is not None])
+
+    whole = group_responses(kept)
+    cut = truncate_responses(whole, 3)
+    assert [len(r.response_tokens) for r in cut] == [3, 3] and [len(r.response_tokens) for r in whole] == [6, 4]
+    loss, grads = loss_and_grad(whole)
+    cut_loss, cut_grads = loss_and_grad(cut)
+    assert cut_loss == pytest.approx(loss, rel=1e-5) and torch.allclose(cut_grads, grads, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_value_training_drops_long_prefixes_and_saves_every_epoch(tmp_path):
+    from caspo.config import load_config
+    from caspo.models.policy import load_policy, resolve_model_path
+    from caspo.models.prefix_value import load_prefix_value
+    from caspo.models.provenance import label_provenance
+    from caspo.models.tokenizer import load_tokenizer
+    from caspo.value.train import TrainSpec, train_value
+
+    cfg = load_config("tests")
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
+    provenance = label_provenance(cfg, tokenizer, load_policy(cfg.model.policy)).to_dict()
+    rows = []
+    for p in range(8):
+        response = [20 + (p + i) % 9 for i in range(8)]
+        rows += labelled_response(p, 0, response, [2, 4, 7], [0.1 * (p % 4), 0.2 + 0.1 * (p % 3), 0.9],
+                                  provenance)
+    labels = write_label_file(tmp_path / "labels.jsonl", {**header("0/1"), "provenance": provenance}, rows)
+    spec = TrainSpec(epochs=2, batch_size=4, micro_batch_size=4, val_split="row", val_fraction=0.3,
+                     max_train_prefix_len=5, save_every=1)
+    summary = train_value(labels, cfg.model.policy, tmp_path / "value", spec)
+    training, held_out = split_rows(rows, "row", 0.3, seed=0)  # the split train_value made
+    long = sum(1 for r in training if r.boundary > 5)
+    assert summary["dropped_long_prefixes"] == long > 0 and summary["train_rows"] == len(training) - long
+    assert summary["val_rows"] == len(held_out)  # validation keeps its long prefixes
+    assert len(summary["epoch_checkpoints"]) == 2
+    for epoch, folder in enumerate(summary["epoch_checkpoints"], start=1):
+        metrics = json.loads((tmp_path / "value" / folder.split("/")[-1] / "metrics.json").read_text())
+        assert metrics["epoch"] == epoch and "auc_outcome" in metrics
+        load_prefix_value(folder, None)  # a whole value model
+    report = json.loads((tmp_path / "value" / "metrics.json").read_text())
+    assert report["dropped_long_prefixes"] == summary["dropped_long_prefixes"]
+
+
+def test_outcome_gate_by_hand():
+    from caspo.value.metrics import outcome_gate
+
+    # β = 10: σ(2) = .88 says right (R = 1, correct); σ(−2) wrong (R = 0, correct); σ(0) = 1/2 is not > 1/2,
+    # so wrong (R = 0, correct); σ(.5) = .62 right (R = 0, wrong)  -> v_acc 3/4
+    gate = outcome_gate([20.0, -20.0, 0.0, 5.0], [1.0, 0.0, 0.0, 0.0], beta=10.0)
+    assert gate["v_acc"] == 0.75 and gate["majority_baseline"] == 0.75 and gate["positive_rate"] == 0.25
+    assert gate["auc"] == 1.0  # the one right response has the highest value
+    assert gate["passed"] and not gate["beats_majority"]  # passes 0.7, yet no better than guessing "wrong"
+    # the seed's warning: 80% wrong rollouts and a value model that says "wrong" everywhere
+    flat = outcome_gate([-1.0] * 10, [1.0, 1.0] + [0.0] * 8, beta=10.0)
+    assert flat["v_acc"] == pytest.approx(0.8) and flat["passed"] and not flat["beats_majority"]
+    assert flat["auc"] == 0.5
+    assert not outcome_gate([1.0, -1.0], [0.0, 1.0], beta=1.0)["passed"]
+    with pytest.raises(ValueError, match="one value per outcome"):
+        outcome_gate([1.0], [1.0, 0.0], beta=1.0)
+
+
+@pytest.mark.timeout(120)
+def test_smoke_gate_on_the_first_rollout(value_model_folder):
+    from caspo.config import load_config
+    from caspo.value.smoke import smoke_gate
+
+    cfg = load_config("tests", ["method.name=caspo", f"method.caspo.value_model={value_model_folder}",
+                                "reward.workers=0"])
+    gate = smoke_gate(cfg)
+    # φ = reference: V = 0 on every response, σ = 1/2 says "wrong" everywhere: v_acc is the wrong share
+    assert gate["n"] == cfg.responses_per_step
+    assert gate["v_acc"] == pytest.approx(1 - gate["positive_rate"])
+    assert gate["passed"] == (gate["v_acc"] >= 0.7) and not gate["beats_majority"]
+    assert gate["auc"] == 0.5 or gate["auc"] != gate["auc"]  # all tied (NaN with one outcome class)
+    with pytest.raises(ValueError, match="set method.name=caspo"):
+        smoke_gate(load_config("tests"))

@@ -149,6 +149,12 @@ class CaspoConfig:
     refresh_epochs: int = 2
     refresh_batch_size: int = 16  # rollouts per value-model optimizer step
     refresh_val_fraction: float = 0.25  # prompts held out to pick the best checkpoint by Spearman ρ
+    # the seed's phase-1 modes: label every rollout of a mixed-outcome prompt ("all"), one right/wrong pair
+    # per prompt ("paper", PAPER_PAIRING) or min(n_right, n_wrong) disjoint pairs ("paper_multi", PAPER_PAIRING_MULTI)
+    refresh_pairing: Literal["all", "paper", "paper_multi"] = "all"
+    # drop labelled prefixes longer than this many response tokens from value training (the seed's
+    # max_train_prefix_len; 0 = keep all, the seed's default: match the collection cap)
+    refresh_max_train_prefix_len: int = 0
     # clip whitened step advantages at ±step_adv_clip σ (0 = off)
     step_adv_clip: float = 3.0
     allow_provenance_mismatch: bool = False

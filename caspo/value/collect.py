@@ -1,10 +1,11 @@
 """Phase 1, part one: Monte Carlo labels of response prefixes from the current policy.
 
-Per prompt: K base rollouts (optionally at `state_temperature`); keep mixed-outcome prompts;
-pick S interior step boundaries per rollout; label each with p̂, the mean reward of J
-continuations. The empty prefix is never labelled (V = 0 there). Seeds make shard i/n write
-exactly an unsharded run's rows for prompts i, i+n, …; their `step` is COLLECT_STEP for phase 1
-and ``refresh_seed_step(n)`` after RL step n. See docs/phase1_labels.md.
+Per prompt: K base rollouts (optionally at `state_temperature`); keep mixed-outcome prompts
+and, by `pairing`, all their rollouts or balanced pairs of a right and a wrong one; pick S
+interior step boundaries per rollout; label each with p̂, the mean reward of J continuations.
+The empty prefix is never labelled (V = 0 there). Seeds make shard i/n write exactly an
+unsharded run's rows for prompts i, i+n, …; their `step` is COLLECT_STEP for phase 1 and
+``refresh_seed_step(n)`` after RL step n. See docs/phase1_labels.md.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from caspo.value.labels import LabelRow, write_label_file
 from caspo.value.rollout import rollout_setup
 
 COLLECT_STEP = -1  # the `step` of phase-1 seeds: no outer RL step has run
+# Which rollouts of a mixed-outcome prompt are labelled (the seed's phase-1 modes): "all" of them;
+# "paper" (PAPER_PAIRING): one right and one wrong rollout, IPVRM's one pair per prompt;
+# "paper_multi" (PAPER_PAIRING_MULTI): min(n_right, n_wrong) disjoint pairs, no rollout reused.
+PAIRINGS = ("all", "paper", "paper_multi")
 
 
 def refresh_seed_step(step: int) -> int:
@@ -43,6 +48,7 @@ class CollectSpec:
     boundaries: int  # S: labelled step boundaries per rollout
     chunk: int = 32  # prompts per round of generation (the progress bar's unit)
     state_temperature: Optional[float] = None  # of the base rollouts only (None: the run's temperature)
+    pairing: str = "all"  # one of PAIRINGS
 
 
 RECIPES = {
@@ -70,6 +76,27 @@ def choose_boundaries(step_starts: list[int], s: int) -> list[int]:
     return [interior[round(i * (n - 1) / (s - 1))] for i in range(s)]
 
 
+def paired_samples(outcomes: list[float], pairing: str) -> list[int]:
+    """The samples of one mixed-outcome prompt that are labelled, in sample order.
+
+    A sample is right when its reward is > 1/2. With n = min(n_right, n_wrong):
+        all          every sample
+        paper        the first right and the first wrong sample (one pair)
+        paper_multi  the first n right and the first n wrong samples (n disjoint pairs)
+    Samples are i.i.d., so the first ones are a uniform choice that needs no random draw.
+    """
+    if pairing not in PAIRINGS:
+        raise ValueError(f"unknown pairing {pairing!r}; choose from {', '.join(PAIRINGS)}")
+    if pairing == "all":
+        return list(range(len(outcomes)))
+    right = [s for s, r in enumerate(outcomes) if r > 0.5]
+    wrong = [s for s, r in enumerate(outcomes) if r <= 0.5]
+    n = 1 if pairing == "paper" else min(len(right), len(wrong))
+    if not right or not wrong:
+        raise ValueError(f"pairing {pairing!r} needs a right and a wrong sample, got rewards {outcomes}")
+    return sorted(right[:n] + wrong[:n])
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """'i/n' -> (i, n), 0 <= i < n."""
     try:
@@ -90,6 +117,8 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
             raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
         cfg = dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, step_splitter=splitter))
     splitter = splitter_name(cfg)
+    if spec.pairing not in PAIRINGS:
+        raise ValueError(f"unknown pairing {spec.pairing!r}; choose from {', '.join(PAIRINGS)}")
     if spec.state_temperature is not None and not spec.state_temperature > 0:
         raise ValueError(f"state temperature must be > 0, got {spec.state_temperature}; leave it unset to sample "
                          "base rollouts like the run")
@@ -100,8 +129,8 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
     provenance = label_provenance(cfg, setup.tokenizer, setup.policy).to_dict()
     indices = list(range(shard[0], spec.prompts, shard[1]))
     rows: list[LabelRow] = []
-    stats = {"prompts": len(indices), "base_rollouts": 0, "mixed_prompts": 0, "mc_requests": 0,
-             "mc_unique_prefixes": 0, "mc_tokens": 0}
+    stats = {"prompts": len(indices), "base_rollouts": 0, "mixed_prompts": 0, "labelled_rollouts": 0,
+             "mc_requests": 0, "mc_unique_prefixes": 0, "mc_tokens": 0}
 
     with RewardPool.from_config(cfg.reward) as pool, progress_bar() as progress:
         scorer = setup.scorer(pool)
@@ -119,7 +148,10 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
                     continue
                 stats["mixed_prompts"] += 1
                 example, prompt = data.train[i], data.train_prompts[i]
-                for s, tokens in enumerate(rollouts[n * spec.k:(n + 1) * spec.k]):
+                samples = paired_samples(outcomes, spec.pairing)
+                stats["labelled_rollouts"] += len(samples)
+                for s in samples:
+                    tokens = rollouts[n * spec.k + s]
                     starts = step_start_indices(split(tokens))
                     for boundary in choose_boundaries(starts, spec.boundaries):
                         fields = dict(prompt_id=example.id, prompt_index=i, sample=s, prompt_tokens=list(prompt),

@@ -1,8 +1,8 @@
 """How well prefix values rank and predict Monte Carlo labels: pure functions of arrays.
 
 Pooled Spearman ρ(V, p̂), within-response ρ(ΔV, Δp̂), ROC-AUC of V and accuracy of
-σ(V/β) > 1/2 against the base rollout's outcome. Ties get average ranks; undefined
-statistics are NaN. Label noise caps ρ: even the exact p scores a pooled ρ of only
+σ(V/β) > 1/2 against the base rollout's outcome; the smoke gate (``outcome_gate``). Ties
+get average ranks; undefined statistics are NaN. Label noise caps ρ: even the exact p scores a pooled ρ of only
 ≈ 0.3–0.45 at J = 16 on the embedded base policy. See docs/phase1_labels.md.
 """
 
@@ -109,3 +109,28 @@ def value_metrics(values, p_hat, outcome, groups, positions, beta: float) -> dic
         "mean_predicted": float(prob.mean()) if len(prob) else math.nan,
         "mean_p_hat": float(p_hat.mean()) if len(p_hat) else math.nan,
     }
+
+
+def outcome_gate(values, outcomes, beta: float, threshold: float = 0.7) -> dict:
+    """The seed's smoke gate of a value model (v_acc ≥ 0.7 on a 1-step CASPO rollout), with what it must be
+    read against: values V of whole responses, their 0/1 outcomes R.
+
+        v_acc             = mean[(σ(V/β) > 1/2) = (R > 1/2)]
+        majority_baseline = max(q, 1 − q),  q = mean[R > 1/2]: the v_acc of always guessing the common outcome
+        auc               = ROC-AUC of V against R (1/2: no ranking at all; NaN with one outcome class)
+        passed            = v_acc ≥ threshold
+        beats_majority    = v_acc > majority_baseline
+
+    The seed's warning: with ~80% wrong rollouts, predicting "wrong" everywhere already scores v_acc ≈ 0.8,
+    so a model can pass the gate and still carry no signal; AUC says whether it ranks outcomes at all.
+    """
+    values, outcomes = np.asarray(values, dtype=np.float64), np.asarray(outcomes, dtype=np.float64)
+    if values.shape != outcomes.shape or values.ndim != 1 or not len(values):
+        raise ValueError(f"outcome_gate needs one value per outcome, got shapes {values.shape} and {outcomes.shape}")
+    right = outcomes > 0.5
+    v_acc = float(((success_probability(values, beta) > 0.5) == right).mean())
+    q = float(right.mean())
+    majority = max(q, 1 - q)
+    return {"n": int(len(values)), "v_acc": v_acc, "majority_baseline": majority, "positive_rate": q,
+            "auc": roc_auc(values, outcomes), "threshold": threshold, "passed": v_acc >= threshold,
+            "beats_majority": v_acc > majority}

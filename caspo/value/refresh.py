@@ -77,7 +77,7 @@ def refresh_dir(run_dir: str | Path, step: int) -> Path:
 def collect_spec(cfg: Config) -> CollectSpec:
     c = cfg.method.caspo
     return CollectSpec(prompts=c.refresh_prompts, k=c.refresh_k, j=c.refresh_j, boundaries=c.refresh_boundaries,
-                       state_temperature=c.refresh_state_temperature or None)
+                       state_temperature=c.refresh_state_temperature or None, pairing=c.refresh_pairing)
 
 
 def train_spec(cfg: Config, beta: float) -> TrainSpec:
@@ -85,7 +85,8 @@ def train_spec(cfg: Config, beta: float) -> TrainSpec:
     c = cfg.method.caspo
     return TrainSpec(beta=beta, lr=c.refresh_lr, epochs=c.refresh_epochs, batch_size=c.refresh_batch_size,
                      micro_batch_size=cfg.train.micro_batch_size, val_split="prompt",
-                     val_fraction=c.refresh_val_fraction, seed=cfg.train.seed)
+                     val_fraction=c.refresh_val_fraction, seed=cfg.train.seed,
+                     max_train_prefix_len=c.refresh_max_train_prefix_len)
 
 
 def conditions(cfg: Config, beta: float, step: int, provenance: dict) -> dict:
@@ -99,6 +100,7 @@ def labels_match(header: dict, want: dict) -> bool:
     """Was this label file collected under the conditions `want`?"""
     sizes = ("prompts", "k", "j", "boundaries")
     return (all(header.get(k) == want["collect"][k] for k in sizes)
+            and header.get("pairing", "all") == want["collect"]["pairing"]  # files from before pairings: all
             and all(header.get(k) == want[k] for k in ("splitter", "seed", "seed_step", "provenance")))
 
 

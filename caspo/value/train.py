@@ -7,7 +7,9 @@ The loss is the binary cross-entropy of σ(V/β) against p̂ for every labelled 
 so β only sets the scale of V, not what is learned. φ starts as a copy of the
 reference (every V = 0). Validation prefixes are held out by row, by prompt (all
 prefixes of a prompt on one side, chosen by a hash of its id) or from a separate
-label file; the checkpoint with the best validation Spearman ρ is kept.
+label file; the checkpoint with the best validation Spearman ρ is kept. Training
+prefixes longer than `max_train_prefix_len` response tokens are dropped (and counted),
+and `save_every` keeps a checkpoint every N epochs in `step_NNNNNN/` beside the best.
 
 IPVRM's online-update options named ``use_adb`` and ``use_dlw`` are not implemented:
 their definitions are in the IPVRM paper and code, which were not available to check,
@@ -16,7 +18,9 @@ and guessing them would make a method that only shares their names.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -30,7 +34,7 @@ from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel
 from caspo.models.provenance import ProvenanceError, check_provenance, model_identity, tokenizer_hash
 from caspo.models.tokenizer import load_tokenizer
 from caspo.runlog import console, progress_bar
-from caspo.value.labels import LabelRow, group_responses, merge_duplicates, read_label_file
+from caspo.value.labels import LabelRow, ResponseLabels, group_responses, merge_duplicates, read_label_file
 from caspo.value.probe import boundary_values, evaluate, write_report
 
 
@@ -49,6 +53,12 @@ class TrainSpec:
     seed: int = 0
     # train on distinct rollouts weighted by their copies (batch_size counts distinct ones)
     merge_duplicates: bool = False
+    # the seed's max_train_prefix_len: training prefixes longer than this many response tokens are dropped,
+    # and the training forward reads no token past it (0 = no cap: the collection's own)
+    max_train_prefix_len: int = 0
+    # the seed's value_save_every: also save the model every N epochs, in <out>/step_NNNNNN/ with that
+    # epoch's validation metrics (0 = only the best)
+    save_every: int = 0
 
 
 def hash_unit(seed: int, key: str) -> float:
@@ -90,7 +100,11 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
                 device: str = "cpu") -> dict:
     """Train φ from ``policy`` on the labels; the best checkpoint (by validation ρ) goes to ``out_dir``."""
     out_dir = Path(out_dir)
+    if spec.max_train_prefix_len < 0 or spec.save_every < 0:
+        raise ValueError(f"max_train_prefix_len and save_every must be >= 0 (0 = off), got "
+                         f"{spec.max_train_prefix_len} and {spec.save_every}")
     train_rows, val_rows, provenance = load_split(labels_path, spec)
+    train_rows, dropped = drop_long_prefixes(train_rows, spec.max_train_prefix_len)
     path = resolve_model_path(policy)
     tokenizer = load_tokenizer(path)
     if tokenizer_hash(tokenizer) != provenance.tokenizer_hash:
@@ -100,15 +114,16 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
     model = PrefixValueModel.from_reference(reference, spec.beta, provenance.with_reference(model_identity(reference)),
                                             reference_source=policy)
     optimizer = torch.optim.AdamW(model.policy.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    responses = group_responses(train_rows)
+    responses = truncate_responses(group_responses(train_rows), spec.max_train_prefix_len)
     if spec.merge_duplicates:
         responses = merge_duplicates(responses)
     steps_per_epoch = math.ceil(len(responses) / spec.batch_size)
     generator = torch.Generator().manual_seed(spec.seed)
     pad = tokenizer.pad_token_id
     history, best, best_values, step, t0 = [], None, None, 0, time.monotonic()
+    saved: list[str] = []  # the checkpoints of save_every
 
-    def validate(epoch: float) -> None:
+    def validate(epoch: float) -> dict:
         nonlocal best, best_values
         model.policy.eval()
         metrics, values = evaluate(model, val_rows, pad, spec.micro_batch_size, device)
@@ -121,6 +136,7 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
             model.save(out_dir, tokenizer)
         console.print(f"step {step}: val ρ {rho:.3f}  within-response ρ {metrics['within_response_spearman']:.3f}  "
                       f"AUC {metrics['auc_outcome']:.3f}  bce {metrics['bce']:.4f}")
+        return record
 
     model.policy.train()
     with progress_bar() as progress:
@@ -134,18 +150,51 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
                 progress.update(task, advance=1, status=f"loss {loss:.4f}")
                 if spec.eval_every and step % spec.eval_every == 0 and step % steps_per_epoch:
                     validate(step / steps_per_epoch)
-            validate(epoch + 1)
+            record = validate(epoch + 1)
+            if spec.save_every and (epoch + 1) % spec.save_every == 0:
+                saved.append(str(save_epoch(model, tokenizer, out_dir, record)))
     if best is None:
         raise RuntimeError("validation ρ was undefined at every evaluation (constant values or labels); "
                            "nothing was saved")
     summary = {"best": best, "out": str(out_dir), "train_rows": len(train_rows), "val_rows": len(val_rows),
-               "seconds": round(time.monotonic() - t0, 1)}
+               "dropped_long_prefixes": dropped, "epoch_checkpoints": saved, "seconds": round(time.monotonic() - t0, 1)}
     best_metrics = {k: v for k, v in best.items() if k not in ("step", "epoch", "seconds")}
     write_report(out_dir, best_metrics, best_values, val_rows, spec.beta,
                  f"validation ({spec.val_split}), best step {best['step']}",
                  extra={"best_step": best["step"], "history": history, "spec": asdict(spec),
-                        "train_rows": len(train_rows), "labels": str(labels_path)})
+                        "train_rows": len(train_rows), "dropped_long_prefixes": dropped,
+                        "epoch_checkpoints": saved, "labels": str(labels_path)})
     return summary
+
+
+def drop_long_prefixes(rows: list[LabelRow], max_len: int) -> tuple[list[LabelRow], int]:
+    """(rows whose prefix holds at most `max_len` response tokens, how many were dropped); 0 keeps all."""
+    if max_len == 0:
+        return rows, 0
+    kept = [r for r in rows if r.boundary <= max_len]
+    if not kept:
+        raise ValueError(f"max_train_prefix_len={max_len} drops all {len(rows)} training prefixes (the shortest "
+                         f"holds {min(r.boundary for r in rows)} response tokens); raise it or set 0")
+    if len(kept) < len(rows):
+        console.print(f"max_train_prefix_len={max_len}: {len(rows) - len(kept)} of {len(rows)} training prefixes "
+                      "are longer and dropped")
+    return kept, len(rows) - len(kept)
+
+
+def truncate_responses(responses: list[ResponseLabels], max_len: int) -> list[ResponseLabels]:
+    """Each rollout cut to its first `max_len` response tokens (0: whole). Every boundary b is <= max_len and
+    V(y_{<b}) reads tokens < b of a causal model, so the values and the loss are those of the whole rollout."""
+    if max_len == 0:
+        return responses
+    return [dataclasses.replace(r, response_tokens=r.response_tokens[:max_len]) for r in responses]
+
+
+def save_epoch(model: PrefixValueModel, tokenizer, out_dir: Path, record: dict) -> Path:
+    """The model after an epoch, with that epoch's validation metrics, in <out>/step_NNNNNN/."""
+    folder = out_dir / f"step_{record['step']:06d}"
+    model.save(folder, tokenizer)
+    (folder / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+    return folder
 
 
 def train_step(model: PrefixValueModel, optimizer: torch.optim.Optimizer, batch, pad_token_id: int,
