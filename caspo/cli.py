@@ -5,19 +5,77 @@ from __future__ import annotations
 import json
 from typing import List, Optional
 
+import click
 import typer
+from typer.core import TyperGroup
 
-from caspo.cli_args import OVERRIDES, PRESET, config_or_exit
-from caspo.config import to_yaml
+from caspo.cli_args import OVERRIDES, PRESET, checked_config
+from caspo.config import ConfigError, to_yaml
 from caspo.value.cli import value_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors a user causes and can fix (a config, a data file, a model or checkpoint path, a run folder),
+    each raised with a message naming the problem and the fix. Imported only when an error is being handled."""
+    from caspo.data.examples import DataError
+    from caspo.models.provenance import ProvenanceError
+    from caspo.rollout.native.spec import UnsupportedModelError
+    from caspo.train.checkpoint import CheckpointError
+    from caspo.train.loop import RunStopped
+    from caspo.value.labels import LabelFileError
+
+    # OSError: a missing file or folder, a model that is neither a folder nor on the hub, a run folder in use
+    return (ConfigError, DataError, ProvenanceError, UnsupportedModelError, CheckpointError, RunStopped,
+            LabelFileError, OSError)
+
+
+class Commands(TyperGroup):
+    """The app's commands; a user error ends the command with its message in red and exit status 2, without
+    a traceback (`caspo --debug COMMAND ...` shows it). Any other exception is a bug and shows its traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except user_errors() as err:
+            if ctx.params.get("debug"):
+                raise
+            message = str(err).strip() or type(err).__name__
+            typer.secho(f"{ctx.invoked_subcommand or 'caspo'} error: {message}", fg=typer.colors.RED, err=True)
+            typer.secho("(caspo --debug ... shows the traceback)", dim=True, err=True)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, help=__doc__)
 app.add_typer(value_app, name="value", help="phase 1: Monte Carlo step labels, prefix-value training, probes")
+
+
+def print_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError
+
+    import caspo
+
+    try:
+        typer.echo(f"caspo {caspo.__version__}")
+    except PackageNotFoundError:
+        typer.secho("caspo is not installed, so it has no version: install it with `pip install -e .` in the "
+                    "checkout", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    raise typer.Exit()
+
+
+@app.callback()
+def main(debug: bool = typer.Option(False, "--debug", help="on an error, show the traceback instead of one line"),
+         version: bool = typer.Option(False, "--version", callback=print_version, is_eager=True,
+                                      help="print the version and exit")):
+    """Reinforcement learning of language models on verifiable math."""
+
 
 @app.command()
 def config(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
     """Print the resolved configuration."""
-    typer.echo(to_yaml(config_or_exit(preset, overrides)))
+    typer.echo(to_yaml(checked_config(preset, overrides)))
 
 
 @app.command()
@@ -27,7 +85,7 @@ def train(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     """Train a policy with the configured method."""
     from caspo.value.refresh import train as run_train
 
-    summary = run_train(config_or_exit(preset, overrides), resume=resume, overwrite=overwrite)
+    summary = run_train(checked_config(preset, overrides), resume=resume, overwrite=overwrite)
     typer.echo(json.dumps(summary, indent=2))
 
 
@@ -38,7 +96,8 @@ def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     """Supervised fine-tuning of a tiny policy on the arithmetic task."""
     from caspo.train.sft import run_sft
 
-    typer.echo(json.dumps(run_sft(config_or_exit(preset, overrides), output, init=init), indent=2))
+    cfg = checked_config(preset, overrides, policy=False, data=False)  # a policy from scratch, arith
+    typer.echo(json.dumps(run_sft(cfg, output, init=init), indent=2))
 
 
 @app.command("eval")
@@ -58,24 +117,21 @@ def evaluate(
     out: str = typer.Option(..., help="folder for <checkpoint>.json, summary.md and accuracy.png"),
 ):
     """Greedy accuracy, avg@K, pass@k and maj@K of a policy or a run's checkpoints on benchmarks."""
-    from caspo.config import validate
     from caspo.eval.run import evaluate_targets
     from caspo.eval.targets import resolve
 
     try:
         targets, run_config = resolve(policy_or_run, checkpoints)
-        cfg = config_or_exit(preset or (str(run_config) if run_config else "arith-tiny"), overrides)
-        flags = {"samples": samples, "limit": limit, "temperature": temperature, "top_p": top_p,
-                 "max_new_tokens": max_new_tokens,
-                 "benchmarks": [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else None}
-        for key, value in flags.items():
-            if value is not None:
-                setattr(cfg.eval, key, value)
-        validate(cfg)
-        results = evaluate_targets(cfg, targets, out)
-    except (FileNotFoundError, ValueError) as err:  # a missing folder, a bad config or row (ConfigError, DataError)
-        typer.secho(f"eval error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
+    except ValueError as err:  # the selection does not fit the target (a missing one is a FileNotFoundError)
+        raise ConfigError(f"{err}") from None
+    flags = {"samples": samples, "limit": limit, "temperature": temperature, "top_p": top_p,
+             "max_new_tokens": max_new_tokens,
+             "benchmarks": [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else None}
+    # the flags as the last overrides, so that they are checked like any other setting
+    flag_overrides = [f"eval.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
+    cfg = checked_config(preset or (str(run_config) if run_config else "arith-tiny"),
+                         [*(overrides or []), *flag_overrides], policy=False, data=False)
+    results = evaluate_targets(cfg, targets, out)
     typer.echo(json.dumps({"out": out, "results": {r["checkpoint"]: {name: b["metrics"] for name, b in
                                                                       r["benchmarks"].items()} for r in results}},
                           indent=2))
@@ -87,10 +143,9 @@ def verify_resume(preset: str = PRESET, overrides: Optional[List[str]] = OVERRID
     """Check that 2 steps + a resumed third equal 3 uninterrupted steps, bit for bit."""
     from caspo.train.verify_resume import verify_resume as run_verify
 
-    config_or_exit(preset, overrides)  # fail fast on a bad config
+    checked_config(preset, overrides)  # fail fast on a bad config
     if not run_verify(preset, overrides or [], workdir):
         raise typer.Exit(1)
-
 
 
 @app.command()

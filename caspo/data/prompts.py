@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from caspo.data.examples import DataError
+
 ON_OVERFLOW = ("error", "truncate_left")
 
 
@@ -15,11 +17,11 @@ def encode_prompts(tokenizer, texts: list[str], *, add_bos: bool, max_prompt_tok
     if on_overflow not in ON_OVERFLOW:
         raise ValueError(f"on_overflow={on_overflow!r}: expected one of {ON_OVERFLOW}")
     if max_prompt_tokens < 1 + add_bos:
-        raise ValueError(f"data.max_prompt_tokens={max_prompt_tokens} leaves no room for the prompt")
+        raise DataError(f"data.max_prompt_tokens={max_prompt_tokens} leaves no room for the prompt")
     bos = []
     if add_bos:
         if tokenizer.bos_token_id is None:
-            raise ValueError("add_bos is set but the tokenizer has no BOS token; turn add_bos off")
+            raise DataError("data.add_bos is set but the tokenizer has no BOS token; set data.add_bos=auto or false")
         bos = [tokenizer.bos_token_id]
     if not texts:
         return []
@@ -29,7 +31,7 @@ def encode_prompts(tokenizer, texts: list[str], *, add_bos: bool, max_prompt_tok
         ids = bos + list(ids)
         if len(ids) > max_prompt_tokens:
             if on_overflow == "error":
-                raise ValueError(
+                raise DataError(
                     f"prompt {i} is {len(ids)} tokens, over data.max_prompt_tokens={max_prompt_tokens}; "
                     "raise data.max_prompt_tokens, or set data.long_prompts=skip (leave such prompts out) or "
                     "data.long_prompts=truncate_left"

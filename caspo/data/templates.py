@@ -7,6 +7,8 @@ contain braces (`\\frac{1}{2}`), so the placeholder is replaced literally, never
 
 from __future__ import annotations
 
+from caspo.data.examples import DataError
+
 TEMPLATES: dict[str, str] = {
     # the procedural arithmetic task; the SFT target starts right after "Solution:\n"
     "arith": "{query}\nSolution:\n",
@@ -29,7 +31,7 @@ def render_prompt(template: str, query: str, tokenizer=None) -> str:
     if template in TEMPLATES:
         template = TEMPLATES[template]
     elif PLACEHOLDER not in template:
-        raise ValueError(
+        raise DataError(
             f"unknown prompt template {template!r}: use one of {sorted(TEMPLATES) + [CHAT]} "
             f"or a literal string containing {PLACEHOLDER}"
         )
@@ -41,8 +43,8 @@ def chat_prompt(tokenizer, query: str) -> str:
     if tokenizer is None:
         raise ValueError("data.template=chat renders with the policy's chat template; pass the tokenizer")
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"data.template=chat but the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no "
-                         f"chat template; use one of {sorted(TEMPLATES)} or a literal template with {PLACEHOLDER}")
+        raise DataError(f"data.template=chat but the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no "
+                        f"chat template; use one of {sorted(TEMPLATES)} or a literal template with {PLACEHOLDER}")
     return tokenizer.apply_chat_template([{"role": "user", "content": query}], add_generation_prompt=True,
                                          tokenize=False)
 

@@ -7,7 +7,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from caspo.config import Config
+from caspo.config import Config, RewardConfig
 from caspo.data.registry import level_name
 from caspo.eval.benchmarks import Suite
 from caspo.eval.heldout import greedy_requests, sample_requests
@@ -62,7 +62,7 @@ def evaluate_suite(engine, tokenizer, pool, cfg: Config, suite: Suite, run_sampl
     if K:
         sampled = run_requests(engine, tokenizer, pool, sample_requests(suite.prompts, K, n_tok),
                                [x for x in labels for _ in range(K)], sampled_sp, advance)
-    records = problem_records(suite, greedy, sampled, K)
+    records = problem_records(suite, greedy, sampled, K, cfg.reward)
     result = {"source": suite.source, "n": len(records), "metrics": metrics_of(records, K), "data": suite.load}
     for key, fld in (("by_subject", suite.subject_field), ("by_level", suite.level_field)):
         if fld:
@@ -71,15 +71,17 @@ def evaluate_suite(engine, tokenizer, pool, cfg: Config, suite: Suite, run_sampl
     return result, records
 
 
-def answer_of(text: str, finished: bool) -> str | None:
-    return extract_answer(text) if finished else None
+def answer_of(text: str, finished: bool, reward: RewardConfig) -> str | None:
+    """The answer the verifier reads (reward.extractor, reward.fallback): maj@k votes on these."""
+    return extract_answer(text, reward.extractor, reward.fallback) if finished else None
 
 
-def problem_records(suite: Suite, greedy: Outputs, sampled: Outputs | None, K: int) -> list[dict]:
+def problem_records(suite: Suite, greedy: Outputs, sampled: Outputs | None, K: int,
+                    reward: RewardConfig) -> list[dict]:
     records = []
     for i, ex in enumerate(suite.examples):
         rec = {"id": ex.id, "label": ex.label, "greedy_reward": greedy.rewards[i],
-               "greedy_answer": answer_of(greedy.texts[i], greedy.finished[i]),
+               "greedy_answer": answer_of(greedy.texts[i], greedy.finished[i], reward),
                "greedy_finished": greedy.finished[i], "greedy_boxed": "\\boxed" in greedy.texts[i],
                "greedy_text": greedy.texts[i]}
         if suite.subject_field:
@@ -89,7 +91,7 @@ def problem_records(suite: Suite, greedy: Outputs, sampled: Outputs | None, K: i
         if sampled is not None:
             span = slice(i * K, (i + 1) * K)
             rec["rewards"] = sampled.rewards[span]
-            rec["answers"] = [answer_of(t, f) for t, f in zip(sampled.texts[span], sampled.finished[span])]
+            rec["answers"] = [answer_of(t, f, reward) for t, f in zip(sampled.texts[span], sampled.finished[span])]
             rec["finished"] = sampled.finished[span]
             rec["boxed"] = ["\\boxed" in t for t in sampled.texts[span]]
         records.append(rec)

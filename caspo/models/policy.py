@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, Qwen2Config
 
 import caspo.models.looped  # noqa: F401  registers the looped LM with the Auto classes
+from caspo.config import ConfigError
 from caspo.models.hub import hub_errors
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -113,5 +114,5 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"model.device={device} but no CUDA device is visible; use model.device=cpu")
+        raise ConfigError(f"model.device={device} but no CUDA device is visible; use model.device=cpu")
     return torch.device(device)

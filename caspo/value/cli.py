@@ -22,7 +22,7 @@ from typing import List, Optional
 
 import typer
 
-from caspo.cli_args import OVERRIDES, PRESET, config_or_exit
+from caspo.cli_args import OVERRIDES, PRESET, checked_config
 
 value_app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -50,7 +50,7 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         raise typer.BadParameter(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
     sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries, "state_temperature": state_temperature}
     spec = dataclasses.replace(RECIPES[recipe], **{key: v for key, v in sizes.items() if v is not None})
-    header = run_collect(config_or_exit(preset, overrides), spec, out, parse_shard(shard), splitter)
+    header = run_collect(checked_config(preset, overrides), spec, out, parse_shard(shard), splitter)
     typer.echo(json.dumps({key: v for key, v in header.items() if key != "provenance"}, indent=2))
 
 
@@ -128,7 +128,7 @@ def compare(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
     """Correlation of CASPO's and VinePPO's step advantages on one batch (needs method.caspo.value_model)."""
     from caspo.value.compare import compare_step_advantages
 
-    cfg = config_or_exit(preset, ["method.name=caspo", *(overrides or [])])
+    cfg = checked_config(preset, ["method.name=caspo", *(overrides or [])])
     typer.echo(json.dumps(compare_step_advantages(cfg), indent=2))
 
 
@@ -142,7 +142,7 @@ def check_mc(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     """Check MC values: z-scores of V(prompt) against independent samples; a planted wrong line."""
     from caspo.value.mc_check import run_check
 
-    report = run_check(config_or_exit(preset, overrides), prompts, k, m, planted)
+    report = run_check(checked_config(preset, overrides), prompts, k, m, planted)
     if out is not None:
         out.write_text(json.dumps(report, indent=2) + "\n")
     if not report["calibration_passed"]:
@@ -165,7 +165,7 @@ def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value mod
 
     if threads:
         torch.set_num_threads(threads)
-    cfg = config_or_exit(preset, overrides)
+    cfg = checked_config(preset, overrides, policy=False)  # the value model's folder holds its policy
     if cfg.data.source != "arith":
         raise typer.BadParameter(f"preset {preset!r} reads data.source={cfg.data.source!r}; the check builds "
                                  "arithmetic solutions, use an arith preset")

@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from caspo.config import Config
+from caspo.config import Config, ConfigError
 from caspo.data.build import load_task_data
 from caspo.models.provenance import label_provenance
 from caspo.reward.pool import RewardPool
@@ -68,7 +68,7 @@ def choose_boundaries(step_starts: list[int], s: int) -> list[int]:
     interior = step_starts[1:]
     n = len(interior)
     if s < 1:
-        raise ValueError(f"boundaries per rollout must be >= 1, got {s}")
+        raise ConfigError(f"boundaries per rollout must be >= 1, got {s}")
     if n <= s:
         return list(interior)
     if s == 1:
@@ -102,9 +102,9 @@ def parse_shard(text: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
-        raise ValueError(f"shard must look like i/n (e.g. 0/4), got {text!r}") from None
+        raise ConfigError(f"shard must look like i/n (e.g. 0/4), got {text!r}") from None
     if not 0 <= i < n:
-        raise ValueError(f"shard {text}: need 0 <= i < n")
+        raise ConfigError(f"shard {text}: need 0 <= i < n")
     return i, n
 
 
@@ -114,18 +114,18 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
     them (method.step_splitter, max_steps, after_final_box); `splitter` overrides method.step_splitter."""
     if splitter is not None:
         if splitter not in SPLITTERS:
-            raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
+            raise ConfigError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
         cfg = dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, step_splitter=splitter))
     splitter = splitter_name(cfg)
     if spec.pairing not in PAIRINGS:
         raise ValueError(f"unknown pairing {spec.pairing!r}; choose from {', '.join(PAIRINGS)}")
     if spec.state_temperature is not None and not spec.state_temperature > 0:
-        raise ValueError(f"state temperature must be > 0, got {spec.state_temperature}; leave it unset to sample "
-                         "base rollouts like the run")
+        raise ConfigError(f"state temperature must be > 0, got {spec.state_temperature}; leave it unset to sample "
+                          "base rollouts like the run")
     setup = rollout_setup(cfg)
     data = load_task_data(cfg, setup.tokenizer)
     if spec.prompts > len(data.train):
-        raise ValueError(f"{spec.prompts} prompts asked for, the training split has {len(data.train)}")
+        raise ConfigError(f"{spec.prompts} prompts asked for, the training split has {len(data.train)}")
     provenance = label_provenance(cfg, setup.tokenizer, setup.policy).to_dict()
     indices = list(range(shard[0], spec.prompts, shard[1]))
     rows: list[LabelRow] = []

@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 
-from caspo.config import Config
+from caspo.config import Config, ConfigError
 from caspo.data.build import load_task_data
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Request
@@ -55,14 +55,14 @@ def planted_line(solution: str) -> str:
 def run_check(cfg: Config, prompts: int, k: int = 9, m: int = 64, planted: int = 50) -> dict:
     """Both checks on the first ``prompts`` held-out prompts (the planted one on the first ``planted``)."""
     if cfg.data.source != "arith":
-        raise ValueError("the planted-prefix check builds wrong lines of the arithmetic task; use data.source=arith")
+        raise ConfigError("the planted-prefix check builds wrong lines of the arithmetic task; use data.source=arith")
     t0 = time.monotonic()
     setup = rollout_setup(cfg)
     engine, sampling, decode, tokenizer = setup.engine, setup.sampling, setup.decode, setup.tokenizer
     r, seed = cfg.rollout, cfg.train.seed
     data = load_task_data(cfg, tokenizer)
     if prompts > len(data.eval):
-        raise ValueError(f"{prompts} prompts asked for, eval.heldout_size gives {len(data.eval)}")
+        raise ConfigError(f"{prompts} prompts asked for, eval.heldout_size gives {len(data.eval)}")
     prompt_ids, labels = data.eval_prompts[:prompts], [e.label for e in data.eval[:prompts]]
 
     with RewardPool.from_config(cfg.reward) as pool:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from caspo.config import ConfigError
 from caspo.models.policy import load_policy, resolve_model_path
 from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel
 from caspo.models.provenance import ProvenanceError, check_provenance, model_identity, tokenizer_hash
@@ -71,17 +72,17 @@ def split_rows(rows: list[LabelRow], mode: str, fraction: float, seed: int) -> t
     """(train, validation) rows. "row": each row by its own coin (prefixes of one prompt land on
     both sides, so validation flatters); "prompt": each prompt's rows together."""
     if mode not in ("row", "prompt"):
-        raise ValueError(f"val split {mode!r}: choose row, prompt or file:PATH")
+        raise ConfigError(f"val split {mode!r}: choose row, prompt or file:PATH")
     if not 0 < fraction < 1:
-        raise ValueError(f"validation fraction must be in (0, 1), got {fraction}")
+        raise ConfigError(f"validation fraction must be in (0, 1), got {fraction}")
     key = (lambda r: f"prompt/{r.prompt_id}") if mode == "prompt" else (
         lambda r: f"row/{r.prompt_index}/{r.sample}/{r.boundary}")
     held = [hash_unit(seed, key(r)) < fraction for r in rows]
     train = [r for r, h in zip(rows, held) if not h]
     val = [r for r, h in zip(rows, held) if h]
     if not train or not val:
-        raise ValueError(f"the {mode} split at fraction {fraction} leaves {len(train)} training and {len(val)} "
-                         "validation rows; collect more prompts or change --val-fraction")
+        raise ConfigError(f"the {mode} split at fraction {fraction} leaves {len(train)} training and {len(val)} "
+                          "validation rows; collect more prompts or change --val-fraction")
     return train, val
 
 

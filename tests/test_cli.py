@@ -1,0 +1,137 @@
+"""The command line: a user error is one red line naming the problem and the fix (a second line points to
+--debug), exit status 2 and no traceback; --debug raises it; any other exception is a bug and raises."""
+
+import json
+from importlib.metadata import version
+
+import pytest
+from typer.testing import CliRunner
+
+import caspo
+from caspo import cli
+from caspo.cli import app
+from caspo.cli_args import checked_config
+from caspo.config import ConfigError
+
+QUICK = ["eval.before=false", "eval.after=false", "train.steps=1", "model.threads=1"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, command: str, message: str):
+    assert result.exit_code == 2, result.output
+    assert result.stdout == "" and "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()[-2:]  # after what ran before it (a progress bar)
+    assert lines[1] == "(caspo --debug ... shows the traceback)", lines
+    assert "error" not in "".join(result.stderr.strip().splitlines()[:-2])
+    assert lines[0].startswith(f"{command} error: ") and message in lines[0], lines[0]
+
+
+def test_version_is_the_installed_package_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.stdout == f"caspo {version('caspo')}\n"
+    assert caspo.__version__ == version("caspo")
+
+
+@pytest.fixture
+def files(tmp_path):
+    bad_rows = tmp_path / "rows.jsonl"
+    bad_rows.write_text('{"problem": "1 + 1?", "answer": "2"}\n{"problem": "2 + 2?"\n')
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 1}\n')
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    return {"rows": bad_rows, "used": used, "empty": not_a_model, "tmp": tmp_path}
+
+
+CASES = [  # (command line, the command, part of the message); {name} is a path of the `files` fixture
+    ("config tests optim.lr=-1", "config", "optim.lr must be > 0, got -1.0"),
+    ("config tests data.template=nope", "config", "data.template='nope' is no template name and has no {query}"),
+    ("config tests data.source={tmp}/none.jsonl data.eval_source=math500", "config",
+     "none.jsonl: no such data file; check the data path in the config (in data.source)"),
+    ("train tests model.policy={tmp}/no-model", "train", "no-model': no such folder; pass a folder with config.json"),
+    ("train tests model.policy={empty}", "train", "is a folder without config.json"),
+    ("train tests model.policy=embedded:nope", "train", "no embedded policy 'nope' (shipped: tiny-arith"),
+    ("train tests train.output_dir={tmp}/run --resume {tmp}/nowhere", "train", "nowhere (expected a step_* folder"),
+    ("train tests train.output_dir={used}", "train", "already holds a run (metrics.jsonl); resume it with --resume"),
+    ("train tests train.output_dir={tmp}/run data.source={rows} data.eval_source=math500", "train",
+     "rows.jsonl: 1 invalid row of 2 (rows-2); first: "),
+    ("train tests train.output_dir={tmp}/run data.max_prompt_tokens=3", "train", "over data.max_prompt_tokens=3"),
+    ("sft tests sft.lr=0 --output {tmp}/sft", "sft", "sft.lr must be > 0"),
+    ("eval {tmp}/nothing --out {tmp}/out", "eval", "nothing: not a run folder"),
+    ("eval embedded:tiny-arith --checkpoints step_3 --out {tmp}/out", "eval", "picks checkpoints of a run folder"),
+    ("eval embedded:tiny-arith --samples -1 --out {tmp}/out", "eval", "eval.samples must be >= 0"),
+    ("verify-resume tests reward.workers=-3", "verify-resume", "reward.workers must be >= 0"),
+    ("value collect tests --out {tmp}/l.jsonl --shard 4", "value", "shard must look like i/n (e.g. 0/4), got '4'"),
+    ("value probe {tmp} {tmp}/none.jsonl", "value", "none.jsonl: no such label file; `caspo value collect`"),
+]
+
+
+@pytest.mark.parametrize("line, command, message", CASES, ids=[c[0].split(" {")[0] for c in CASES])
+def test_user_errors_are_one_line_and_exit_2(files, line, command, message):
+    args = line.format(**files).split()
+    quick = QUICK if args[0] == "train" else []
+    assert_user_error(invoke(*args[:2], *quick, *args[2:]), command, message)
+
+
+def test_debug_shows_the_traceback():
+    result = invoke("--debug", "config", "tests", "optim.lr=-1")
+    assert result.exit_code == 1 and isinstance(result.exception, ConfigError)
+    assert str(result.exception) == "optim.lr must be > 0, got -1.0"
+
+
+def test_a_bug_is_not_a_user_error(monkeypatch):
+    def broken(cfg):
+        raise KeyError("not the user's fault")
+
+    monkeypatch.setattr(cli, "to_yaml", broken)
+    result = invoke("config", "tests")
+    assert result.exit_code == 1 and isinstance(result.exception, KeyError)
+    assert "config error" not in result.output
+
+
+def test_config_prints_a_valid_config():
+    result = invoke("config", "tests", "optim.lr=2e-4")
+    assert result.exit_code == 0 and "lr: 0.0002" in result.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.template='Solve: {q}'"], "is no template name and has no {query}"),
+    (["sft.skip_last_when=never"], "ArithSpec.skip_last_when='never': must be 'any' or 'last_op_'"),
+    (["data.source='hf:'", "data.eval_source=math500"], "names no dataset; write hf:NAME"),
+    (["eval.benchmarks=[math500, missing.parquet]"],
+     r"missing.parquet: no such data file;.*\(in eval.benchmarks\[1\]\)"),
+    (["data.eval_source=math5000"], r"unknown data source 'math5000'.*\(in data.eval_source\)"),
+])
+def test_checks_after_load_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        checked_config("tests", overrides)
+
+
+def test_sources_that_are_not_files_pass_the_existence_check():
+    cfg = checked_config("tests", ["data.source=hf:org/dataset@train", "data.eval_source=math500",
+                                   "eval.benchmarks=[gsm8k, arith, heldout]", "data.template='Q: {query}'"])
+    assert cfg.data.template == "Q: {query}"
+    # an evaluation reads no training data: a missing data.source matters only to the heldout benchmark
+    assert checked_config("tests", ["data.source=gone.jsonl", "data.eval_source=math500"], data=False)
+    with pytest.raises(ConfigError, match=r"gone.jsonl: no such data file;.*\(in data.source\)"):
+        checked_config("tests", ["data.source=gone.jsonl", "data.eval_source=math500",
+                                 "eval.benchmarks=[heldout]"], data=False)
+
+
+def test_eval_flags_are_checked_like_overrides(tmp_path, monkeypatch):
+    seen = {}
+
+    def evaluate_targets(cfg, targets, out):
+        seen.update(samples=cfg.eval.samples, top_p=cfg.eval.top_p, benchmarks=cfg.eval.benchmarks)
+        return []
+
+    monkeypatch.setattr("caspo.eval.run.evaluate_targets", evaluate_targets)
+    result = invoke("eval", "embedded:tiny-arith", "--samples", 3, "--top-p", 0.5, "--benchmarks", "math500, gsm8k",
+                    "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert seen == {"samples": 3, "top_p": 0.5, "benchmarks": ["math500", "gsm8k"]}
+    assert json.loads(result.stdout)["results"] == {}
