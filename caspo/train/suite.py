@@ -1,0 +1,193 @@
+"""`caspo suite`: a matched method suite (methods × seeds from one preset), queued one run per device,
+each evaluated when it ends, then one `caspo report` of them all.
+
+    caspo suite arith-slips --methods grpo,mu2=grpo+train.epochs_per_rollout=2,vineppo --seeds 0,1,2 \\
+        --out runs/slips-suite [--devices 0,1] [--benchmarks math500] [OVERRIDES...]
+
+A methods item is METHOD or LABEL=METHOD, then `+KEY=VALUE` overrides of that item only (the item is its
+label when it has none). Every run gets the shared OVERRIDES, method.name=METHOD, the item's overrides,
+train.seed and train.output_dir=OUT/<label>/seed<seed>, and on a device list model.device=cuda:<i>.
+
+A run is a `caspo train` process (its output in <run>/suite.log). Rerunning the command skips runs whose
+status.json says finished, resumes the others from their latest checkpoint and starts over those that
+have none; a rerun may add methods or seeds, not change the preset or the shared overrides. With
+--benchmarks, `caspo eval` evaluates each finished run's checkpoints not yet in <run>/eval/ (and the base
+policy) on the run's device. OUT/suite.json lists the runs and labels; OUT/report/ is the report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from caspo.config import ConfigError, load_config
+from caspo.eval.targets import checkpoint_dirs
+from caspo.methods import resolve_method
+from caspo.report.compare import expand, report
+from caspo.runlog import console, read_status, write_json
+
+FORMAT = "caspo-suite-1"
+
+
+@dataclass(frozen=True)
+class SuiteRun:
+    label: str
+    seed: int
+    dir: str  # relative to the suite folder
+    overrides: list[str] = field(default_factory=list)  # the item's: method.name=..., then its own
+
+
+def split_items(text: str) -> list[str]:
+    """Comma-separated items; commas inside [...] or {...} (a YAML list value) stay in their item."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def parse_methods(text: str) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of each methods item: METHOD or LABEL=METHOD, then +KEY=VALUE pieces."""
+    out = []
+    for item in split_items(text):
+        head, *pieces = item.split("+")
+        label, method = head.split("=", 1) if "=" in head else (item, head)
+        if not re.fullmatch(r"[\w.-]+", method) or ("=" in head and not re.fullmatch(r"[\w.-]+", label)):
+            raise ValueError(f"--methods item {item!r}: write METHOD or LABEL=METHOD (letters, digits, _ . -), "
+                             "then +KEY=VALUE overrides")
+        bad = [p for p in pieces if "=" not in p]
+        if bad:
+            raise ValueError(f"--methods item {item!r}: {bad[0]!r} is not a KEY=VALUE override")
+        out.append((label, [f"method.name={method}", *pieces]))
+    labels = [label for label, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--methods {text!r} names a label twice; give variants their own LABEL=METHOD+...")
+    return out
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^\w.=-]+", "_", label)
+
+
+def plan(methods: list[tuple[str, list[str]]], seeds: list[int]) -> list[SuiteRun]:
+    return [SuiteRun(label, seed, f"{slug(label)}/seed{seed}", overrides) for label, overrides in methods
+            for seed in seeds]
+
+
+def next_action(run_dir: Path) -> str:
+    """skip (finished), resume (from its latest checkpoint) or fresh (nothing to resume: start over)."""
+    status = read_status(run_dir) if run_dir.is_dir() else None
+    if status and status.get("state") == "finished":
+        return "skip"
+    if (run_dir / "checkpoints" / "latest").is_file() and checkpoint_dirs(run_dir):
+        return "resume"
+    return "fresh"
+
+
+def train_command(preset: str, shared: list[str], run: SuiteRun, run_dir: Path, device: str | None,
+                  action: str) -> list[str]:
+    args = [sys.executable, "-m", "caspo.cli", "train", preset, *shared, *run.overrides, f"train.seed={run.seed}",
+            f"train.output_dir={run_dir}"] + ([f"model.device={device}"] if device else [])
+    return args + {"resume": ["--resume", "latest"], "fresh": ["--overwrite"]}[action]
+
+
+def eval_command(run_dir: Path, benchmarks: str, device: str | None) -> list[str] | None:
+    """`caspo eval` of the run's checkpoints (and base) that <run>/eval/ lacks; None when it has them all."""
+    done = {p.stem for p in (run_dir / "eval").glob("*.json")}
+    todo = [name for name in ["base"] + [p.name for p in checkpoint_dirs(run_dir)] if name not in done]
+    if not todo:
+        return None
+    return [sys.executable, "-m", "caspo.cli", "eval", str(run_dir), *([f"model.device={device}"] if device else []),
+            "--benchmarks", benchmarks, "--checkpoints", ",".join(todo), "--out", str(run_dir / "eval")]
+
+
+def record_suite(out: Path, preset: str, shared: list[str], runs: list[SuiteRun]) -> list[SuiteRun]:
+    """suite.json: a rerun must keep the preset and shared overrides; its new runs are added."""
+    path = out / "suite.json"
+    known: list[SuiteRun] = []
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if (old["preset"], old["overrides"]) != (preset, shared):
+            raise ValueError(f"{out} holds a suite of {old['preset']} with overrides {old['overrides']}; this one is "
+                             f"{preset} with {shared}. Use another --out, or the same preset and overrides")
+        known = [SuiteRun(**r) for r in old["runs"]]
+    by_dir = {r.dir: r for r in known}
+    for r in runs:
+        if r.dir in by_dir and by_dir[r.dir] != r:
+            raise ValueError(f"{out / r.dir}: the suite ran it with overrides {by_dir[r.dir].overrides}, this command "
+                             f"gives {r.overrides}; give the variant another LABEL")
+        by_dir.setdefault(r.dir, r)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"format": FORMAT, "preset": preset, "overrides": shared,
+                      "runs": [asdict(r) for r in by_dir.values()]})
+    return list(by_dir.values())
+
+
+def check_configs(preset: str, shared: list[str], runs: list[SuiteRun], out: Path) -> None:
+    """Every run's config loads and names a usable method, before any run starts."""
+    for r in runs:
+        try:
+            resolve_method(load_config(preset, [*shared, *r.overrides, f"train.seed={r.seed}",
+                                                f"train.output_dir={out / r.dir}"]))
+        except ConfigError as err:
+            raise ConfigError(f"suite run {r.label} seed {r.seed}: {err}") from err
+
+
+def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devices: list[str] | None = None,
+              overrides: list[str] = (), benchmarks: str | None = None, group_by: str = "config") -> dict:
+    """Run what is not finished, evaluate, report; returns {"report", "ran", "skipped", "failed"}."""
+    out, shared = Path(out).resolve(), list(overrides)
+    wanted = plan(parse_methods(methods), seeds)
+    check_configs(preset, shared, wanted, out)
+    record_suite(out, preset, shared, wanted)
+    queue = [r for r in wanted if next_action(out / r.dir) != "skip"]
+    skipped = [r for r in wanted if r not in queue]
+    for r in skipped:
+        console.print(f"suite: {r.dir} finished, skipped")
+    slots: list[str | None] = list(devices) if devices else [None]
+    active: dict[int, tuple[subprocess.Popen, SuiteRun, str]] = {}  # slot -> (process, run, phase)
+    failed: list[str] = []
+    while queue or active:
+        for slot, device in enumerate(slots):
+            if slot not in active and queue:
+                run = queue.pop(0)
+                action = next_action(out / run.dir)
+                cmd = train_command(preset, shared, run, out / run.dir, device, action)
+                active[slot] = (start(cmd, out / run.dir), run, "train")
+                console.print(f"suite: {run.dir} {'resumed' if action == 'resume' else 'started'} on "
+                              f"{device or 'the config device'}")
+        time.sleep(0.2)
+        for slot, (proc, run, phase) in list(active.items()):
+            if proc.poll() is None:
+                continue
+            del active[slot]
+            log = out / run.dir / "suite.log"
+            if proc.returncode:
+                failed.append(f"{run.dir} ({phase} exited {proc.returncode}; see {log})")
+                console.print(f"[red]suite: {failed[-1]}[/red]")
+            elif phase == "train" and benchmarks and (cmd := eval_command(out / run.dir, benchmarks, slots[slot])):
+                active[slot] = (start(cmd, out / run.dir), run, "eval")
+                console.print(f"suite: {run.dir} evaluating its checkpoints")
+            else:
+                console.print(f"suite: {run.dir} done")
+    runs = expand([str(out)])
+    path = report(runs, out / "report", group_by=group_by) if runs else None
+    return {"report": str(path) if path else None, "ran": [r.dir for r in wanted if r not in skipped],
+            "skipped": [r.dir for r in skipped], "failed": failed}
+
+
+def start(cmd: list[str], run_dir: Path) -> subprocess.Popen:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "suite.log").open("a") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

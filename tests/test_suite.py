@@ -1,0 +1,96 @@
+"""`caspo suite`: its methods items, its plan, what a rerun does with each run folder, and (slow) the tests
+preset with 2 methods × 2 seeds: one run left unfinished is resumed, finished ones are skipped."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from caspo.config import ConfigError
+from caspo.runlog import read_jsonl
+from caspo.train import suite
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_methods_items_give_labels_and_their_own_overrides():
+    items = suite.parse_methods("grpo, mu2=grpo+train.epochs_per_rollout=2,stops=ppo+rollout.stop=[a,b]")
+    assert items == [("grpo", ["method.name=grpo"]),
+                     ("mu2", ["method.name=grpo", "train.epochs_per_rollout=2"]),
+                     ("stops", ["method.name=ppo", "rollout.stop=[a,b]"])]
+    assert suite.parse_methods("grpo+method.clip_high=0.28") == [
+        ("grpo+method.clip_high=0.28", ["method.name=grpo", "method.clip_high=0.28"])]
+    with pytest.raises(ValueError, match="names a label twice"):
+        suite.parse_methods("grpo,grpo")
+    with pytest.raises(ValueError, match="'clip' is not a KEY=VALUE override"):
+        suite.parse_methods("grpo+clip")
+    with pytest.raises(ValueError, match="write METHOD or LABEL=METHOD"):
+        suite.parse_methods("my label=grpo")
+    runs = suite.plan(suite.parse_methods("grpo,grpo+method.clip_high=0.28"), [0, 1])
+    assert [r.dir for r in runs] == ["grpo/seed0", "grpo/seed1", "grpo_method.clip_high=0.28/seed0",
+                                     "grpo_method.clip_high=0.28/seed1"]
+
+
+def test_each_run_folder_is_skipped_resumed_or_started_over(tmp_path):
+    assert suite.next_action(tmp_path / "never") == "fresh"
+    (tmp_path / "crashed").mkdir()
+    (tmp_path / "crashed" / "status.json").write_text(json.dumps({"state": "failed"}))
+    assert suite.next_action(tmp_path / "crashed") == "fresh"  # nothing to resume from
+    step = tmp_path / "stopped" / "checkpoints" / "step_000001"
+    (step / "policy").mkdir(parents=True)
+    (step / "policy" / "config.json").write_text("{}")
+    (tmp_path / "stopped" / "checkpoints" / "latest").write_text("step_000001\n")
+    (tmp_path / "stopped" / "status.json").write_text(json.dumps({"state": "stopped"}))
+    assert suite.next_action(tmp_path / "stopped") == "resume"
+    (tmp_path / "stopped" / "status.json").write_text(json.dumps({"state": "finished"}))
+    assert suite.next_action(tmp_path / "stopped") == "skip"
+    run = suite.SuiteRun("grpo", 3, "grpo/seed3", ["method.name=grpo"])
+    cmd = suite.train_command("tests", ["train.steps=2"], run, tmp_path / "r", "cuda:1", "resume")
+    assert cmd[1:] == ["-m", "caspo.cli", "train", "tests", "train.steps=2", "method.name=grpo", "train.seed=3",
+                       f"train.output_dir={tmp_path / 'r'}", "model.device=cuda:1", "--resume", "latest"]
+
+
+def test_a_rerun_keeps_its_settings_and_adds_runs(tmp_path):
+    first = suite.plan(suite.parse_methods("grpo"), [0])
+    suite.record_suite(tmp_path, "tests", ["train.steps=2"], first)
+    more = suite.record_suite(tmp_path, "tests", ["train.steps=2"], suite.plan(suite.parse_methods("ppo"), [0, 1]))
+    assert [r.dir for r in more] == ["grpo/seed0", "ppo/seed0", "ppo/seed1"]
+    with pytest.raises(ValueError, match="holds a suite of tests with overrides"):
+        suite.record_suite(tmp_path, "tests", ["train.steps=3"], first)
+    with pytest.raises(ValueError, match="give the variant another LABEL"):
+        suite.record_suite(tmp_path, "tests", ["train.steps=2"],
+                           [suite.SuiteRun("grpo", 0, "grpo/seed0", ["method.name=grpo", "optim.lr=1"])])
+    with pytest.raises(ConfigError, match="suite run nope seed 0: .*nope"):
+        suite.check_configs("tests", [], suite.plan(suite.parse_methods("nope"), [0]), tmp_path)
+
+
+@pytest.mark.slow
+def test_the_tests_preset_suite_resumes_the_unfinished_run_and_skips_finished_ones(tmp_path):
+    out = tmp_path / "suite"
+    shared = ["train.steps=2", "eval.before=false", "eval.after=false", "train.save_every=1"]
+    # one run stopped after its first step, as a killed suite would leave it
+    partial = [sys.executable, "-m", "caspo.cli", "train", "tests", *shared, "method.name=ppo", "train.seed=1",
+               f"train.output_dir={out / 'ppo' / 'seed1'}", "train.stop_after=1"]
+    assert subprocess.run(partial, capture_output=True, text=True).returncode == 0
+    cli = [sys.executable, "-m", "caspo.cli", "suite", "tests", *shared, "--methods", "grpo,ppo", "--seeds", "0,1",
+           "--out", str(out)]
+    done = subprocess.run(cli, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ran"] == ["grpo/seed0", "grpo/seed1", "ppo/seed0", "ppo/seed1"] and result["failed"] == []
+    resumed = json.loads((out / "ppo" / "seed1" / "run.json").read_text())["starts"]
+    assert [s["step"] for s in resumed] == [0, 1]  # started, then resumed at step 1
+    for run in result["ran"]:
+        assert json.loads((out / run / "status.json").read_text())["state"] == "finished"
+        assert [r["step"] for r in read_jsonl(out / run / "metrics.jsonl")] == [1, 2]
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert {k: len(v["runs"]) for k, v in summary["groups"].items()} == {"grpo": 2, "ppo": 2}
+    seed0 = read_jsonl(out / "grpo" / "seed0" / "metrics.jsonl")
+    seed1 = read_jsonl(out / "grpo" / "seed1" / "metrics.jsonl")
+    assert summary["groups"]["grpo"]["numbers"]["reward_mean (last 5)"]["mean"] == pytest.approx(
+        (sum(r["reward_mean"] for r in seed0) / 2 + sum(r["reward_mean"] for r in seed1) / 2) / 2)
+    again = subprocess.run(cli, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout)["skipped"] == result["ran"] and json.loads(again.stdout)["ran"] == []
+    assert len(json.loads((out / "ppo" / "seed1" / "run.json").read_text())["starts"]) == 2  # not run again
