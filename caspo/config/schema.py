@@ -133,7 +133,8 @@ class CaspoConfig:
     # the prefix value model folder (from `caspo value train`)
     value_model: str = ""
     transform: Literal["value", "prob", "logprob"] = "prob"
-    # online: one AdamW step of the value model per batch on BCE(σ(V(s_k)/β), R)
+    # online: one AdamW step of the value model per batch on BCE(σ(V(s_k)/β), R), with the critic's
+    # weight decay and gradient clip (method.critic_weight_decay, method.critic_grad_clip)
     online: bool = False
     online_value_lr: float = 1e-6
     # periodic refresh (caspo.value.refresh): every refresh_every steps (0 = never), checkpoint, label

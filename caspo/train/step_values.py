@@ -103,7 +103,9 @@ class PrefixValues(MethodState):
         self.model = load_value_model(cfg, tokenizer, source, label_policy, device)
         self.online: Optional[Learner] = None
         if cfg.method.caspo.online:  # φ with its optimizer, saved in <checkpoint>/value/
-            self.online = learner(self.model.policy, cfg, lr=cfg.method.caspo.online_value_lr, schedule="constant")
+            # a value learner like the critic: its weight decay and gradient clip, not the policy's
+            self.online = learner(self.model.policy, cfg, lr=cfg.method.caspo.online_value_lr, schedule="constant",
+                                  weight_decay=cfg.method.critic_weight_decay, grad_clip=cfg.method.critic_grad_clip)
             self.learners = {"value": self.online}
 
     @classmethod
@@ -149,9 +151,11 @@ class PrefixValues(MethodState):
             loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0)
             loss.backward()
             total += loss.detach().item()
+        params = [p for p in self.model.policy.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.online.grad_clip))
         self.online.optimizer.step()
         self.online.scheduler.step()
-        return {"value_bce": total, "value_boundaries": boundaries}
+        return {"value_bce": total, "value_boundaries": boundaries, "value_grad_norm": grad_norm}
 
     def install(self, source: ValueSource) -> None:
         """Replace the frozen value model by the one at `source` (a refreshed one), checking its provenance."""
