@@ -223,3 +223,12 @@ def test_refresh_sizes_are_ranged_only_when_refreshing():
     with pytest.raises(ConfigError, match=r"refresh_k must be >= 2 \(only prompts with mixed outcomes"):
         load_config("tests", ["method.caspo.refresh_every=2", "method.caspo.refresh_k=1"])
     assert load_config("tests", ["method.caspo.refresh_k=1"]).method.caspo.refresh_k == 1
+
+
+def test_invalid_yaml_is_a_config_error_naming_where(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  steps: [1\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: not valid YAML \(expected .* at line 3, column 1\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"override 'train.steps=\[1': not valid YAML .*; quote a value"):
+        load_config("tests", ["train.steps=[1"])

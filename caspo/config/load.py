@@ -43,7 +43,7 @@ def load_config(preset: str | Path | None = None, overrides: list[str] = ()) -> 
     raw: dict = {}
     if preset is not None:
         path = resolve_preset(preset)
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path.read_text(), str(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for item in overrides:
@@ -58,7 +58,18 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key.path=value")
     key, text = item.split("=", 1)
-    return key.strip(), yaml.safe_load(text) if text.strip() else ""
+    return key.strip(), read_yaml(text, f"override {item!r}") if text.strip() else ""
+
+
+def read_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"{where}: not valid YAML ({problem}{at}); quote a value that holds "
+                          "':', '[' or '{'") from None
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:

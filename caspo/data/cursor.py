@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from caspo.config import ConfigError
+
 
 class PromptCursor:
     """Yields item indices in a permutation reshuffled each epoch, seeded by seed + epoch.
@@ -51,8 +53,9 @@ class PromptCursor:
     def load_state_dict(self, state: dict) -> None:
         for key in ("num_items", "seed"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"cursor state has {key}={state[key]}, this cursor has {getattr(self, key)}: "
-                                 "resuming on a different dataset or seed would not continue the same stream")
+                raise ConfigError(f"the checkpoint's prompt stream has {key}={state[key]}, this run's has "
+                                  f"{getattr(self, key)}: a resumed run continues the same stream, so resume with the "
+                                  "run's own train.seed and data settings (its config.yaml)")
         if not 0 <= state["position"] < self.num_items or state["epoch"] < 0:
             raise ValueError(f"invalid cursor state {state}")
         self._epoch, self.position, self._perm = state["epoch"], state["position"], None
