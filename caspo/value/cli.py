@@ -11,6 +11,8 @@ caspo value probe value/ labels.jsonl
 caspo value check-mc arith-tiny --prompts 200
 
 caspo value check-spurious value/ arith-tiny
+
+caspo value smoke arith-tiny method.caspo.value_model=value/ [--threshold 0.7]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 import typer
 
@@ -39,6 +41,9 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
             j: Optional[int] = typer.Option(None, help="continuations per labelled prefix"),
             boundaries: Optional[int] = typer.Option(None, help="labelled step boundaries per rollout (S)"),
             splitter: Optional[str] = typer.Option(None, help="newline | latex (default: newline for arith)"),
+            pairing: Literal["all", "paper", "paper_multi"] = typer.Option(
+                "all", help="labelled rollouts of a mixed-outcome prompt: all of them, one right and one wrong "
+                            "(paper), or min(right, wrong) disjoint pairs (paper_multi)"),
             state_temperature: Optional[float] = typer.Option(
                 None, help="sample the base rollouts (the labelled states) at this temperature; continuations, "
                            "and so the labels, keep the preset's (default: the preset's)")):
@@ -49,7 +54,8 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     if recipe not in RECIPES:
         raise typer.BadParameter(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
     sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries, "state_temperature": state_temperature}
-    spec = dataclasses.replace(RECIPES[recipe], **{key: v for key, v in sizes.items() if v is not None})
+    spec = dataclasses.replace(RECIPES[recipe], pairing=pairing,
+                               **{key: v for key, v in sizes.items() if v is not None})
     header = run_collect(checked_config(preset, overrides), spec, out, parse_shard(shard), splitter)
     typer.echo(json.dumps({key: v for key, v in header.items() if key != "provenance"}, indent=2))
 
@@ -76,6 +82,10 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
           batch_size: int = typer.Option(16, help="rollouts per optimizer step"),
           micro_batch_size: int = typer.Option(16, help="rollouts per forward"),
           eval_every: int = typer.Option(0, help="optimizer steps between validations (0: once per epoch)"),
+          max_train_prefix_len: int = typer.Option(0, min=0, help="drop training prefixes longer than this many "
+                                                   "response tokens, counted (0: keep all)"),
+          save_every: int = typer.Option(0, min=0, help="also save the model every N epochs in "
+                                         "OUT/step_NNNNNN/ with that epoch's metrics (0: only the best)"),
           merge_duplicates: bool = typer.Option(False, help="one forward per distinct rollout, weighted by its "
                                                 "copies (same loss; batch-size then counts distinct rollouts)"),
           seed: int = typer.Option(0), device: str = typer.Option("cpu"),
@@ -89,7 +99,8 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
         torch.set_num_threads(threads)
     spec = TrainSpec(beta=beta, lr=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch_size,
                      val_split=val_split, val_fraction=val_fraction, eval_every=eval_every, seed=seed,
-                     merge_duplicates=merge_duplicates)
+                     merge_duplicates=merge_duplicates, max_train_prefix_len=max_train_prefix_len,
+                     save_every=save_every)
     typer.echo(json.dumps(train_value(labels, policy, out, spec, device), indent=2))
 
 
@@ -130,6 +141,23 @@ def compare(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
 
     cfg = checked_config(preset, ["method.name=caspo", *(overrides or [])])
     typer.echo(json.dumps(compare_step_advantages(cfg), indent=2))
+
+
+@value_app.command()
+def smoke(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
+          threshold: float = typer.Option(0.7, min=0.0, max=1.0, help="v_acc a value model needs to pass")):
+    """The smoke gate: V of each response of the first CASPO rollout batch against its outcome (exit 1 if v_acc
+    is below --threshold); read v_acc against the majority baseline and the AUC."""
+    from caspo.config import ConfigError
+    from caspo.value.smoke import smoke_gate
+
+    cfg = checked_config(preset, ["method.name=caspo", *(overrides or [])])
+    if cfg.method.name != "caspo":  # an override after the one above
+        raise ConfigError(f"the smoke gate rolls out as CASPO's first step: drop method.name={cfg.method.name}")
+    report = smoke_gate(cfg, threshold)
+    typer.echo(json.dumps(report, indent=2))
+    if not report["passed"]:
+        raise typer.Exit(1)
 
 
 @value_app.command("check-mc")
