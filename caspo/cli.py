@@ -1,4 +1,4 @@
-"""The `caspo` command line: train, sft, eval, config, verify-resume, value, report, suite."""
+"""The `caspo` command line: train, sft, convert, eval, config, verify-resume, value, report, suite."""
 
 from __future__ import annotations
 
@@ -98,6 +98,24 @@ def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
 
     cfg = checked_config(preset, overrides, policy=False, data=False)  # a policy from scratch, arith
     typer.echo(json.dumps(run_sft(cfg, output, init=init), indent=2))
+
+
+@app.command()
+def convert(src: str = typer.Argument(..., help="an upstream Ouro or Nanbeige4.2 folder (config.json, safetensors, "
+                                                 "tokenizer)"),
+            dst: str = typer.Argument(..., help="the folder to write (must not exist)"),
+            ignore_key: Optional[List[str]] = typer.Option(None, "--ignore-key", help="an upstream config key the "
+                                                           "conversion does not know, checked to be without effect")):
+    """Write an upstream looped checkpoint as a caspo-looped HF folder (model, tokenizer, source record)."""
+    from caspo.models.looped_upstream import convert_upstream
+
+    try:
+        model = convert_upstream(src, dst, ignore_keys=ignore_key or [])
+    except ValueError as err:  # not an upstream folder, a setting the looped model does not implement
+        raise ConfigError(str(err)) from None
+    c = model.config
+    typer.echo(json.dumps({"dst": dst, "layout": c.layout, "depth": c.depth, "layers": c.num_hidden_layers,
+                           "parameters": sum(p.numel() for p in model.parameters())}, indent=2))
 
 
 @app.command("eval")

@@ -9,7 +9,12 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from caspo.models.looped import LoopedForCausalLM
-from caspo.models.looped_upstream import from_upstream_config, load_upstream, map_upstream_state_dict
+from caspo.models.looped_upstream import (
+    from_upstream_config,
+    is_upstream_looped,
+    load_upstream,
+    map_upstream_state_dict,
+)
 
 V, HIDDEN, FFN, LAYERS, HEADS, HEAD_DIM, THETA, EPS = 53, 32, 40, 2, 4, 8, 1000.0, 1e-6
 
@@ -144,29 +149,65 @@ def test_nanbeige_fixture_loads(tmp_path):
         torch.testing.assert_close(model(ids).logits, source(ids).logits, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("bad", [
-    {"early_exit_threshold": 0.9},
-    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-    {"use_sliding_window": True, "sliding_window": 16},
+@pytest.mark.parametrize("bad, named", [
+    ({"early_exit_threshold": 0.9}, "early_exit_threshold"),
+    ({"early_exit_step": 2}, "early_exit_step"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "default", "factor": 4.0}}, "factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": THETA, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"attention_dropout": 0.1}, "attention_dropout"),
+    ({"hidden_act": "swishy"}, "hidden_act"),
+    ({"is_encoder_decoder": True}, "is_encoder_decoder"),
+    ({"pruned_heads": {"0": [1]}}, "pruned_heads"),
 ])
-def test_unsupported_ouro_settings_raise(bad):
-    with pytest.raises(ValueError):
+def test_unsupported_ouro_settings_raise_naming_them(bad, named):
+    with pytest.raises(ValueError, match=named):
         from_upstream_config(ouro_config(**bad))
 
 
-@pytest.mark.parametrize("bad", [
-    {"skip_loop_final_norm": True}, {"loop_share_kv": True}, {"loop_loss_weights": [0.5, 1]},
+@pytest.mark.parametrize("bad, named", [
+    ({"skip_loop_final_norm": True}, "skip_loop_final_norm"), ({"loop_share_kv": True}, "loop_share_kv"),
+    ({"loop_loss_weights": [0.5, 1]}, "loop_loss_weights"), ({"emb_neighbor_num": 2}, "emb_neighbor_num"),
+    ({"insert_ngram_layer_idx": [3]}, "insert_ngram_layer_idx"), ({"qk_layernorm": True}, "qk_layernorm"),
+    ({"sliding_window": 4096}, "sliding_window"), ({"pretraining_tp": 2}, "pretraining_tp"),
+    ({"head_dim": 16, "kv_channels": 8}, "kv_channels"),
 ])
-def test_unsupported_nanbeige_settings_raise(bad):
-    with pytest.raises(ValueError):
+def test_unsupported_nanbeige_settings_raise_naming_them(bad, named):
+    with pytest.raises(ValueError, match=named):
         from_upstream_config(nanbeige_config(**bad))
 
 
-def test_layout_must_be_recognisable_and_unknown_keys_warn():
+def test_off_options_and_inert_keys_pass():
+    """Features switched off, Ouro's inert sliding-window fields and HF's generic fields load."""
+    off = {"qk_layernorm": False, "emb_neighbor_num": 0, "insert_ngram_layer_idx": [], "enable_mhc": False,
+           "max_length": 4096, "torchscript": False}
+    assert from_upstream_config(nanbeige_config(**off)).depth == 2
+    cfg = from_upstream_config(ouro_config(sliding_window=4096, max_window_layers=28, use_cache=False,
+                                           early_exit_step=None, chunk_size_feed_forward=0))
+    assert (cfg.depth, cfg.rope_theta, cfg.head_dim) == (3, THETA, HEAD_DIM)
+    # Nanbeige's kv_channels names head_dim; v5 configs carry rope_theta inside rope_parameters
+    cfg = from_upstream_config({**nanbeige_config(), "head_dim": None, "kv_channels": 16, "rope_theta": None,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 7e7}})
+    assert (cfg.head_dim, cfg.rope_theta) == (16, 7e7)
+
+
+def test_layout_must_be_recognisable_and_unknown_keys_raise():
     with pytest.raises(ValueError, match="layout"):
         from_upstream_config({k: v for k, v in nanbeige_config().items() if k != "num_loops"})
-    with pytest.warns(UserWarning, match="some_new_flag"):
+    with pytest.raises(ValueError, match=r"\['some_new_flag'\].*--ignore-key some_new_flag"):
         from_upstream_config(ouro_config(some_new_flag=True))
+    assert from_upstream_config(ouro_config(some_new_flag=True), ignore_keys=["some_new_flag"]).depth == 3
+
+
+def test_upstream_configs_are_told_from_plain_and_caspo_ones():
+    assert is_upstream_looped(ouro_config()) and is_upstream_looped(nanbeige_config())
+    assert is_upstream_looped({"model_type": "llama", "num_loops": 2})  # would run its layers once as Llama
+    assert is_upstream_looped({"model_type": "nanbeige"})  # and then fails on the layout, naming it
+    assert not is_upstream_looped({"model_type": "qwen2", "num_hidden_layers": 2})
+    assert not is_upstream_looped({"model_type": "caspo_looped", "depth": 4})
 
 
 def test_state_dict_mapping_checks_names_and_shapes():

@@ -23,6 +23,9 @@ LossAgg = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 class ModelConfig:
     # Policy checkpoint: an HF folder, a hub id, or "embedded:<name>" for one that ships with caspo.
     policy: str = "embedded:tiny-arith"
+    # The hub commit the policy's files must come from (null = not pinned): a hub id loads that commit's
+    # snapshot, a folder must record it (hf download --revision, caspo convert); caspo.models.hub.
+    revision: Optional[str] = None
     # Where training runs: "cpu", "cuda", "cuda:1", ... ("auto" = cuda when available).
     device: str = "cpu"
     # CPU threads for torch (0 = leave torch's default).

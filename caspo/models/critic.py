@@ -11,16 +11,21 @@ import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from caspo.batch import RolloutBatch
+from caspo.models.looped import LoopedForValue
+from caspo.models.looped_upstream import load_upstream, upstream_config
 from caspo.models.policy import resolve_model_path
 
 
 def load_critic(spec: str, device: str | torch.device = "cpu", init_head: bool = True) -> torch.nn.Module:
     """A critic from a policy checkpoint (new zero head) or from a saved critic (init_head=False)."""
     path = resolve_model_path(spec)
-    config = AutoConfig.from_pretrained(path, num_labels=1)
-    config.classifier_dropout = 0.0
-    config.hidden_dropout = 0.0
-    critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    if upstream_config(path) is not None:  # an upstream Ouro / Nanbeige4.2 folder, converted on load
+        critic = load_upstream(path, cls=LoopedForValue)
+    else:
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0
+        config.hidden_dropout = 0.0
+        critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
     if init_head:
         with torch.no_grad():
             critic.score.weight.zero_()

@@ -3,7 +3,9 @@
 A model spec is a checkpoint folder, a hub id, or "embedded:<name>" for a policy that
 ships inside the package (`caspo/assets/<name>`), so the default job needs nothing
 downloaded or trained first. A hub id that is neither cached nor reachable is an error
-naming the download command (docs/models.md).
+naming the download command (docs/models.md). `model.revision` pins a hub id to a commit's
+snapshot and checks a folder's recorded commit (`caspo.models.hub`). An upstream Ouro or
+Nanbeige4.2 folder is converted to the looped model on load (`caspo.models.looped_upstream`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,24 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 import caspo.models.looped  # noqa: F401  registers the looped LM with the Auto classes
 from caspo.config import ConfigError
-from caspo.models.hub import hub_errors
+from caspo.models.hub import check_revision, hub_errors, hub_snapshot, looks_like_folder
+from caspo.models.looped_upstream import load_upstream, upstream_config
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED = "embedded:"
 
 
-def resolve_model_path(spec: str) -> str:
+def resolve_model_path(spec: str, revision: str | None = None) -> str:
+    """The folder or hub id to load `spec` from. With `revision`: a hub id becomes the local snapshot of that
+    commit, and a folder must record it (`caspo.models.hub.check_revision`)."""
+    if revision and spec.startswith(EMBEDDED):
+        raise ConfigError(f"model.revision={revision} pins a hub commit, and {spec} ships with caspo; "
+                          "set model.revision=null")
+    if revision:
+        if looks_like_folder(spec):
+            check_revision(spec, revision)
+            return spec
+        return hub_snapshot(spec, revision)
     if spec.startswith(EMBEDDED):
         name = spec[len(EMBEDDED):]
         path = ASSETS / name
@@ -37,7 +50,12 @@ def resolve_model_path(spec: str) -> str:
 
 
 def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32):
+    """A causal LM from `spec`; an upstream Ouro / Nanbeige4.2 folder is converted to the looped model."""
     path = resolve_model_path(spec)
+    if upstream_config(path) is not None:
+        if isinstance(dtype, str):  # as from_pretrained: "auto" keeps the checkpoint's dtypes
+            dtype = None if dtype == "auto" else getattr(torch, dtype)
+        return load_upstream(path, dtype=dtype).to(device)
     with hub_errors(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device)

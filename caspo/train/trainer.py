@@ -79,7 +79,7 @@ def build_trainer(cfg: Config) -> Trainer:
         set_deterministic()
     seed_everything(cfg.train.seed)
     device = resolve_device(cfg.model.device)
-    path = resolve_model_path(cfg.model.policy)
+    path = resolve_model_path(cfg.model.policy, cfg.model.revision)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, device).eval()
     if cfg.train.activation_checkpointing:

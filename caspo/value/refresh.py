@@ -150,7 +150,8 @@ def artifacts(tr: Trainer, step: int, policy: str, folder: Path, want: dict) -> 
     timer = PhaseTimer()
     if reused == "none":
         with timer("collect"):
-            collect(replace(tr.cfg, model=replace(tr.cfg.model, policy=policy)), collect_spec(tr.cfg), labels,
+            at_checkpoint = replace(tr.cfg.model, policy=policy, revision=None)  # the pin is the base policy's
+            collect(replace(tr.cfg, model=at_checkpoint), collect_spec(tr.cfg), labels,
                     splitter=want["splitter"], seed_step=want["seed_step"])
     header = read_label_file(labels).header
     shutil.rmtree(value, ignore_errors=True)  # a value training cut short leaves a partial folder

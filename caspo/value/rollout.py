@@ -35,7 +35,7 @@ class RolloutSetup:
 def rollout_setup(cfg: Config) -> RolloutSetup:
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
-    path = resolve_model_path(cfg.model.policy)
+    path = resolve_model_path(cfg.model.policy, cfg.model.revision)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, resolve_device(cfg.model.device)).eval()
     engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg))
