@@ -135,3 +135,10 @@ def test_eval_flags_are_checked_like_overrides(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert seen == {"samples": 3, "top_p": 0.5, "benchmarks": ["math500", "gsm8k"]}
     assert json.loads(result.stdout)["results"] == {}
+
+
+def test_resuming_with_another_seed_is_a_user_error(tmp_path):
+    run = [f"train.output_dir={tmp_path / 'run'}", *QUICK]
+    assert invoke("train", "tests", *run).exit_code == 0
+    result = invoke("train", "tests", *run, "train.steps=2", "train.seed=5", "--resume", "latest")
+    assert_user_error(result, "train", "the checkpoint's prompt stream has seed=0, this run's has 5")
