@@ -51,6 +51,20 @@ def test_each_run_folder_is_skipped_resumed_or_started_over(tmp_path):
                        f"train.output_dir={tmp_path / 'r'}", "model.device=cuda:1", "--resume", "latest"]
 
 
+def test_evaluation_on_finish_asks_for_what_eval_lacks(tmp_path):
+    for name in ("step_000001", "step_000002"):
+        (tmp_path / "checkpoints" / name / "policy").mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "policy" / "config.json").write_text("{}")
+    (tmp_path / "eval").mkdir()
+    for name in ("base", "step_000001"):
+        (tmp_path / "eval" / f"{name}.json").write_text("{}")
+    cmd = suite.eval_command(tmp_path, "arith,math500", "cuda:0")
+    assert cmd[1:] == ["-m", "caspo.cli", "eval", str(tmp_path), "model.device=cuda:0", "--benchmarks", "arith,math500",
+                       "--checkpoints", "step_000002", "--out", str(tmp_path / "eval")]
+    (tmp_path / "eval" / "step_000002.json").write_text("{}")
+    assert suite.eval_command(tmp_path, "arith", None) is None
+
+
 def test_a_rerun_keeps_its_settings_and_adds_runs(tmp_path):
     first = suite.plan(suite.parse_methods("grpo"), [0])
     suite.record_suite(tmp_path, "tests", ["train.steps=2"], first)

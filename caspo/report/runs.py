@@ -7,7 +7,8 @@
 Series over a run's steps, for curves against steps, samples, generated tokens and wall-clock:
     samples   step × responses per step
     tokens    Σ policy_tokens of the steps so far (older runs: response_len_mean × responses per step)
-    wall_s    Σ over all records so far of t_step + t_ckpt + t_eval + t_bench + t_refresh
+    wall_s    Σ over the records before of t_step + t_ckpt + t_eval + t_bench + t_refresh, + the record's
+              own t_step and t_refresh (an evaluation is placed at the time it started)
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Run:
         """(position, value) of every record holding `key`; position maps X_AXES to the record's x."""
         out, tokens, wall, tokens_seen = [], 0.0, 0.0, False
         for r in self.records:
+            at = wall + r.get("t_step", 0.0) + r.get("t_refresh", 0.0)  # not counting its own evaluation
             wall += sum(r.get(k, 0.0) for k in WALL)
             if "reward_mean" in r:
                 if "policy_tokens" in r:
@@ -86,7 +88,7 @@ class Run:
                     tokens += r["response_len_mean"] * self.responses_per_step
             if key in r and isinstance(r[key], (int, float)):
                 pos = {"step": r["step"], "samples": r["step"] * self.responses_per_step, "tokens": tokens,
-                       "wall_s": wall}
+                       "wall_s": at}
                 out.append((pos, float(r[key])))
         return out
 
