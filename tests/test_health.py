@@ -109,7 +109,8 @@ def test_a_planted_zero_reward_run_stops_with_a_checkpoint(tmp_path, monkeypatch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = load_config("tests", [f"train.output_dir={tmp_path}", "train.steps=4", "eval.before=false",
-                                "eval.after=false", "train.health.no_reward_steps=2",
+                                "eval.after=false", "train.health.no_reward_steps=2", "rollout.prompts_per_step=2",
+                                "rollout.max_new_tokens=16", "train.log_samples=3",
                                 "train.loggers=[jsonl,tensorboard]"])
     monkeypatch.setattr(loop, "reward", lambda tr, batch: torch.zeros(batch.size, device=tr.device))
     with pytest.raises(loop.RunStopped, match="(?s)stopped itself after step 2.*train.health.no_reward: reward 0"):
