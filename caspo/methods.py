@@ -106,8 +106,9 @@ def resolve_method(cfg: Config) -> Method:
             f"method {m.name} compares samples within a prompt group: rollout.samples_per_prompt must be >= 2, "
             f"got {r.samples_per_prompt}"
         )
-    if method.state is PrefixValues and not m.caspo.value_model:
-        raise ConfigError(f"method {m.name} needs method.caspo.value_model=PATH (a folder from `caspo value train`)")
+    if method.state is PrefixValues and not m.caspo.value_model and not m.caspo.refresh_every:
+        raise ConfigError(f"method {m.name} needs method.caspo.value_model=PATH (a folder from `caspo value train`), "
+                          "or method.caspo.refresh_every=N to train the first one before step 1")
     if m.caspo.refresh_every and method.state is not PrefixValues:
         raise ConfigError(f"method.caspo.refresh_every refreshes CASPO's prefix value model; it needs "
                           f"method.name=caspo, got {m.name}")

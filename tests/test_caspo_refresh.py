@@ -252,3 +252,37 @@ def test_a_resumed_pipeline_redoes_or_reuses_the_refresh_of_its_checkpoint(tmp_p
         assert digest(load_file(folder / "value" / "model.safetensors")) == \
             digest(load_file(original / "refresh" / "step_000002" / "value" / "model.safetensors"))
         assert digest(load_file(run_dir / "checkpoints" / "step_000003" / "policy" / "model.safetensors")) == final
+
+
+# ---------------------------------------------------------------- phase 0
+
+
+def test_without_a_value_model_phase_0_trains_the_first_one_from_the_base_policy(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = load_config("tests", [f"train.output_dir={run_dir}", "train.steps=2", "eval.before=false",
+                                "eval.after=false", "reward.workers=0", "model.threads=1", "method.name=caspo",
+                                "method.caspo.refresh_every=5", *SMALL, "method.caspo.refresh_val_fraction=0.5"])
+    resolve_method(cfg)  # accepted: refresh_every makes the value model
+    with pytest.raises(ConfigError, match="refresh_every=N to train the first one"):
+        resolve_method(dataclasses.replace(cfg, method=dataclasses.replace(
+            cfg.method, caspo=dataclasses.replace(cfg.method.caspo, refresh_every=0))))
+    refresh.train(cfg)
+    folder = run_dir.resolve() / "refresh" / "step_000000"
+    labels = read_jsonl(folder / "labels.jsonl")
+    assert labels[0]["header"]["rows"] == len(labels) - 1 > 0
+    from caspo.models.policy import resolve_model_path
+    from caspo.models.tokenizer import load_tokenizer
+
+    base = load_policy(cfg.model.policy)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
+    model = load_prefix_value(folder / "value", label_provenance(cfg, tokenizer, base))
+    assert model.provenance.label_policy == model_identity(base)  # labelled by the base policy
+    assert digest(dict(model.policy.named_parameters())) != digest(dict(model.reference.named_parameters()))
+    state = ckpt.load_trainer_state(run_dir / "checkpoints" / "step_000002")
+    assert state["value_source"]["path"] == str(folder / "value")  # both steps used it (no refresh due)
+    assert "value_model: " + str(folder / "value") in (run_dir / "config.yaml").read_text()
+    # resumed, the run reuses phase 0 instead of labelling again
+    stamp = (folder / "refresh.json").stat().st_mtime_ns
+    refresh.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=3)), resume="latest")
+    assert (folder / "refresh.json").stat().st_mtime_ns == stamp
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r] == [1, 2, 3]

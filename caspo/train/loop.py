@@ -212,6 +212,9 @@ def evaluate_benchmarks(tr: Trainer, suites: list, checkpoint: str, policy: str,
 class BetweenSegments(Protocol):
     """What runs between two segments of a run: CASPO's refresh (`caspo.value.refresh.Refresh`)."""
 
+    def before_first(self, cfg: Config) -> Config:
+        """The config the run starts with, once its folder is ready (CASPO's phase 0: a first value model)."""
+
     def due(self, step: int) -> bool: ...
 
     def record_at(self, step: int) -> Callable[[dict], bool]: ...
@@ -220,6 +223,9 @@ class BetweenSegments(Protocol):
 
 
 class NoRefresh:
+    def before_first(self, cfg: Config) -> Config:
+        return cfg
+
     def due(self, step: int) -> bool:
         return False
 
@@ -261,6 +267,7 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     check_health_config(cfg.train.health)
     refresh = refresh or NoRefresh()
     checkpoint = prepare_run_dir(cfg, resume, overwrite)  # the newest checkpoint: a refresh resumes from it
+    cfg = refresh.before_first(cfg)
     device = resolve_device(cfg.model.device)
     cuda_index = (device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else None

@@ -11,6 +11,10 @@ decision 8). After RL step n = N, 2N, … (never after the last step):
     resume   restore the checkpoint (weights, optimizer, scheduler, step, cursor, RNG, version;
              the KL reference stays the original base), then load the new value model
 
+Phase 0: a refreshed run given no value model (method.caspo.value_model empty) labels the
+base policy and trains the first one before step 1, in <run>/refresh/step_000000/, with the
+same collection and training and β = the phase-1 default (10).
+
 Every checkpoint records its value model's source, so a run resumed after a refresh
 continues with the refreshed model. `refresh/step_n/refresh.json` is written last: a run
 resumed at a refresh step reuses finished artifacts (or only the labels, if the value
@@ -48,6 +52,12 @@ class Refresh:
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
+    def before_first(self, cfg: Config) -> Config:
+        if cfg.method.caspo.value_model:
+            return cfg
+        self.cfg = first_value_model(cfg)
+        return self.cfg
+
     def due(self, step: int) -> bool:
         return due(self.cfg, step)
 
@@ -59,9 +69,30 @@ class Refresh:
 
 
 def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> dict:
-    """A training run, with CASPO's refreshes when method.caspo.refresh_every asks for them."""
+    """A training run, with CASPO's refreshes when method.caspo.refresh_every asks for them (and the
+    first value model made first, when none is given)."""
     return loop.train(cfg, resume, refresh=Refresh(cfg) if cfg.method.caspo.refresh_every else None,
                       overwrite=overwrite)
+
+
+def first_value_model(cfg: Config) -> Config:
+    """Phase 0: label the base policy and train the run's first value model (or reuse a finished one);
+    returns the config with method.caspo.value_model pointing at it."""
+    from caspo.models.policy import resolve_device, resolve_model_path
+    from caspo.models.prefix_value import DEFAULT_BETA
+    from caspo.models.tokenizer import load_tokenizer
+
+    policy = resolve_model_path(cfg.model.policy, cfg.model.revision)
+    folder = refresh_dir(cfg.train.output_dir, 0)
+    provenance = label_provenance(cfg, load_tokenizer(policy), load_policy(policy)).to_dict()
+    want = conditions(cfg, DEFAULT_BETA, 0, provenance)
+    summary, reused = artifacts(cfg, DEFAULT_BETA, str(resolve_device(cfg.model.device)), 0, policy, folder, want,
+                                at_checkpoint=cfg.model)
+    console.print(f"phase 0: {summary['label_rows']} labelled prefixes of the base policy, value model "
+                  f"val ρ {summary['val_spearman']:.3f} -> {folder / 'value'}"
+                  + (f" (reused: {reused})" if reused != "none" else ""))
+    caspo = replace(cfg.method.caspo, value_model=str(folder / "value"))
+    return replace(cfg, method=replace(cfg.method, caspo=caspo))
 
 
 def due(cfg: Config, step: int) -> bool:
@@ -125,7 +156,7 @@ def refresh(tr: Trainer, checkpoint: Path) -> dict:
     with timer("t_refresh"):
         provenance = label_provenance(tr.cfg, tr.tokenizer, load_policy(policy)).to_dict()
         want = conditions(tr.cfg, tr.method_state.model.beta, step, provenance)
-        summary, reused = artifacts(tr, step, policy, folder, want)
+        summary, reused = artifacts(tr.cfg, tr.method_state.model.beta, str(tr.device), step, policy, folder, want)
         restore(tr, checkpoint)  # optimizer, scheduler, step, cursor, RNG and weights as saved
         tr.method_state.install(ValueSource(str(folder / "value"), policy))
     console.print(f"refresh after step {step}: {summary['label_rows']} labelled prefixes, value model "
@@ -136,8 +167,12 @@ def refresh(tr: Trainer, checkpoint: Path) -> dict:
             "refresh_value_model": str(folder / "value"), **timer.reset()}
 
 
-def artifacts(tr: Trainer, step: int, policy: str, folder: Path, want: dict) -> tuple[dict, str]:
-    """The refresh's summary and what was reused: "all" (finished artifacts), "labels", or "none"."""
+def artifacts(cfg: Config, beta: float, device: str, step: int, policy: str, folder: Path, want: dict,
+              at_checkpoint=None) -> tuple[dict, str]:
+    """The refresh's summary and what was reused: "all" (finished artifacts), "labels", or "none".
+
+    The labels are collected from `policy` (the checkpoint's export; `at_checkpoint`, the model section
+    to collect with, defaults to the run's with that policy and no hub pin)."""
     marker = folder / MARKER
     if marker.is_file():
         summary = json.loads(marker.read_text())
@@ -150,14 +185,15 @@ def artifacts(tr: Trainer, step: int, policy: str, folder: Path, want: dict) -> 
     timer = PhaseTimer()
     if reused == "none":
         with timer("collect"):
-            at_checkpoint = replace(tr.cfg.model, policy=policy, revision=None)  # the pin is the base policy's
-            collect(replace(tr.cfg, model=at_checkpoint), collect_spec(tr.cfg), labels,
+            if at_checkpoint is None:
+                at_checkpoint = replace(cfg.model, policy=policy, revision=None)  # the pin is the base policy's
+            collect(replace(cfg, model=at_checkpoint), collect_spec(cfg), labels,
                     splitter=want["splitter"], seed_step=want["seed_step"])
     header = read_label_file(labels).header
     shutil.rmtree(value, ignore_errors=True)  # a value training cut short leaves a partial folder
     with timer("train"):
         try:
-            trained = train_value(labels, policy, value, train_spec(tr.cfg, tr.method_state.model.beta), str(tr.device))
+            trained = train_value(labels, policy, value, train_spec(cfg, beta), device)
         except (ValueError, RuntimeError) as err:
             raise RuntimeError(
                 f"refresh after step {step}: no value model could be trained on {labels}: {err}\n"
