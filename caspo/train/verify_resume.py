@@ -60,10 +60,12 @@ def run_cli(args: list[str]) -> None:
 
 
 def traces(run_dir: Path) -> dict[str, str]:
-    """Per-run hashes of what the steps produced: tokens, rewards, and metrics without timers."""
+    """Per-run hashes of what the steps produced: tokens, rewards, and metrics without timers and memory
+    figures (which a process that resumed measures differently)."""
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [{k: v for k, v in m.items() if not k.startswith("t_")} for m in metrics if "reward_mean" in m]
+    steps = [{k: v for k, v in m.items() if not k.startswith(("t_", "mem_"))} for m in metrics
+             if "reward_mean" in m]
     return {
         "sampled tokens": digest([s["tokens_digest"] for s in samples]),
         "sample texts": digest([s["text"] for s in samples]),
