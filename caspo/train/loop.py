@@ -135,11 +135,14 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
 
 def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
     if tr.cfg.reward.synthetic:
-        batch.stats["reward_timeouts"] = 0
+        batch.stats["reward"] = {}
         return ((batch.responses * batch.response_mask.long()).sum(-1) % 2 == 0).float()
     result = tr.pool.score(batch.texts, batch.labels, batch.finished.tolist())
     rewards = torch.tensor(result.rewards, dtype=torch.float32, device=tr.device)
-    batch.stats["reward_timeouts"] = result.timeouts
+    # the pool's counters; the slowest call and the largest worker are measurements (t_, mem_ keys)
+    batch.stats["reward"] = {"reward_timeouts": result.timeouts, "reward_crashes": result.crashes,
+                             "reward_over_budget": result.over_budget, "reward_recycled": result.recycled,
+                             "t_reward_max_call": result.max_call_s, "mem_reward_worker_peak_mb": result.max_rss_mb}
     if tr.cfg.reward.shuffle_within_batch:  # the control: same rewards, no longer tied to the samples
         g = torch.Generator().manual_seed(control_seed(tr.cfg, tr.step))
         batch.true_rewards = rewards
@@ -153,7 +156,8 @@ def batch_stats(batch: RolloutBatch) -> dict:
         "reward_mean": float(batch.rewards.mean()),
         "response_len_mean": float(lengths.mean()),
         "truncated_frac": float((~batch.finished).float().mean()),
-        "reward_timeouts": batch.stats.get("reward_timeouts", 0),
+        "reward_timeouts": 0, "reward_crashes": 0, "reward_over_budget": 0, "reward_recycled": 0,
+        **batch.stats.get("reward", {}),
         "behaviour_vs_old_logp_absdiff": float(
             algo.masked_mean((batch.behaviour_logprobs - batch.old_logprobs).abs(), batch.response_mask)),
     }

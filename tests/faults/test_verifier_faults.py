@@ -42,7 +42,8 @@ def test_a_hung_and_a_crashed_reward_worker_cost_one_call_each_and_the_run_goes_
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]  # every step ran
-    assert [r["reward_timeouts"] for r in rows] == [1, 0]  # the hang, counted in its step's row
+    assert [(r["reward_timeouts"], r["reward_crashes"]) for r in rows] == [(1, 1), (0, 0)]  # counted in its step's row
+    assert rows[0]["t_reward_max_call"] > cfg.reward.timeout_s and rows[0]["mem_reward_worker_peak_mb"] > 10
     (before, batch, result, after), *rest = batches
     assert (result.timeouts, result.crashes) == (1, 1) and all(b[2].timeouts == b[2].crashes == 0 for b in rest)
     # one worker: calls 0 and 1 on the first worker (1 hangs), 2 and 3 on its replacement (3 crashes), then a third
