@@ -109,7 +109,8 @@ def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 4, he
 def enable_recompute(model: torch.nn.Module) -> None:
     """Checkpoint every block (every block of every loop, for a looped model), non-reentrant."""
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(model).__name__} does not support train.activation_checkpointing=true")
+        raise ConfigError(f"{type(model).__name__} does not support train.activation_checkpointing=true; "
+                          "set it to false")
     enable = getattr(model, "activation_checkpointing_enable", None)  # the newer transformers name
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
