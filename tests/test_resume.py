@@ -133,3 +133,14 @@ def test_the_rng_state_loads_with_weights_only(one_step_checkpoint):
     _, folder = one_step_checkpoint
     state = ckpt.load_trainer_state(folder)
     assert state["rng"]["numpy"][0] == "MT19937" and state["rng"]["numpy"][1].dtype.name == "uint32"
+
+
+def test_resuming_with_another_method_is_a_config_error(one_step_checkpoint):
+    import dataclasses
+
+    from caspo.config import ConfigError
+
+    cfg, folder = one_step_checkpoint
+    other = dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, name="ppo_critic"))
+    with pytest.raises(ConfigError, match="holds a grpo run .*not ppo_critic; resume with the run's own config"):
+        loop.restore(loop.build_trainer(other), folder)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from caspo.config import Config, to_dict, to_yaml
+from caspo.config import Config, ConfigError, to_dict, to_yaml
 from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
 from caspo.methods import Method, resolve_method
@@ -164,6 +164,11 @@ def restore(tr: Trainer, checkpoint: Path) -> None:
 
     ckpt.verify_checkpoint(checkpoint)
     state = ckpt.load_trainer_state(checkpoint)
+    method = state["config"]["method"]["name"]
+    if method != tr.cfg.method.name or set(state["optimizers"]) != set(learners(tr)):
+        raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(sorted(state['optimizers']))}), "
+                          f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
+                          "new run")
     tr.method_state.load_state_dict(tr, state)
     for name, lr in learners(tr).items():
         if "master_weights" in state:
