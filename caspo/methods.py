@@ -109,6 +109,12 @@ def resolve_method(cfg: Config) -> Method:
     if method.state is PrefixValues and not m.caspo.value_model and not m.caspo.refresh_every:
         raise ConfigError(f"method {m.name} needs method.caspo.value_model=PATH (a folder from `caspo value train`), "
                           "or method.caspo.refresh_every=N to train the first one before step 1")
+    balanced = [k for k in ("use_adb", "use_dlw") if getattr(m.caspo, k)]
+    if balanced and not (method.state is PrefixValues and m.caspo.online and r.samples_per_prompt >= 2):
+        raise ConfigError(f"method.caspo.{'/'.join(balanced)} balance CASPO's online value update over prompt "
+                          "groups: they need method.name=caspo, method.caspo.online=true and "
+                          f"rollout.samples_per_prompt >= 2 (got {m.name}, online={str(m.caspo.online).lower()}, "
+                          f"{r.samples_per_prompt}); or leave them false")
     if m.caspo.refresh_every and method.state is not PrefixValues:
         raise ConfigError(f"method.caspo.refresh_every refreshes CASPO's prefix value model; it needs "
                           f"method.name=caspo, got {m.name}")

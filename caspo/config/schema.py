@@ -140,6 +140,11 @@ class CaspoConfig:
     # weight decay and gradient clip (method.critic_weight_decay, method.critic_grad_clip)
     online: bool = False
     online_value_lr: float = 1e-6
+    # IPVRM's balancing of the online update (arXiv 2604.13197 Eq. 15, caspo.algo.ipvrm), over each prompt's
+    # group of samples: use_adb adds logit(μ(x)), the prompt's mean reward, to the BCE's logits; use_dlw
+    # weighs a correct sample 1 − μ(x), a wrong one μ(x). The seed's online config sets both true.
+    use_adb: bool = False
+    use_dlw: bool = False
     # periodic refresh (caspo.value.refresh): every refresh_every steps (0 = never), checkpoint, label
     # prefixes of the current policy by Monte Carlo, train a fresh value model on them, resume with it.
     # The sizes are small enough for the `tests` preset; a real run wants phase 1's (`caspo value collect`).

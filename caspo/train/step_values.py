@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from caspo import algo
+from caspo.algo import ipvrm
 from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.models.policy import load_policy
@@ -139,15 +140,19 @@ class PrefixValues(MethodState):
 
     def online_step(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0) -> dict:
         """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
-        step boundaries k >= 1 (V(s_0) = 0 whatever φ is)."""
-        beta = self.model.beta
+        step boundaries k >= 1 (V(s_0) = 0 whatever φ is); with method.caspo.use_adb / use_dlw, IPVRM's
+        prompt-difficulty shift of the logits and outcome weights (caspo.algo.ipvrm)."""
+        c, beta = self.cfg.method.caspo, self.model.beta
         boundaries = float((batch.step_ids.max(-1).values.clamp(min=0)).sum())  # steps after the first, per row
+        rewards = batch.rewards.float()
+        ones = torch.ones_like(rewards)
+        shift = ipvrm.difficulty_boundary(rewards, batch.group_ids) if c.use_adb else torch.zeros_like(rewards)
+        weight = ipvrm.outcome_weights(rewards, batch.group_ids) if c.use_dlw else ones
         self.online.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
             v, m = step_values(self.model.cumulative(micro), micro.step_ids)
-            target = micro.rewards.float()[:, None].expand_as(v)
-            bce = torch.nn.functional.binary_cross_entropy_with_logits(v / beta, target, reduction="none")
+            bce = ipvrm.balanced_value_bce(v / beta, micro.rewards.float(), shift[idx], weight[idx])
             loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0)
             loss.backward()
             total += loss.detach().item()
