@@ -79,14 +79,31 @@ def config(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
 
 
 @app.command()
-def train(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
+def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
           resume: Optional[str] = typer.Option(None, help="checkpoint folder, run folder, or 'latest'"),
-          overwrite: bool = typer.Option(False, help="start over in a train.output_dir that holds a run")):
+          overwrite: bool = typer.Option(False, help="start over in a train.output_dir that holds a run"),
+          nproc: int = typer.Option(1, "--nproc", min=1, help="processes on this host, one per device (torchrun "
+                                                                "underneath; docs/distributed.md)")):
     """Train a policy with the configured method."""
+    import os
+    import subprocess
+
+    from caspo.train import distributed
     from caspo.value.refresh import train as run_train
 
-    summary = run_train(checked_config(preset, overrides), resume=resume, overwrite=overwrite)
-    typer.echo(json.dumps(summary, indent=2))
+    cfg = checked_config(preset, overrides)
+    if nproc > 1 and not distributed.launched():  # start the ranks, each running this command
+        distributed.check_config(cfg, nproc)
+        argv = ["--debug"] if ctx.parent and ctx.parent.params.get("debug") else []
+        # without --nproc: torchrun's parser would take it for its own --nproc-per-node
+        argv += ["train", preset, *(overrides or []), *(["--resume", resume] if resume else []),
+                 *(["--overwrite"] if overwrite else [])]
+        raise typer.Exit(subprocess.call(distributed.launch_command(nproc, argv)))
+    if nproc > 1 and distributed.launched() and int(os.environ["WORLD_SIZE"]) != nproc:
+        raise ConfigError(f"--nproc {nproc}, but the launcher started {os.environ['WORLD_SIZE']} processes")
+    summary = run_train(cfg, resume=resume, overwrite=overwrite)
+    if distributed.is_main():
+        typer.echo(json.dumps(summary, indent=2))
 
 
 @app.command()
@@ -157,12 +174,14 @@ def evaluate(
 
 @app.command("verify-resume")
 def verify_resume(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
-                  workdir: str = typer.Option("runs/verify-resume", help="folder for the two runs")):
+                  workdir: str = typer.Option("runs/verify-resume", help="folder for the two runs"),
+                  nproc: int = typer.Option(1, "--nproc", min=1, help="processes of each run (as caspo train)")):
     """Check that 2 steps + a resumed third equal 3 uninterrupted steps, bit for bit."""
+    from caspo.train.distributed import check_config
     from caspo.train.verify_resume import verify_resume as run_verify
 
-    checked_config(preset, overrides)  # fail fast on a bad config
-    if not run_verify(preset, overrides or [], workdir):
+    check_config(checked_config(preset, overrides), nproc)  # fail fast on a bad config
+    if not run_verify(preset, overrides or [], workdir, nproc=nproc):
         raise typer.Exit(1)
 
 

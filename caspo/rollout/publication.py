@@ -2,7 +2,9 @@
 
 A publication that misses a name, or brings a wrong shape or dtype, raises at
 `commit()` and leaves the weights in service untouched: a half-loaded policy can
-never generate.
+never generate. A sharded parameter (an FSDP2 DTensor) is gathered whole as it is
+staged, one tensor at a time, so no more than one gathered tensor is alive beside
+the staged copies; every rank stages the same names in the same order.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class PublicationError(RuntimeError):
@@ -37,6 +40,8 @@ class Publication:
 
     def load(self, named_tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in named_tensors.items():
+            if isinstance(tensor, DTensor):  # a shard: every rank gathers the whole tensor here
+                tensor = tensor.full_tensor()
             if name not in self.target:
                 raise PublicationError(f"publication v{self.version}: unknown tensor {name!r}")
             want = self.target[name]

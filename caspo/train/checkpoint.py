@@ -8,6 +8,13 @@
     <run>/checkpoints/step_000010/manifest.json      sha256 and size of every file above, checked at resume
     <run>/checkpoints/latest                         name of the newest complete checkpoint
 
+A run of several processes writes the same folder, with the trained models' weights and
+optimizer states sharded by `torch.distributed.checkpoint` (DCP) and each rank's RNG apart:
+
+    <run>/checkpoints/step_000010/shards/            DCP: {"models": {name: ...}, "optimizers": {name: ...}}
+    <run>/checkpoints/step_000010/ranks/rank_1.pt    rank 1's RNG states
+    <run>/checkpoints/step_000010/policy/            the HF export, written by rank 0 from the whole tensors
+
 A checkpoint is built in a temporary folder and renamed into place; `latest` is
 replaced last, so a crash at any moment leaves the previous checkpoint loadable.
 The trainer state loads with `torch.load(weights_only=True)`: tensors and plain
@@ -30,6 +37,7 @@ from caspo.models.tokenizer import save_tokenizer
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
+SHARDS = "shards"  # the DCP folder of a checkpoint written by several processes
 # what numpy's RNG state (a tuple holding a uint32 array) unpickles through, and nothing else
 _multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2 | 1
 SAFE_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
@@ -63,32 +71,46 @@ def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, 
     """Write `models` (name -> HF module) and the trainer state; returns the checkpoint folder.
     A write that fails (a full disk, a lost mount) removes the partial folder and raises CheckpointError;
     the previous checkpoint and `latest` are untouched."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
+    root, final, tmp = checkpoint_paths(run_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_folder(tmp, models, tokenizer, trainer_state, counters, config_yaml)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = (root / LATEST).read_text().strip() if (root / LATEST).exists() else "none"
-        raise CheckpointError(f"writing checkpoint {final.name} to {root} failed ({err.strerror or err}); the "
-                              f"previous checkpoint ({previous}) is intact: free space and resume from it") from err
+        raise write_error(err, root, final, tmp) from err
+    publish_folder(root, final, tmp)
+    return final
+
+
+def checkpoint_paths(run_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
+    """(checkpoints folder, the step's folder, the temporary folder it is built in)."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    return root, root / f"step_{step:06d}", root / f".tmp_step_{step:06d}"
+
+
+def write_error(err: OSError, root: Path, final: Path, tmp: Path) -> CheckpointError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = (root / LATEST).read_text().strip() if (root / LATEST).exists() else "none"
+    return CheckpointError(f"writing checkpoint {final.name} to {root} failed ({err.strerror or err}); the "
+                           f"previous checkpoint ({previous}) is intact: free space and resume from it")
+
+
+def publish_folder(root: Path, final: Path, tmp: Path) -> None:
+    """Rename the finished folder into place, then point `latest` at it."""
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(final.name + "\n")
     os.replace(pointer, root / LATEST)
-    return final
 
 
 def write_folder(folder: Path, models: dict, tokenizer, trainer_state: dict, counters: dict,
-                 config_yaml: str | None) -> None:
-    folder.mkdir()
+                 config_yaml: str | None, state_dicts: dict | None = None) -> None:
+    """`state_dicts` (name -> whole state dict) replaces a model's own, as a sharded model's export."""
+    folder.mkdir(exist_ok=state_dicts is not None)  # a sharded checkpoint's folder holds its shards already
     for name, model in models.items():
-        model.save_pretrained(folder / name, safe_serialization=True)
+        model.save_pretrained(folder / name, safe_serialization=True, state_dict=(state_dicts or {}).get(name))
         if tokenizer is not None:
             save_tokenizer(tokenizer, folder / name)
     torch.save(trainer_state, folder / "trainer_state.pt")
@@ -143,3 +165,20 @@ def load_trainer_state(ckpt: Path) -> dict:
     """The trainer state, unpickled with weights_only=True (tensors, containers, numpy's RNG state)."""
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         return torch.load(ckpt / "trainer_state.pt", weights_only=True)
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return (ckpt / SHARDS).is_dir()
+
+
+def rank_state_path(ckpt: Path, rank: int) -> Path:
+    return ckpt / "ranks" / f"rank_{rank}.pt"
+
+
+def load_rank_state(ckpt: Path, rank: int) -> dict:
+    path = rank_state_path(ckpt, rank)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no state for rank {rank} ({path.name}); resume it with the "
+                              "number of processes that wrote it")
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(path, weights_only=True)

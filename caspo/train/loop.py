@@ -30,10 +30,12 @@ from caspo.eval.benchmarks import load_suites
 from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
 from caspo.eval.run import evaluate_checkpoint
 from caspo.eval.suite import eval_samplers
+from caspo.models.forward import response_logprobs
 from caspo.models.policy import resolve_device
 from caspo.report.curves import plot_run
 from caspo.report.trackers import RunRecords, build_trackers, check_loggers
-from caspo.rollout.base import Request, publish
+from caspo.reward.pool import RewardResult
+from caspo.rollout.base import Completion, Request, publish
 from caspo.rollout.sampling import sample_seed
 from caspo.runlog import (
     JsonlWriter,
@@ -48,6 +50,7 @@ from caspo.runlog import (
     run_start,
 )
 from caspo.train import checkpoint as ckpt
+from caspo.train import distributed, fsdp
 from caspo.train.advantages import compute_advantages
 from caspo.train.health import HealthWatch, step_health
 from caspo.train.health import check_config as check_health_config
@@ -78,10 +81,10 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
                 batch.old_is_current = True  # NaN until then: a reader before the update would show
                 batch.old_logprobs = torch.full_like(batch.behaviour_logprobs, float("nan"))
             else:
-                batch.old_logprobs = score(tr.policy, batch, cfg)
+                batch.old_logprobs = logprobs(tr.policy, batch, cfg)
         with timer("t_ref"):
             if tr.ref is not None:
-                batch.ref_logprobs = score(tr.ref, batch, cfg)
+                batch.ref_logprobs = logprobs(tr.ref, batch, cfg)
         with timer("t_value"):
             value_stats = state.values(tr, batch)
         batch.advantages, batch.returns = compute_advantages(batch, cfg, tr.method)
@@ -124,7 +127,7 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
             groups.append(i)
             ids.append(tr.data.train[item].id)
     requests = [Request(p, s, cfg.rollout.max_new_tokens) for p, s in zip(prompts, seeds)]
-    completions = tr.engine.generate(requests, tr.sampling)
+    completions = generate_blocks(tr, requests, G)
     texts = [tr.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     labels = [tr.data.train[item].label for item in indices for _ in range(G)]
     batch = RolloutBatch.from_completions(prompts, completions, group_ids=groups, example_ids=ids,
@@ -133,11 +136,46 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
     return batch.to(tr.device)
 
 
+def generate_blocks(tr: Trainer, requests: list[Request], G: int) -> list[Completion]:
+    """The completions of `requests` (G per prompt), in order; with several ranks, each generates its block
+    of prompts and every rank receives all of them."""
+    if not distributed.active():
+        return tr.engine.generate(requests, tr.sampling)
+    share = distributed.block(len(requests) // G)
+    mine = requests[share.start * G:share.stop * G]
+    done = tr.engine.generate(mine, tr.sampling) if mine else []
+    return [c for part in distributed.gather_objects(done) for c in part]
+
+
+def score_blocks(tr: Trainer, batch: RolloutBatch) -> RewardResult:
+    """The verifier's result on the batch; with several ranks, each scores its block of prompts' rows (the
+    rows it generated) and every rank receives the whole result."""
+    finished = batch.finished.tolist()
+    if not distributed.active():
+        return tr.pool.score(batch.texts, batch.labels, finished)
+    G = tr.cfg.rollout.samples_per_prompt
+    share = distributed.block(batch.size // G)
+    rows = slice(share.start * G, share.stop * G)
+    mine = tr.pool.score(batch.texts[rows], batch.labels[rows], finished[rows]) if share else RewardResult([])
+    parts = distributed.gather_objects(mine)
+    return RewardResult(rewards=[r for part in parts for r in part.rewards],
+                        timeouts=sum(p.timeouts for p in parts), crashes=sum(p.crashes for p in parts),
+                        over_budget=sum(p.over_budget for p in parts), recycled=sum(p.recycled for p in parts),
+                        max_call_s=max(p.max_call_s for p in parts), max_rss_mb=max(p.max_rss_mb for p in parts))
+
+
+def logprobs(model: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """Response log-probs under `model`, no grad; with several ranks each scores its block of rows."""
+    if distributed.active():
+        return fsdp.score_rows(model, batch, cfg, response_logprobs, cfg.rollout.temperature)
+    return score(model, batch, cfg)
+
+
 def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
     if tr.cfg.reward.synthetic:
         batch.stats["reward"] = {}
         return ((batch.responses * batch.response_mask.long()).sum(-1) % 2 == 0).float()
-    result = tr.pool.score(batch.texts, batch.labels, batch.finished.tolist())
+    result = score_blocks(tr, batch)
     rewards = torch.tensor(result.rewards, dtype=torch.float32, device=tr.device)
     # the pool's counters; the slowest call and the largest worker are measurements (t_, mem_ keys)
     batch.stats["reward"] = {"reward_timeouts": result.timeouts, "reward_crashes": result.crashes,
@@ -239,7 +277,7 @@ class RunStopped(RuntimeError):
 
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "samples.jsonl", "refresh", "curves.png", "run.json", "status.json",
-             "tensorboard", "wandb")
+             "tensorboard", "wandb", "ranks")
 
 
 def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | None:
@@ -264,13 +302,15 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     `refresh` runs between segments; a config with method.caspo.refresh_every needs one. SIGTERM or
     Ctrl-C end the run after the current step, with a checkpoint to resume from; so does a train.health
     detector set to stop (raising RunStopped). run.json records what the run ran on, status.json its state."""
+    cfg = distributed.start(cfg)  # a rank of several joins the others (caspo.train.distributed); else nothing
     if cfg.method.caspo.refresh_every and refresh is None:
         raise ConfigError("method.caspo.refresh_every needs the refresh pipeline: run `caspo train`, or pass "
                           "refresh=caspo.value.refresh.Refresh(cfg) to train()")
     check_loggers(cfg)
     check_health_config(cfg.train.health)
     refresh = refresh or NoRefresh()
-    checkpoint = prepare_run_dir(cfg, resume, overwrite)  # the newest checkpoint: a refresh resumes from it
+    # the newest checkpoint: a refresh resumes from it (rank 0 prepares the folder for every rank)
+    checkpoint = distributed.on_main(prepare_run_dir, cfg, resume, overwrite)
     cfg = refresh.before_first(cfg)
     device = resolve_device(cfg.model.device)
     cuda_index = (device.index if device.index is not None else torch.cuda.current_device()) \
@@ -342,7 +382,8 @@ def batch_histograms(batch: RolloutBatch) -> dict[str, torch.Tensor]:
 
 
 def weights_finite(tr: Trainer) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in tr.policy.parameters())
+    finite = all(bool(torch.isfinite(p).all()) for p in tr.policy.parameters())  # this rank's shards
+    return not distributed.any_rank(not finite)
 
 
 def health_stop(tr: Trainer, stops: list, checkpoint) -> RunStopped:
@@ -390,7 +431,8 @@ def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords
                         "optim.lr, use train.precision=bf16 or fp32, or raise train.max_bad_steps")
                 train_time += stats["t_step"]
                 record = {"step": tr.step, **stats}
-                alarms = watch.check(dict(record))
+                alarms = distributed.from_main(watch.check(dict(record)))  # rank 0 decides for all ranks
+                requested = distributed.from_main(stop.requested)
                 stops = [a for a in alarms if a.action == "stop"]
                 for a in alarms:
                     console.print(f"[{'red' if a in stops else 'yellow'}]health ({a.detector}, step {tr.step}): "
@@ -399,11 +441,11 @@ def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords
                     record["health"] = [a.detector for a in alarms]
                 timer = PhaseTimer()
                 if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or tr.step == last \
-                        or refresh.due(tr.step) or stop.requested or stops:
+                        or refresh.due(tr.step) or requested or stops:
                     if not stops or weights_finite(tr):  # never a checkpoint of non-finite weights
                         with timer("t_ckpt"):
                             checkpoint = save(tr)
-                    if suites and not stop.requested and not stops:  # every checkpoint's benchmarks
+                    if suites and not requested and not stops:  # every checkpoint's benchmarks
                         with timer("t_bench"):
                             record |= evaluate_benchmarks(tr, suites, checkpoint.name, str(checkpoint / "policy"),
                                                           progress)
@@ -424,10 +466,10 @@ def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords
                                 status=f"reward {stats['reward_mean']:.3f}  step {stats['t_step']:.1f}s")
                 if stops:
                     raise health_stop(tr, stops, checkpoint)
-                if stop.requested:
-                    console.print(f"{stop.requested}: stopped after step {tr.step} with checkpoint {checkpoint}; "
+                if requested:
+                    console.print(f"{requested}: stopped after step {tr.step} with checkpoint {checkpoint}; "
                                   "continue with --resume latest")
-                    summary["stopped_by"] = stop.requested
+                    summary["stopped_by"] = requested
                     break
         summary["train_seconds"] = round(train_time, 1)
         if cfg.eval.after and tr.step == cfg.train.steps:

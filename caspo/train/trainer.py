@@ -23,6 +23,7 @@ from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Engine, SamplingParams, publish
 from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
 from caspo.train import checkpoint as ckpt
+from caspo.train import distributed, fsdp, sharded
 from caspo.train.method_state import MethodState
 from caspo.train.optim import Learner, allocate_state, learner
 
@@ -89,12 +90,17 @@ def build_trainer(cfg: Config) -> Trainer:
     actor = learner(policy, cfg)
     ref = copy.deepcopy(policy).requires_grad_(False) if needs_ref else None
     method_state = method.state.build(cfg, path, policy, tokenizer, device)
+    engine = None
+    if distributed.active():  # the engine copies the whole policy first; then the models are sharded
+        engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg))
+        actor, ref = shard(cfg, actor, ref, method_state)
     for lr in [actor, *method_state.learners.values()]:  # allocated before the engine reserves its KV cache
         allocate_state(lr.optimizer)
     tr = Trainer(
-        cfg=cfg, method=method, run_dir=Path(cfg.train.output_dir), device=device, tokenizer=tokenizer,
+        cfg=cfg, method=method, run_dir=distributed.log_dir(Path(cfg.train.output_dir)), device=device,
+        tokenizer=tokenizer,
         actor=actor, ref=ref, method_state=method_state,
-        engine=build_engine(cfg, policy, tokenizer, max_seq_len(cfg)),
+        engine=engine if engine is not None else build_engine(cfg, policy, tokenizer, max_seq_len(cfg)),
         cursor=PromptCursor(len(data.train), cfg.train.seed),
         update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
         pool=RewardPool.from_config(cfg.reward),
@@ -103,6 +109,20 @@ def build_trainer(cfg: Config) -> Trainer:
     if cfg.rollout.staleness:  # record version 0; otherwise the engine already serves these weights
         publish_current(tr)
     return tr
+
+
+def shard(cfg: Config, actor: Learner, ref: torch.nn.Module | None,
+          state: MethodState) -> tuple[Learner, torch.nn.Module | None]:
+    """FSDP2 over the policy, the reference and the learners the update trains beside the policy (each with
+    its optimizer built again after wrapping). A learner trained elsewhere on the whole batch (CASPO's
+    online value model) stays whole on every rank: every rank takes the same step."""
+    actor = fsdp.rebuild(actor, fsdp.shard_routed(actor.model, cfg.train.precision))
+    if ref is not None:
+        fsdp.shard_routed(ref, cfg.train.precision)
+    for name in state.learner_losses():
+        lr = state.learners[name]
+        state.learners[name] = fsdp.rebuild(lr, fsdp.shard_called(lr.model, cfg.train.precision))
+    return actor, ref
 
 
 def publish_current(tr: Trainer) -> None:
@@ -149,7 +169,25 @@ def trainer_state(tr: Trainer) -> dict:
     return state
 
 
+def sharded_trainer_state(tr: Trainer) -> dict:
+    """Rank 0's part of a sharded checkpoint: the state every rank shares (the models, optimizers and each
+    rank's RNG are in the shards)."""
+    state = {
+        "step": tr.step, "version": tr.version, "config": to_dict(tr.cfg), "world_size": distributed.size(),
+        "learners": sorted(learners(tr)),
+        "schedulers": {k: lr.scheduler.state_dict() for k, lr in learners(tr).items()},
+        "loss_scaler": tr.scaler.state_dict(), "cursor": tr.cursor.state_dict(),
+        "update_rng": tr.update_rng.get_state(), "snapshots": tr.snapshots, **tr.method_state.state_dict(),
+    }
+    return state
+
+
 def save(tr: Trainer) -> Path:
+    counters = {"step": tr.step, "version": tr.version, "skipped_steps": tr.scaler.skipped_steps}
+    if distributed.active():
+        return sharded.save(Path(tr.cfg.train.output_dir), tr.step, learners=learners(tr),
+                            precision=tr.cfg.train.precision, tokenizer=tr.tokenizer,
+                            trainer_state=sharded_trainer_state(tr), counters=counters, config_yaml=to_yaml(tr.cfg))
     models = {k: export(lr.model, tr.cfg.train.precision) for k, lr in learners(tr).items()}
     return ckpt.save_checkpoint(
         tr.run_dir, tr.step, models=models, tokenizer=tr.tokenizer,
@@ -162,6 +200,9 @@ def restore(tr: Trainer, checkpoint: Path) -> None:
     """Load weights and state, then publish the restored weights before anything generates."""
     from safetensors.torch import load_model
 
+    if distributed.active() or ckpt.is_sharded(checkpoint):
+        restore_sharded(tr, checkpoint)
+        return
     ckpt.verify_checkpoint(checkpoint)
     state = ckpt.load_trainer_state(checkpoint)
     method = state["config"]["method"]["name"]
@@ -181,5 +222,37 @@ def restore(tr: Trainer, checkpoint: Path) -> None:
     tr.cursor.load_state_dict(state["cursor"])
     tr.update_rng.set_state(state["update_rng"])
     ckpt.set_rng_state(state["rng"])
+    tr.step, tr.version, tr.snapshots = state["step"], state["version"], state["snapshots"]
+    publish_current(tr)
+
+
+def restore_sharded(tr: Trainer, checkpoint: Path) -> None:
+    """`restore` of a checkpoint written by several processes, in as many."""
+    if not distributed.active():
+        raise ckpt.CheckpointError(f"{checkpoint} was written by several processes; resume it with --nproc as "
+                                   "many as wrote it")
+    error = None
+    if distributed.is_main():  # one rank reads every file against the manifest
+        try:
+            ckpt.verify_checkpoint(checkpoint)
+        except ckpt.CheckpointError as err:
+            error = str(err)
+    error = distributed.from_main(error)
+    if error:
+        raise ckpt.CheckpointError(error)
+    state = ckpt.load_trainer_state(checkpoint)
+    method = state["config"]["method"]["name"]
+    if method != tr.cfg.method.name or set(state.get("learners", ())) != set(learners(tr)):
+        raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(state.get('learners', ()))}), "
+                          f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
+                          "new run")
+    tr.method_state.load_state_dict(tr, state)
+    rng = sharded.restore(checkpoint, learners(tr), state.get("world_size", 1))
+    for name, lr in learners(tr).items():
+        lr.scheduler.load_state_dict(state["schedulers"][name])
+    tr.scaler.load_state_dict(state["loss_scaler"])
+    tr.cursor.load_state_dict(state["cursor"])
+    tr.update_rng.set_state(state["update_rng"])
+    ckpt.set_rng_state(rng)
     tr.step, tr.version, tr.snapshots = state["step"], state["version"], state["snapshots"]
     publish_current(tr)

@@ -3,7 +3,10 @@
 Each minibatch is one optimizer step per learner (the policy first, then e.g. the
 critic). Its loss is normalised by the counts of the whole minibatch (tokens, or
 non-empty rows), passed to every micro-batch as `denom`, so the gradient does not
-depend on how the minibatch is split.
+depend on how the minibatch is split. With several processes each rank takes a
+contiguous block of the minibatch's rows; every rank holds the whole batch, so
+`denom` is the whole minibatch's count, and FSDP sums the ranks' gradients
+(`caspo.train.fsdp`): the same gradient as one process, up to the order of the sums.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.models.forward import hidden_kl, hidden_logprobs, response_hidden
 from caspo.precision import LossScaler, autocast
+from caspo.train import distributed, fsdp
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import Learner
 from caspo.train.policy_losses import LossInputs
@@ -89,10 +93,15 @@ def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Co
     """Backward of one minibatch (`rows`), micro-batch by micro-batch, normalised by the minibatch's counts;
     `loss_fn(model, micro, cfg, denom)` -> (loss, metrics)."""
     denom = algo.aggregate_denom(batch.response_mask[rows], cfg.method.loss_agg, norm_len)
+    rows = distributed.my_rows(rows)  # this rank's block of the minibatch; `denom` stays the whole minibatch's
     out = []
-    for idx, micro in batch.micro_batches(cfg.train.micro_batch_size, rows, cfg.train.micro_batch_tokens):
+    for idx, micro, real in fsdp.micro_batches(batch, rows, cfg.train.micro_batch_size,
+                                               cfg.train.micro_batch_tokens):
         with autocast(cfg.train.precision, micro.input_ids.device):
-            loss, metrics = loss_fn(model, micro, cfg, denom)
+            loss, metrics = fsdp.call(model, loss_fn, micro, cfg, denom)
+        if not real:  # a stand-in, so that every rank runs as many backwards: it adds zeros
+            (loss * 0.0).backward()
+            continue
         scaler.scale_loss(loss).backward()
         if fill_old and micro.old_is_current:  # the policy's forward gave them (policy_loss)
             batch.old_logprobs[idx, :micro.responses.shape[1]] = micro.old_logprobs
@@ -104,11 +113,27 @@ def optimizer_step(learner: Learner, scaler: LossScaler) -> float | None:
     """Unscale, check, clip at learner.grad_clip and step; None if the step was skipped for overflow."""
     params = [p for p in learner.model.parameters() if p.grad is not None]
     grad_norm = None
-    if scaler.unscale_and_check(params):
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, learner.grad_clip))
+    finite = scaler.unscale_and_check(params)
+    if distributed.active():  # each rank checked its shard: all step, or all skip
+        everywhere = not distributed.any_rank(not finite)
+        if finite and not everywhere:
+            scaler.skipped_steps += 1
+        finite = everywhere
+    if finite:
+        grad_norm = clip_gradients(params, learner.grad_clip)
         learner.optimizer.step()
     learner.scheduler.step()  # a skipped update still uses its slot of the schedule
     return grad_norm
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip the global gradient norm at `max_norm`; returns the norm before clipping. Sharded gradients'
+    norm is the norm over every rank's shards."""
+    if not distributed.active():
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = fsdp.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
 
 
 def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", state: MethodState,
@@ -134,10 +159,12 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
         (f"{name}_grad_norm", state.learners[name], loss) for name, loss in state.learner_losses().items()]
     for _, learner, _ in learners:
         learner.model.train()
+    filled = torch.zeros(batch.size, dtype=torch.bool)  # rows whose old log-probs this rank's forwards gave
     for _ in range(t.epochs_per_rollout):
         order = torch.randperm(batch.size, generator=generator)
         for start in range(0, batch.size, t.minibatch_size):
             rows = order[start:start + t.minibatch_size]
+            filled[distributed.my_rows(rows)] = True
             for key, learner, loss_fn in learners:
                 learner.optimizer.zero_grad(set_to_none=True)
                 record(accumulate_gradients(learner.model, batch, rows, cfg, scaler, norm_len, loss_fn,
@@ -149,6 +176,12 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
             minibatches += 1
     for _, learner, _ in learners:
         learner.model.eval()
+    if distributed.active() and batch.old_is_current:  # each rank's forwards gave its rows' old log-probs
+        batch.old_logprobs = distributed.share_rows(batch.old_logprobs, filled)
+    if distributed.active():  # the micro-batch sums over every rank's rows; the norms are global already
+        norms = {key for key, _, _ in learners}
+        sums |= distributed.all_sum({k: v for k, v in sums.items() if k not in norms})
+        counts |= distributed.all_sum({k: v for k, v in counts.items() if k not in norms})
     stats = {k: sums[k] / (minibatches if k in ADDITIVE else max(counts[k], 1e-9)) for k in sums}
     stats["lr"] = actor.scheduler.get_last_lr()[0]
     stats["skipped_steps"] = scaler.skipped_steps

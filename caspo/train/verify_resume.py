@@ -3,7 +3,9 @@
 Three runs, each in a fresh process and in deterministic mode:
     uninterrupted/   three outer steps
     resumed/         two steps (train.stop_after=2), then `--resume latest` for the third
-Then the final checkpoints and the per-step traces are compared by hash.
+Then the final checkpoints and the per-step traces are compared by hash. With `nproc` > 1 each
+run has that many processes; the sharded state (models, optimizers, each rank's RNG) is read back
+from its DCP shards and hashed as whole tensors.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from rich.table import Table
 
 from caspo.runlog import console
-from caspo.train.checkpoint import load_trainer_state, resolve_checkpoint
+from caspo.train.checkpoint import SHARDS, is_sharded, load_rank_state, load_trainer_state, resolve_checkpoint
 
 STEPS = 3
 STOP_AFTER = 2
@@ -75,6 +78,18 @@ def traces(run_dir: Path) -> dict[str, str]:
     }
 
 
+def sharded_state(ckpt: Path) -> dict:
+    """A sharded checkpoint's DCP state as whole tensors ({"models": ..., "optimizers": ...}) and every
+    rank's RNG states, read in this one process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(ckpt / SHARDS, Path(tmp) / "state.pt")
+        state = torch.load(Path(tmp) / "state.pt", weights_only=True)
+    state["rng"] = [load_rank_state(ckpt, r) for r in range(len(list((ckpt / "ranks").glob("rank_*.pt"))))]
+    return state
+
+
 def state_hashes(run_dir: Path) -> dict[str, str]:
     ckpt = resolve_checkpoint(run_dir)
     state = load_trainer_state(ckpt)
@@ -82,6 +97,9 @@ def state_hashes(run_dir: Path) -> dict[str, str]:
 
     weights = {p.parent.name: load_file(p) for p in sorted(ckpt.glob("*/model.safetensors"))}
     out = {f"{name} weights": digest(w) for name, w in weights.items()}
+    if is_sharded(ckpt):
+        state |= sharded_state(ckpt)
+        out["master weights"] = digest(state.pop("models"))
     if "master_weights" in state:
         out["master weights"] = digest(state["master_weights"])
     for key in ("optimizers", "schedulers", "loss_scaler", "cursor", "update_rng", "rng", "snapshots"):
@@ -90,10 +108,11 @@ def state_hashes(run_dir: Path) -> dict[str, str]:
     return out
 
 
-def verify_resume(preset: str, overrides: list[str], workdir: str | Path) -> bool:
+def verify_resume(preset: str, overrides: list[str], workdir: str | Path, nproc: int = 1) -> bool:
     workdir = Path(workdir)
     base = [preset, *overrides, f"train.steps={STEPS}", "train.deterministic=true",
             "eval.before=false", "eval.after=false", "train.save_every=0"]
+    base += ["--nproc", str(nproc)] if nproc > 1 else []
     straight, resumed = workdir / "uninterrupted", workdir / "resumed"
     for folder in (straight, resumed):
         shutil.rmtree(folder, ignore_errors=True)
@@ -105,7 +124,8 @@ def verify_resume(preset: str, overrides: list[str], workdir: str | Path) -> boo
         run_cli(base + [f"train.output_dir={resumed}", "--resume", "latest"])
     a = {**state_hashes(straight), **traces(straight)}
     b = {**state_hashes(resumed), **traces(resumed)}
-    table = Table(title=f"verify-resume: {STEPS} steps vs {STOP_AFTER} + resumed {STEPS - STOP_AFTER}")
+    ranks = f", {nproc} processes" if nproc > 1 else ""
+    table = Table(title=f"verify-resume: {STEPS} steps vs {STOP_AFTER} + resumed {STEPS - STOP_AFTER}{ranks}")
     for col in ("item", "uninterrupted", "resumed", "identical"):
         table.add_column(col)
     ok = True

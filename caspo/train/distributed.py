@@ -1,0 +1,253 @@
+"""Data parallelism: one process per device, each with its own engine, joined by torch.distributed.
+
+`caspo train PRESET --nproc N` starts N processes with torchrun (`launch_command`); so does
+`torchrun --nproc-per-node N -m caspo.cli train PRESET` on one host or several. A process
+started that way calls `start(cfg)` first: it joins the process group (gloo on the CPU, nccl
+on CUDA with device = local rank). A run of one process never creates a group: `active()`
+is False and every helper here is then the identity, so that path is the single-process one.
+
+What each rank does in an outer step (`caspo.train.loop.outer_step`):
+
+    rollout      the step's prompts in contiguous blocks, one per rank (a prompt's G samples stay
+                 together); every sample's seed is global, so no sample depends on N; the
+                 completions are gathered, and every rank holds the whole batch
+    rewards      each rank scores its block's rows; gathered
+    old / ref    each rank scores its rows; gathered
+    advantages   the whole batch on every rank: the same inputs, the same numbers
+    update       each minibatch (the same rows whatever N is) in N contiguous blocks; the loss is
+                 normalised by the whole minibatch's counts and FSDP sums the gradients
+    publication  every parameter gathered in full, one at a time, into the rank's engine
+
+Rank 0 writes the run's files and prints; the others write their checkpoint shards and their own
+metrics in `ranks/rank<r>/` (`log_dir`). Decisions that end or save a run are rank 0's (`from_main`,
+`any_rank`), so that every rank takes the same collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from caspo.config import Config, ConfigError
+from caspo.runlog import console
+
+# what a run of several processes does not do yet, each with the way out
+UNSUPPORTED = {
+    "train.precision=fp16": "its loss scaler checks each rank's shard of the gradients apart; use bf16 or fp32",
+    "rollout.staleness > 0": "the engine's old versions would be full copies on every rank; use 0",
+    "method.caspo.refresh_every > 0": "the refresh pipeline runs in one process; use method.caspo.online or one "
+                                      "process",
+    "a full-vocabulary loss (flow_dppo)": "its frozen old policy is not sharded yet; run it in one process",
+}
+
+
+# ---------------------------------------------------------------- the process group
+
+
+def launched() -> bool:
+    """This process was started by torchrun (or another launcher setting WORLD_SIZE) with several ranks."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def check_config(cfg: Config, nproc: int) -> None:
+    """A ConfigError naming each setting that `nproc` processes cannot honour yet."""
+    from caspo.methods import resolve_method
+
+    if nproc <= 1:
+        return
+    found = []
+    if cfg.train.precision == "fp16":
+        found.append("train.precision=fp16")
+    if cfg.rollout.staleness:
+        found.append("rollout.staleness > 0")
+    if cfg.method.caspo.refresh_every:
+        found.append("method.caspo.refresh_every > 0")
+    if resolve_method(cfg).loss.full_vocab:
+        found.append("a full-vocabulary loss (flow_dppo)")
+    if cfg.model.device.startswith("cuda:"):
+        raise ConfigError(f"model.device={cfg.model.device} with {nproc} processes: each rank takes the device of "
+                          "its local rank; use model.device=cuda (or auto)")
+    if found:
+        raise ConfigError(f"{nproc} processes cannot run " + "; ".join(f"{k}: {UNSUPPORTED[k]}" for k in found))
+
+
+def start(cfg: Config) -> Config:
+    """Join the process group when this process is one of several ranks: on CUDA the current device becomes
+    cuda:LOCAL_RANK (where model.device=cuda then points). Returns the rank's config: rank 0's is `cfg`, the
+    others' report to no tracker. In a single process: `cfg` as it is, and no group."""
+    if not launched():
+        return cfg
+    world = int(os.environ["WORLD_SIZE"])
+    check_config(cfg, world)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    on_cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    if on_cuda:
+        if torch.cuda.device_count() <= local:
+            raise ConfigError(f"rank {os.environ.get('RANK')} has local rank {local}, but this host shows "
+                              f"{torch.cuda.device_count()} CUDA devices; start at most that many processes per host")
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if on_cuda else "gloo",
+                                device_id=torch.device("cuda", local) if on_cuda else None)
+        atexit.register(stop)
+    if not is_main():  # rank 0 prints and reports to the trackers; the others keep their own metrics.jsonl
+        console.quiet = True
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loggers=["jsonl"]))
+    return cfg
+
+
+def log_dir(run_dir: Path) -> Path:
+    """Where this rank writes its run files: the run folder on rank 0, `ranks/rank<r>/` in it on the others
+    (their metrics beside rank 0's, with their own timings). Checkpoints are the run folder's, written by all."""
+    return run_dir if is_main() else run_dir / "ranks" / f"rank{rank()}"
+
+
+def stop() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch_command(nproc: int, argv: Sequence[str]) -> list[str]:
+    """The torchrun command that runs `caspo <argv>` as `nproc` ranks on this host."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "caspo.cli", *argv]
+
+
+# ---------------------------------------------------------------- collectives (identity in one process)
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (picklable Python objects)."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def from_main(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not active():
+        return obj
+    box = [obj if is_main() else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def on_main(fn, *args):
+    """`fn(*args)` run by rank 0 alone (e.g. preparing the run folder), its result on every rank; an error
+    it raises is raised on every rank."""
+    if not active():
+        return fn(*args)
+    result = error = None
+    if is_main():
+        try:
+            result = fn(*args)
+        except Exception as err:  # raised again below, on every rank
+            error = err
+    result, error = from_main((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on any."""
+    if not active():
+        return flag
+    t = torch.tensor([int(flag)], device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_sum(values: dict[str, float]) -> dict[str, float]:
+    """The sum over ranks of each value, over the keys any rank has (a missing one counts 0)."""
+    if not active():
+        return values
+    keys = sorted(set().union(*gather_objects(sorted(values))))
+    t = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def all_max(value: int) -> int:
+    if not active():
+        return value
+    t = torch.tensor([value], device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def collective_device() -> torch.device:
+    """Where small tensors for collectives live: the rank's CUDA device under nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- splitting the batch
+
+
+def block(n: int, of: int | None = None, world: int | None = None) -> range:
+    """Rank `of`'s contiguous block of n items (this rank's by default); the first n % world blocks hold
+    one item more, as torch.tensor_split splits."""
+    r, w = rank() if of is None else of, size() if world is None else world
+    base, extra = divmod(n, w)
+    start = r * base + min(r, extra)
+    return range(start, start + base + (r < extra))
+
+
+def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
+    """The [n, ...] tensor whose rows `block(n, r)` rank r holds as `local`, on every rank."""
+    if not active():
+        return local
+    width = len(block(n, 0))  # the widest block
+    padded = local.new_zeros((width, *local.shape[1:]))
+    padded[:len(local)] = local
+    parts = [torch.empty_like(padded) for _ in range(size())]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:len(block(n, r))] for r, part in enumerate(parts)])
+
+
+def my_rows(rows: torch.Tensor) -> torch.Tensor:
+    """This rank's contiguous block of `rows` (all of them in one process)."""
+    share = block(len(rows))
+    return rows[share.start:share.stop]
+
+
+def share_rows(x: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """`x` [B, ...] whose rows `mine` ([B] bool) this rank filled and each other row another rank did: every
+    rank's rows, on every rank, exactly (the others add zeros)."""
+    if not active():
+        return x
+    out = torch.where(mine.view(-1, *[1] * (x.dim() - 1)).to(x.device), x, torch.zeros_like(x))
+    dist.all_reduce(out)
+    return out

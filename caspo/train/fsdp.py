@@ -1,0 +1,154 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for the models a run of several processes trains and scores.
+
+How a model is sharded depends on how the code calls it:
+
+    policy, reference   each decoder layer is a group; the rest (embeddings, final norm, LM head, tied or
+                        not) is the group of a root wrapper, `Root`. The forward code reads the LM head's
+                        weight directly (`caspo.models.forward.hidden_logprobs`), outside any module call, so
+                        a call runs *through* the root: `call(model, fn, *args)` is `fn(model, *args)` inside
+                        the root's forward, with every group of it gathered when used.
+    learners            (a critic: a backbone and a head, each called as a module) each decoder layer, the
+                        backbone and each head are groups, and are called as they are.
+
+A looped model runs its layers `depth` times per token, so its layers are not groups of their own: the
+whole model is one group. Every group reshards after its forward (no-grad passes leave nothing gathered).
+
+Precision: bf16 keeps fp32 parameters (the optimizer's masters), gathers them in bf16 for compute and
+reduces gradients in fp32; fp32 is fp32 throughout. Gradients are *summed* over ranks (divide factor 1,
+SUM collectives): each rank's loss is already normalised by the whole minibatch's counts, so the sum is
+the single-process gradient (up to the order of the additions).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Callable, Iterator
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from caspo.batch import RolloutBatch
+from caspo.models.looped import LoopedPreTrainedModel
+from caspo.precision import autocast
+from caspo.train import distributed
+from caspo.train.optim import Learner
+
+_ROOTS: "weakref.WeakKeyDictionary[torch.nn.Module, Root]" = weakref.WeakKeyDictionary()
+
+
+class Root(torch.nn.Module):
+    """The FSDP root of a model whose callers read parameters outside module calls."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable, *args):
+        return fn(self.model, *args)
+
+
+def mixed_precision(precision: str, cast_inputs: bool = True) -> MixedPrecisionPolicy:
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=cast_inputs)
+    raise ValueError(f"train.precision={precision!r} is not supported with several processes; use bf16 or fp32")
+
+
+def _group(module, precision: str, cast_inputs: bool = True) -> None:
+    fully_shard(module, reshard_after_forward=True, mp_policy=mixed_precision(precision, cast_inputs))
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # SUM on every backend (gloo has no PREMUL_SUM)
+
+
+def _layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(backbone).__name__} has no `layers` list to shard; several processes need a "
+                        "decoder with one")
+    return list(layers)
+
+
+def shard_routed(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """Shard a causal LM (the policy, the reference) in place; its calls then go through `call`."""
+    if not isinstance(model, LoopedPreTrainedModel):
+        for layer in _layers(model.get_decoder()):
+            _group(layer, precision)
+    root = Root(model)
+    _group(root, precision, cast_inputs=False)  # the arguments are batches: their float tensors stay fp32
+    _ROOTS[model] = root
+    return model
+
+
+def shard_called(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """Shard a model called as modules (a critic: `base_model`, then its head) in place."""
+    backbone = model.base_model
+    if not isinstance(model, LoopedPreTrainedModel):
+        for layer in _layers(backbone):
+            _group(layer, precision)
+    _group(backbone, precision)
+    for name, child in model.named_children():
+        if child is not backbone and any(True for _ in child.parameters()):
+            _group(child, precision)
+    return model
+
+
+def call(model: torch.nn.Module, fn: Callable, *args):
+    """`fn(model, *args)`, through the model's FSDP root when it has one."""
+    root = _ROOTS.get(model)
+    return fn(model, *args) if root is None else root(fn, *args)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return model in _ROOTS or any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded parameter (a collective: every rank calls it, in the same order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def rebuild(lr: Learner, model: torch.nn.Module) -> Learner:
+    """The learner's optimizer and schedule again, over `model`'s (now sharded) parameters, with the same
+    settings; built after wrapping, as every optimizer must be."""
+    old = lr.optimizer
+    accepted = inspect.signature(type(old)).parameters
+    optimizer = type(old)([p for p in model.parameters() if p.requires_grad],
+                          **{k: v for k, v in old.defaults.items() if k in accepted})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=list(lr.scheduler.lr_lambdas))
+    return Learner(model, optimizer, scheduler, lr.grad_clip)
+
+
+# ---------------------------------------------------------------- the same number of forwards on every rank
+
+
+def micro_batches(batch: RolloutBatch, rows: torch.Tensor, size: int,
+                  max_tokens: int = 0) -> Iterator[tuple[torch.Tensor, RolloutBatch, bool]]:
+    """(row indices, micro-batch, real) over `rows`, as `RolloutBatch.micro_batches`; with several ranks,
+    padded with stand-ins (real = False: one row, its loss to be multiplied by 0) up to the largest count
+    of any rank, since every FSDP forward and backward is a collective."""
+    count = 0
+    for idx, micro in batch.micro_batches(size, rows, max_tokens):
+        count += 1
+        yield idx, micro, True
+    if distributed.active():
+        stand_in = rows[:1] if len(rows) else torch.zeros(1, dtype=torch.long)
+        for _ in range(distributed.all_max(count) - count):
+            yield stand_in, batch.select(stand_in), False
+
+
+@torch.no_grad()
+def score_rows(model: torch.nn.Module, batch: RolloutBatch, cfg, fn: Callable[..., torch.Tensor],
+               *args) -> torch.Tensor:
+    """`fn(model, micro, *args)` -> [b, R] over the batch, each rank on its block of rows, gathered on all."""
+    rows = torch.arange(batch.size)[distributed.block(batch.size).start:distributed.block(batch.size).stop]
+    out = torch.zeros((len(rows), batch.behaviour_logprobs.shape[1]), device=batch.behaviour_logprobs.device)
+    for idx, micro, real in micro_batches(batch, rows, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens):
+        with autocast(cfg.train.precision, micro.input_ids.device):
+            values = call(model, fn, micro, *args).float()
+        if real:
+            out[idx - rows[0], :micro.responses.shape[1]] = values
+    return distributed.gather_rows(out, batch.size)

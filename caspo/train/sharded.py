@@ -1,0 +1,86 @@
+"""Checkpoints of a run of several processes: DCP shards, each rank's RNG, and rank 0's HF export.
+
+The layout is `caspo.train.checkpoint`'s (`shards/`, `ranks/`); the folder is built and renamed into
+place as a single process's is, and rank 0 writes the manifest once every rank has written its part.
+The models and optimizer states go through `torch.distributed.checkpoint.state_dict`, so their keys
+are the parameters' names whatever the sharding.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from caspo.precision import compute_dtype
+from caspo.train import checkpoint as ckpt
+from caspo.train import distributed
+from caspo.train.optim import Learner
+
+
+def sharded_state(learners: dict[str, Learner]) -> dict:
+    """What DCP writes and reads: each learner's parameters and optimizer state, by parameter name."""
+    return {"models": {name: get_model_state_dict(lr.model) for name, lr in learners.items()},
+            "optimizers": {name: get_optimizer_state_dict(lr.model, lr.optimizer) for name, lr in learners.items()}}
+
+
+def whole_state(model: torch.nn.Module, precision: str) -> dict[str, torch.Tensor]:
+    """The model's whole tensors on rank 0 (on the CPU, in the compute dtype; empty on the other ranks)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # a tied parameter (the LM head that is the embedding) once, under its first name, as save_pretrained
+    # writes a whole model; the gathered copies no longer share storage, so it could not tell
+    first = {name for name, _ in model.named_parameters()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
+    dtype = compute_dtype(precision)
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in tied}
+
+
+def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: str, tokenizer,
+         trainer_state: dict, counters: dict, config_yaml: str) -> Path:
+    """Every rank writes its shards and RNG; rank 0 the HF exports, the trainer state and the manifest."""
+    root, final, tmp = ckpt.checkpoint_paths(run_dir, step)
+    if distributed.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "ranks").mkdir(parents=True)
+    distributed.barrier()
+    dcp.save(sharded_state(learners), checkpoint_id=tmp / ckpt.SHARDS)
+    torch.save(ckpt.rng_state(), ckpt.rank_state_path(tmp, distributed.rank()))
+    exports = {name: whole_state(lr.model, precision) for name, lr in learners.items()}
+    distributed.barrier()  # every rank's part is on disk
+    error = None
+    if distributed.is_main():
+        try:
+            ckpt.write_folder(tmp, {name: lr.model for name, lr in learners.items()}, tokenizer, trainer_state,
+                              counters, config_yaml, state_dicts=exports)
+            ckpt.publish_folder(root, final, tmp)
+        except OSError as err:
+            error = str(ckpt.write_error(err, root, final, tmp))
+    error = distributed.from_main(error)
+    if error:
+        raise ckpt.CheckpointError(error)
+    return final
+
+
+def restore(checkpoint: Path, learners: dict[str, Learner], world_size: int) -> dict:
+    """Load every learner's shards and optimizer state; returns this rank's RNG states."""
+    if not ckpt.is_sharded(checkpoint):
+        raise ckpt.CheckpointError(f"{checkpoint} was written by one process; resume it without --nproc (or start "
+                                   "a new run with several)")
+    if world_size != distributed.size():
+        raise ckpt.CheckpointError(f"{checkpoint} was written by {world_size} processes, and each rank's RNG "
+                                   f"resumes as it was; resume it with --nproc {world_size}")
+    state = sharded_state(learners)
+    dcp.load(state, checkpoint_id=checkpoint / ckpt.SHARDS)
+    for name, lr in learners.items():
+        set_model_state_dict(lr.model, state["models"][name])
+        set_optimizer_state_dict(lr.model, lr.optimizer, state["optimizers"][name])
+    return ckpt.load_rank_state(checkpoint, distributed.rank())
