@@ -115,6 +115,10 @@ def resolve_method(cfg: Config) -> Method:
                           "groups: they need method.name=caspo, method.caspo.online=true and "
                           f"rollout.samples_per_prompt >= 2 (got {m.name}, online={str(m.caspo.online).lower()}, "
                           f"{r.samples_per_prompt}); or leave them false")
+    if cfg.reward.synthetic and (method.state is MonteCarloValues or m.caspo.refresh_every):
+        raise ConfigError(f"reward.synthetic scores the training batch only, but {m.name}'s Monte Carlo "
+                          f"{'values' if method.state is MonteCarloValues else 'refresh labels'} use the verifier: "
+                          "set reward.synthetic=false")
     if m.caspo.refresh_every and method.state is not PrefixValues:
         raise ConfigError(f"method.caspo.refresh_every refreshes CASPO's prefix value model; it needs "
                           f"method.name=caspo, got {m.name}")

@@ -87,6 +87,20 @@ def test_flow_dppo_needs_two_half_batches():
     assert checked_config("tests", ["method.name=flow-dppo"]).method.name == "flow_dppo"
 
 
+def test_the_synthetic_reward_is_refused_where_monte_carlo_uses_the_verifier(tmp_path):
+    with pytest.raises(ConfigError, match="vineppo's Monte Carlo values use the verifier"):
+        checked_config("tests", ["method.name=vineppo", "reward.synthetic=true"])
+    with pytest.raises(ConfigError, match="refresh labels use the verifier"):
+        checked_config("tests", ["method.name=caspo", "method.caspo.refresh_every=2", "reward.synthetic=true"])
+    assert checked_config("tests", ["method.name=grpo", "reward.synthetic=true"]).reward.synthetic
+    from caspo.value.collect import CollectSpec, collect
+
+    with pytest.raises(ConfigError, match="Monte Carlo labels use the verifier"):
+        collect(load_config("tests", ["reward.synthetic=true"]), CollectSpec(prompts=2, k=2, j=2, boundaries=1),
+                tmp_path / "labels.jsonl")
+    assert not (tmp_path / "labels.jsonl").exists()
+
+
 def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     cfg, rows = run(tmp_path, "method.name=vineppo", "method.vineppo_k=2", steps=2)
     assert all(r["mc_tokens"] > 0 and r["mc_unique_prefixes"] > 0 for r in rows)

@@ -34,3 +34,12 @@ def test_model_identity_follows_the_weights(tiny_model):
     with torch.no_grad():
         next(twin.parameters())[0, 0] += 1e-3
     assert model_identity(twin) != model_identity(tiny_model)
+
+
+def test_the_verifier_record_names_the_reward_settings_off_their_defaults(tiny_model):
+    tokenizer = load_tokenizer(resolve_model_path("embedded:tiny-arith"))
+    default = label_provenance(load_config("tests"), tokenizer, tiny_model)
+    lenient = label_provenance(load_config("tests", ["reward.fallback=last_number", "reward.extractor=minerva"]),
+                               tokenizer, tiny_model)
+    assert default.verifier_version == VERIFIER_VERSION  # values made under the defaults keep their record
+    assert lenient.verifier_version == f"{VERIFIER_VERSION}/extractor=minerva/fallback=last_number"

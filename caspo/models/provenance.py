@@ -35,7 +35,7 @@ class Provenance:
     prompt_template: str  # the template text, with its {query} placeholder
     add_bos: bool
     tokenizer_hash: str
-    verifier_version: str  # caspo.reward.VERIFIER_VERSION
+    verifier_version: str  # caspo.reward.VERIFIER_VERSION, and the reward settings off their defaults
     temperature: float  # the sampler whose success probability the values estimate
     top_p: float
     top_k: int
@@ -117,12 +117,21 @@ def prompt_format(cfg: Config, tokenizer) -> dict:
                 tokenizer_hash=tokenizer_hash(tokenizer))
 
 
+def verifier_identity(cfg: Config) -> str:
+    """The verifier's version and every reward setting that changes a verdict (those off their defaults
+    appended, so values made under the defaults keep their record)."""
+    rw, default = cfg.reward, type(cfg.reward)()
+    changed = [f"{key}={getattr(rw, key)}" for key in ("extractor", "fallback", "max_answer_chars")
+               if getattr(rw, key) != getattr(default, key)]
+    return "/".join([VERIFIER_VERSION, *changed])
+
+
 def label_provenance(cfg: Config, tokenizer, policy: torch.nn.Module) -> Provenance:
     """The conditions under which ``policy``'s rollouts for ``cfg`` define values."""
     r = cfg.rollout
     return Provenance(
         **prompt_format(cfg, tokenizer),
-        verifier_version=VERIFIER_VERSION,
+        verifier_version=verifier_identity(cfg),
         temperature=r.temperature,
         top_p=r.top_p,
         top_k=r.top_k,

@@ -117,6 +117,9 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
             raise ConfigError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
         cfg = dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, step_splitter=splitter))
     splitter = splitter_name(cfg)
+    if cfg.reward.synthetic:
+        raise ConfigError("reward.synthetic scores a training batch only; Monte Carlo labels use the verifier: "
+                          "set reward.synthetic=false")
     if spec.pairing not in PAIRINGS:
         raise ValueError(f"unknown pairing {spec.pairing!r}; choose from {', '.join(PAIRINGS)}")
     if spec.state_temperature is not None and not spec.state_temperature > 0:
