@@ -130,14 +130,17 @@ def micro_batches(batch: RolloutBatch, rows: torch.Tensor, size: int,
     """(row indices, micro-batch, real) over `rows`, as `RolloutBatch.micro_batches`; with several ranks,
     padded with stand-ins (real = False: one row, its loss to be multiplied by 0) up to the largest count
     of any rank, since every FSDP forward and backward is a collective."""
-    count = 0
-    for idx, micro in batch.micro_batches(size, rows, max_tokens):
-        count += 1
+    if not distributed.active():
+        for idx, micro in batch.micro_batches(size, rows, max_tokens):
+            yield idx, micro, True
+        return
+    chunks = list(batch.micro_batches(size, rows, max_tokens))  # counted before any forward: they are collectives
+    extra = distributed.all_max(len(chunks)) - len(chunks)
+    for idx, micro in chunks:
         yield idx, micro, True
-    if distributed.active():
-        stand_in = rows[:1] if len(rows) else torch.zeros(1, dtype=torch.long)
-        for _ in range(distributed.all_max(count) - count):
-            yield stand_in, batch.select(stand_in), False
+    stand_in = rows[:1] if len(rows) else torch.zeros(1, dtype=torch.long)
+    for _ in range(extra):
+        yield stand_in, batch.select(stand_in), False
 
 
 @torch.no_grad()

@@ -1,0 +1,118 @@
+"""Checks of caspo.train.distributed / fsdp / sharded on 2 gloo ranks: `torchrun --nproc-per-node 2
+tests/distributed_checks.py OUT.json` (tests/test_distributed.py runs it). Each rank computes what one process
+computes too (from an unsharded copy of the same model), then the sharded version; rank 0 writes the
+differences and the facts the test asserts to OUT.json."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+
+from caspo.batch import RolloutBatch
+from caspo.config import load_config
+from caspo.models.forward import hidden_logprobs, response_hidden, response_logprobs
+from caspo.models.policy import load_policy
+from caspo.precision import LossScaler
+from caspo.rollout.base import Completion, publish
+from caspo.rollout.hf import HFEngine
+from caspo.train import distributed, fsdp, sharded
+from caspo.train.scoring import score
+from caspo.train.update import accumulate_gradients
+
+
+def make_batch(rows: int = 7) -> RolloutBatch:
+    """Rows of different prompt and response lengths, so that token-packed micro-batches differ in number."""
+    g = torch.Generator().manual_seed(0)
+    widths = torch.randint(3, 9, (rows,), generator=g).tolist()
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in widths]
+    lengths = [2, 9, 3, 12, 5, 1, 7][:rows]
+    completions = [Completion(torch.randint(3, 100, (n,), generator=g).tolist(), [0.0] * n, "stop", 0)
+                   for n in lengths]
+    batch = RolloutBatch.from_completions(prompts, completions, group_ids=list(range(rows)),
+                                          example_ids=[str(i) for i in range(rows)], sample_seeds=list(range(rows)),
+                                          texts=[""] * rows, pad_token_id=0)
+    batch.advantages = torch.randn(batch.responses.shape, generator=g)
+    return batch
+
+
+def loss_fn(model, micro, cfg, denom):
+    """A token-mean policy-gradient loss normalised by the whole minibatch's token count."""
+    logp, _ = hidden_logprobs(model, response_hidden(model, micro), micro.responses)
+    return -(logp * micro.advantages * micro.response_mask).sum() / denom, {}
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {n: fsdp.full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    cfg = load_config("tests", ["train.micro_batch_size=2", "train.micro_batch_tokens=30"])
+    cfg = distributed.start(cfg)
+    assert distributed.active() and distributed.size() == 2
+    batch = make_batch()
+    rows = torch.tensor([5, 0, 3, 6, 1, 2, 4])  # a minibatch in the update's order: 3 micro-batches, then 2
+    base = load_policy(cfg.model.policy)
+    facts: dict = {}
+
+    # one process: the whole minibatch's gradient, the log-probs, the engine's digest after a publication
+    single = copy.deepcopy(base)
+    with distributed_off():
+        accumulate_gradients(single, batch, rows, cfg, LossScaler("fp32"), batch.responses.shape[1], loss_fn)
+        want_grads = gradients(single)
+        want_logp = score(single, batch, cfg)
+        engine = HFEngine(base, pad_token_id=0)
+        want_digest = publish(engine, single, 1)
+    # the sharded model: same weights, each rank on its block of the rows
+    model = fsdp.shard_routed(copy.deepcopy(base), "fp32")
+    facts["micro_batches"] = len(list(batch.micro_batches(2, distributed.my_rows(rows), 30)))
+    accumulate_gradients(model, batch, rows, cfg, LossScaler("fp32"), batch.responses.shape[1], loss_fn)
+    facts["grad_diff"] = max_diff(gradients(model), want_grads)
+    facts["grad_scale"] = max(g.abs().max().item() for g in want_grads.values())
+    got = fsdp.score_rows(model, batch, cfg, response_logprobs, 1.0)
+    facts["logp_diff"] = ((got - want_logp) * batch.response_mask).abs().max().item()  # padding holds anything
+    facts["digest_equal"] = publish(HFEngine(base, pad_token_id=0), model, 1) == want_digest
+    whole = sharded.whole_state(model, "fp32")
+    tied = {"lm_head.weight"}  # the embedding, written once
+    facts["export_keys_equal"] = not distributed.is_main() or set(whole) == set(single.state_dict()) - tied
+    facts["export_diff"] = max((whole[k] - single.state_dict()[k]).abs().max().item() for k in whole) \
+        if distributed.is_main() else 0.0
+
+    # the collectives' helpers
+    mine = torch.zeros(5, dtype=torch.bool)
+    mine[list(distributed.block(5))] = True
+    x = torch.where(mine[:, None], torch.tensor([[1.0, float("nan")]] * 5) * (distributed.rank() + 1), torch.nan)
+    shared = distributed.share_rows(x, mine)
+    facts["share_rows"] = [[None if v != v else v for v in row] for row in shared.tolist()]
+    facts["gather_rows"] = distributed.gather_rows(torch.arange(5)[list(distributed.block(5))] * 10, 5).tolist()
+    facts["all_sum"] = distributed.all_sum({"a": 1.0, f"only{distributed.rank()}": 2.0})
+    try:
+        distributed.on_main(lambda: 1 / 0)
+    except ZeroDivisionError:
+        facts["on_main_raises_everywhere"] = True
+    facts["per_rank"] = distributed.gather_objects({k: facts[k] for k in ("micro_batches", "grad_diff",
+                                                                           "digest_equal", "export_keys_equal")})
+    if distributed.is_main():
+        with open(out, "w") as f:
+            json.dump(facts, f, indent=1)
+
+
+class distributed_off:
+    """Run as one process would, in a process of a group (for the reference numbers)."""
+
+    def __enter__(self):
+        self.active, distributed.active = distributed.active, lambda: False
+
+    def __exit__(self, *exc):
+        distributed.active = self.active
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,149 @@
+"""Data parallelism on the CPU: 2 gloo processes against one (caspo.train.distributed, fsdp, sharded)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from caspo.config import ConfigError, load_config
+from caspo.train import distributed
+
+HERE = Path(__file__).parent
+# one thread per process: the two ranks share the machine's cores
+RUN = ["model.threads=1", "eval.before=false", "eval.after=false", "train.deterministic=true"]
+
+
+def caspo(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "caspo.cli", *args], capture_output=True, text=True,
+                          env=env or {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+
+
+def test_blocks_split_as_tensor_split_and_cover_every_item():
+    for n in range(0, 9):
+        for world in (1, 2, 3, 4):
+            blocks = [distributed.block(n, r, world) for r in range(world)]
+            assert [list(b) for b in blocks] == [t.tolist() for t in torch.arange(n).tensor_split(world)]
+    assert [list(distributed.block(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+
+
+def test_one_process_joins_no_group_and_keeps_its_config(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = load_config("tests")
+    assert distributed.start(cfg) is cfg
+    assert not torch.distributed.is_initialized() and not distributed.active()
+    assert (distributed.rank(), distributed.size(), distributed.is_main()) == (0, 1, True)
+    assert distributed.log_dir(Path("run")) == Path("run")
+    x = torch.arange(6.0).view(3, 2)
+    assert distributed.gather_rows(x, 3) is x and distributed.all_sum({"a": 1.0}) == {"a": 1.0}
+
+
+@pytest.mark.parametrize("override, named", [
+    ("train.precision=fp16", "train.precision=fp16"),
+    ("rollout.staleness=1", "rollout.staleness > 0"),
+    ("method.name=flow_dppo", "flow_dppo"),
+    ("model.device=cuda:1", "model.device=cuda:1"),
+])
+def test_several_processes_refuse_what_they_cannot_honour(override, named):
+    cfg = load_config("tests", [override])
+    distributed.check_config(cfg, 1)  # one process runs it
+    with pytest.raises(ConfigError, match=named.replace("+", r"\+")):
+        distributed.check_config(cfg, 2)
+
+
+def test_launch_command_runs_the_cli_under_torchrun():
+    cmd = distributed.launch_command(4, ["train", "tests", "train.steps=2"])
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=4" in cmd and "--standalone" in cmd
+    assert cmd[-5:] == ["-m", "caspo.cli", "train", "tests", "train.steps=2"]
+
+
+def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_path):
+    """tests/distributed_checks.py on 2 gloo ranks: token-packed micro-batches of unequal number per rank
+    (stand-ins keep the collectives matched), the gradient of the whole minibatch, the no-grad scores, the
+    engine's digest after a publication of the sharded policy, rank 0's HF export, the helpers."""
+    out = tmp_path / "facts.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             str(HERE / "distributed_checks.py"), str(out)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    facts = json.loads(out.read_text())
+    assert facts["grad_diff"] <= 1e-6 * facts["grad_scale"]
+    assert facts["logp_diff"] <= 1e-5
+    assert [r["micro_batches"] for r in facts["per_rank"]] == [3, 2]  # rank 1 ran a stand-in
+    assert all(r["digest_equal"] and r["export_keys_equal"] and r["grad_diff"] == facts["grad_diff"]
+               for r in facts["per_rank"])
+    assert facts["export_diff"] == 0.0
+    # rank 0 filled rows 0-2 with 1, rank 1 rows 3-4 with 2; the NaN of a filled row is kept
+    assert facts["share_rows"] == [[1.0, None]] * 3 + [[2.0, None]] * 2
+    assert facts["gather_rows"] == [0, 10, 20, 30, 40]
+    assert facts["all_sum"] == {"a": 2.0, "only0": 2.0, "only1": 2.0}
+    assert facts["on_main_raises_everywhere"]
+
+
+def exported(run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    return {p.parent.name: load_file(p) for p in sorted(ckpt.glob("*/model.safetensors"))}
+
+
+def samples(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def caspo_value_model(tmp_path_factory):
+    from caspo.models.policy import load_policy, resolve_model_path
+    from caspo.models.prefix_value import PrefixValueModel
+    from caspo.models.provenance import label_provenance, model_identity
+    from caspo.models.tokenizer import load_tokenizer
+
+    cfg = load_config("tests")
+    base = load_policy(cfg.model.policy)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
+    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
+    model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=cfg.model.policy)
+    return model.save(tmp_path_factory.mktemp("value") / "v0", tokenizer=tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["grpo", "ppo_critic", "caspo"])
+def test_two_processes_sample_and_train_as_one(tmp_path, method, caspo_value_model):
+    """Deterministic fp32, 3 steps: the same sampled tokens and, up to the order of the sums, the same weights
+    of every trained model (the policy; the critic; CASPO's online value model, whole on every rank)."""
+    extra = [f"method.name={method}"]
+    if method == "caspo":
+        extra += [f"method.caspo.value_model={caspo_value_model}", "method.caspo.online=true",
+                  "method.caspo.online_value_lr=1e-3"]
+    runs = {n: tmp_path / f"n{n}" for n in (1, 2)}
+    for n, run in runs.items():
+        result = caspo("train", "tests", *RUN, *extra, f"train.output_dir={run}", *(["--nproc", "2"] if n == 2 else []))
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = samples(runs[1]), samples(runs[2])
+    assert len(one) == len(two) == 3 * 8
+    assert [s["tokens_digest"] for s in one] == [s["tokens_digest"] for s in two]
+    assert [s["reward"] for s in one] == [s["reward"] for s in two]
+    w1, w2 = exported(runs[1]), exported(runs[2])
+    assert set(w1) == set(w2) == {"policy", *({"ppo_critic": {"critic"}, "caspo": {"value"}}.get(method, set()))}
+    for name in w1:
+        assert set(w1[name]) == set(w2[name])
+        assert max((w1[name][k] - w2[name][k]).abs().max().item() for k in w1[name]) <= 1e-6
+    # the sharded checkpoint: DCP shards, each rank's RNG; rank 1's own log beside rank 0's
+    ckpt = runs[2] / "checkpoints" / "step_000003"
+    assert (ckpt / "shards").is_dir() and sorted(p.name for p in (ckpt / "ranks").iterdir()) == ["rank_0.pt",
+                                                                                                "rank_1.pt"]
+    assert samples(runs[2] / "ranks" / "rank1") == two
+    if method == "grpo":  # a sharded checkpoint resumes only in as many processes
+        result = caspo("train", "tests", *RUN, f"train.output_dir={runs[2]}", "train.steps=4", "--resume", "latest")
+        assert result.returncode == 2 and "--nproc" in result.stderr
+
+
+@pytest.mark.slow
+def test_verify_resume_with_two_processes_is_bit_identical(tmp_path):
+    result = caspo("verify-resume", "tests", "model.threads=1", "--nproc", "2", "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "NO" not in result.stdout
