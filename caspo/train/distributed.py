@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import datetime
 import os
 import sys
 from pathlib import Path
@@ -110,7 +111,8 @@ def start(cfg: Config) -> Config:
                               f"{torch.cuda.device_count()} CUDA devices; start at most that many processes per host")
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if on_cuda else "gloo",
+        # one timeout for both backends (NCCL's default is 10 minutes): rank 0 alone writes exports and logs
+        dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(minutes=30),
                                 device_id=torch.device("cuda", local) if on_cuda else None)
         atexit.register(stop)
     if not is_main():  # rank 0 prints and reports to the trackers; the others keep their own metrics.jsonl
