@@ -26,7 +26,7 @@ import weakref
 from typing import Callable, Iterator
 
 import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from caspo.batch import RolloutBatch
@@ -90,7 +90,7 @@ def shard_called(model: torch.nn.Module, precision: str) -> torch.nn.Module:
         for layer in _layers(backbone):
             _group(layer, precision)
     _group(backbone, precision)
-    for name, child in model.named_children():
+    for child in model.children():
         if child is not backbone and any(True for _ in child.parameters()):
             _group(child, precision)
     return model
@@ -100,10 +100,6 @@ def call(model: torch.nn.Module, fn: Callable, *args):
     """`fn(model, *args)`, through the model's FSDP root when it has one."""
     root = _ROOTS.get(model)
     return fn(model, *args) if root is None else root(fn, *args)
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    return model in _ROOTS or any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +143,7 @@ def micro_batches(batch: RolloutBatch, rows: torch.Tensor, size: int,
 def score_rows(model: torch.nn.Module, batch: RolloutBatch, cfg, fn: Callable[..., torch.Tensor],
                *args) -> torch.Tensor:
     """`fn(model, micro, *args)` -> [b, R] over the batch, each rank on its block of rows, gathered on all."""
-    rows = torch.arange(batch.size)[distributed.block(batch.size).start:distributed.block(batch.size).stop]
+    rows = distributed.my_rows(torch.arange(batch.size))
     out = torch.zeros((len(rows), batch.behaviour_logprobs.shape[1]), device=batch.behaviour_logprobs.device)
     for idx, micro, real in micro_batches(batch, rows, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens):
         with autocast(cfg.train.precision, micro.input_ids.device):

@@ -30,12 +30,10 @@ from caspo.eval.benchmarks import load_suites
 from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
 from caspo.eval.run import evaluate_checkpoint
 from caspo.eval.suite import eval_samplers
-from caspo.models.forward import response_logprobs
 from caspo.models.policy import resolve_device
 from caspo.report.curves import plot_run
 from caspo.report.trackers import RunRecords, build_trackers, check_loggers
-from caspo.reward.pool import RewardResult
-from caspo.rollout.base import Completion, Request, publish
+from caspo.rollout.base import Request, publish
 from caspo.rollout.sampling import sample_seed
 from caspo.runlog import (
     JsonlWriter,
@@ -50,8 +48,9 @@ from caspo.runlog import (
     run_start,
 )
 from caspo.train import checkpoint as ckpt
-from caspo.train import distributed, fsdp
+from caspo.train import distributed
 from caspo.train.advantages import compute_advantages
+from caspo.train.blocks import generate_blocks, logprobs, score_blocks
 from caspo.train.health import HealthWatch, step_health
 from caspo.train.health import check_config as check_health_config
 from caspo.train.scoring import score
@@ -62,7 +61,7 @@ from caspo.train.trainer import Trainer, build_trainer, publish_current, restore
 from caspo.train.update import old_is_current, update
 from caspo.train.watchdog import Watchdog
 
-__all__ = ["Trainer", "build_trainer", "evaluate", "outer_step", "restore", "save", "train"]
+__all__ = ["Trainer", "build_trainer", "evaluate", "outer_step", "restore", "save", "score", "train"]
 
 
 # ---------------------------------------------------------------- the outer step
@@ -134,41 +133,6 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
                                           sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id,
                                           labels=labels)
     return batch.to(tr.device)
-
-
-def generate_blocks(tr: Trainer, requests: list[Request], G: int) -> list[Completion]:
-    """The completions of `requests` (G per prompt), in order; with several ranks, each generates its block
-    of prompts and every rank receives all of them."""
-    if not distributed.active():
-        return tr.engine.generate(requests, tr.sampling)
-    share = distributed.block(len(requests) // G)
-    mine = requests[share.start * G:share.stop * G]
-    done = tr.engine.generate(mine, tr.sampling) if mine else []
-    return [c for part in distributed.gather_objects(done) for c in part]
-
-
-def score_blocks(tr: Trainer, batch: RolloutBatch) -> RewardResult:
-    """The verifier's result on the batch; with several ranks, each scores its block of prompts' rows (the
-    rows it generated) and every rank receives the whole result."""
-    finished = batch.finished.tolist()
-    if not distributed.active():
-        return tr.pool.score(batch.texts, batch.labels, finished)
-    G = tr.cfg.rollout.samples_per_prompt
-    share = distributed.block(batch.size // G)
-    rows = slice(share.start * G, share.stop * G)
-    mine = tr.pool.score(batch.texts[rows], batch.labels[rows], finished[rows]) if share else RewardResult([])
-    parts = distributed.gather_objects(mine)
-    return RewardResult(rewards=[r for part in parts for r in part.rewards],
-                        timeouts=sum(p.timeouts for p in parts), crashes=sum(p.crashes for p in parts),
-                        over_budget=sum(p.over_budget for p in parts), recycled=sum(p.recycled for p in parts),
-                        max_call_s=max(p.max_call_s for p in parts), max_rss_mb=max(p.max_rss_mb for p in parts))
-
-
-def logprobs(model: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
-    """Response log-probs under `model`, no grad; with several ranks each scores its block of rows."""
-    if distributed.active():
-        return fsdp.score_rows(model, batch, cfg, response_logprobs, cfg.rollout.temperature)
-    return score(model, batch, cfg)
 
 
 def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
