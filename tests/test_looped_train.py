@@ -25,7 +25,9 @@ def looped_policy(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("method", ["grpo", "ppo_critic", "dppo", "flow-dppo"])
+# two of the recipe's four algorithms in the default run; all four with -m slow
+@pytest.mark.parametrize("method", ["grpo", pytest.param("ppo_critic", marks=pytest.mark.slow),
+                                    pytest.param("dppo", marks=pytest.mark.slow), "flow-dppo"])
 def test_recipe_algorithms_run_on_the_shipped_looped_policy(tmp_path, method):
     cfg = load_config("tests", ["model.policy=embedded:tiny-looped", "rollout.backend=native", f"method.name={method}",
                                 "train.steps=3", "train.precision=fp32",
@@ -37,6 +39,7 @@ def test_recipe_algorithms_run_on_the_shipped_looped_policy(tmp_path, method):
     assert saved == ({"policy"} if method == "grpo" else {"policy", "critic"})  # GRPO saves only the actor
 
 
+@pytest.mark.slow  # about 40 s; the default run checks verify-resume on the tests preset (test_resume.py)
 def test_verify_resume_on_a_looped_policy(tmp_path, looped_policy):
     assert verify_resume("tests", [f"model.policy={looped_policy}", "method.name=ppo_critic", *LOOPED], tmp_path)
 

@@ -108,7 +108,9 @@ def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     assert all(r["steps_mean"] >= 1 for r in rows)
 
 
-@pytest.mark.parametrize("transform", ["value", "prob", "logprob"])
+# prob frozen and online in the default run; the value and logprob transforms with -m slow
+@pytest.mark.parametrize("transform", [pytest.param("value", marks=pytest.mark.slow), "prob",
+                                       pytest.param("logprob", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("online", [False, True])
 def test_caspo_runs_each_transform_frozen_and_online(tmp_path, value_model_folder, transform, online):
     cfg, rows = run(tmp_path, "method.name=caspo", f"method.caspo.value_model={value_model_folder}",

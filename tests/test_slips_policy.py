@@ -3,6 +3,8 @@
 import dataclasses
 import re
 
+import pytest
+
 from caspo.config import load_config
 from caspo.data.build import load_task_data
 from caspo.rollout.base import Request
@@ -20,6 +22,7 @@ def line_slips(text: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # about 12 s: 1,000 sampled solutions
 def test_shipped_slips_policy_slips_only_when_sampling():
     cfg = load_config("arith-slips", ["rollout.backend=native", "model.threads=1"])
     setup = rollout_setup(cfg)
