@@ -95,29 +95,14 @@ def samples(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def caspo_value_model(tmp_path_factory):
-    from caspo.models.policy import load_policy, resolve_model_path
-    from caspo.models.prefix_value import PrefixValueModel
-    from caspo.models.provenance import label_provenance, model_identity
-    from caspo.models.tokenizer import load_tokenizer
-
-    cfg = load_config("tests")
-    base = load_policy(cfg.model.policy)
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.policy))
-    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
-    model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=cfg.model.policy)
-    return model.save(tmp_path_factory.mktemp("value") / "v0", tokenizer=tokenizer)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "ppo_critic", "caspo"])
-def test_two_processes_sample_and_train_as_one(tmp_path, method, caspo_value_model):
+def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_folder):
     """Deterministic fp32, 3 steps: the same sampled tokens and, up to the order of the sums, the same weights
     of every trained model (the policy; the critic; CASPO's online value model, whole on every rank)."""
     extra = [f"method.name={method}"]
     if method == "caspo":
-        extra += [f"method.caspo.value_model={caspo_value_model}", "method.caspo.online=true",
+        extra += [f"method.caspo.value_model={value_model_folder}", "method.caspo.online=true",
                   "method.caspo.online_value_lr=1e-3"]
     runs = {n: tmp_path / f"n{n}" for n in (1, 2)}
     for n, run in runs.items():

@@ -106,13 +106,15 @@ def test_incomplete_or_mismatched_publication_keeps_old_weights(tiny_model):
     check_failed_publications_keep_old_weights(HFEngine(tiny_model, pad_token_id=0), tiny_model, requests(8), SAMPLING)
 
 
+def engine_of(backend, model):
+    return HFEngine(model, pad_token_id=0) if backend == "hf" else NativeEngine(model, max_seq_len=32,
+                                                                                capacity_tokens=32 * 8)
+
+
 @pytest.mark.parametrize("backend", ["hf", "native"])
 def test_sleep_and_wake_through_the_protocol(tiny_model, backend):
     """Code written against the protocol sees the same on both backends: asleep refuses, awake resumes exactly."""
-    if backend == "hf":
-        engine = HFEngine(tiny_model, pad_token_id=0)
-    else:
-        engine = NativeEngine(tiny_model, max_seq_len=32, capacity_tokens=32 * 8)
+    engine = engine_of(backend, tiny_model)
     before = engine.generate(requests(8), SAMPLING)
     assert not engine.asleep
     engine.sleep()
@@ -126,10 +128,7 @@ def test_sleep_and_wake_through_the_protocol(tiny_model, backend):
 
 @pytest.mark.parametrize("backend", ["hf", "native"])
 def test_sleep_can_free_the_weights_until_the_next_publication(tiny_model, backend):
-    if backend == "hf":
-        engine = HFEngine(tiny_model, pad_token_id=0)
-    else:
-        engine = NativeEngine(tiny_model, max_seq_len=32, capacity_tokens=32 * 8)
+    engine = engine_of(backend, tiny_model)
     before = engine.generate(requests(8), SAMPLING)
     engine.sleep(weights=True)
     assert all(p.numel() == 0 for p in engine._params().values())  # the storage is gone
