@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -27,13 +25,10 @@ from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config, ConfigError, to_yaml
 from caspo.eval.benchmarks import load_suites
-from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
-from caspo.eval.run import evaluate_checkpoint
-from caspo.eval.suite import eval_samplers
 from caspo.models.policy import resolve_device
 from caspo.report.curves import plot_run
 from caspo.report.trackers import RunRecords, build_trackers, check_loggers
-from caspo.rollout.base import Request, publish
+from caspo.rollout.base import Request
 from caspo.rollout.sampling import sample_seed
 from caspo.runlog import (
     JsonlWriter,
@@ -47,12 +42,13 @@ from caspo.runlog import (
     record_start,
     run_start,
 )
-from caspo.train import checkpoint as ckpt
 from caspo.train import distributed
 from caspo.train.advantages import compute_advantages
 from caspo.train.blocks import generate_blocks, logprobs, score_blocks
 from caspo.train.health import HealthWatch, step_health
 from caspo.train.health import check_config as check_health_config
+from caspo.train.run_eval import evaluate, evaluate_benchmarks, sampled_note
+from caspo.train.run_files import RunStopped, load_during, prepare_run_dir
 from caspo.train.scoring import score
 from caspo.train.signals import StopRequest
 from caspo.train.step_values import control_seed
@@ -61,7 +57,7 @@ from caspo.train.trainer import Trainer, build_trainer, publish_current, restore
 from caspo.train.update import old_is_current, update
 from caspo.train.watchdog import Watchdog
 
-__all__ = ["Trainer", "build_trainer", "evaluate", "outer_step", "restore", "save", "score", "train"]
+__all__ = ["RunStopped", "Trainer", "build_trainer", "evaluate", "outer_step", "restore", "save", "score", "train"]
 
 
 # ---------------------------------------------------------------- the outer step
@@ -184,37 +180,6 @@ def sample_records(tr: Trainer, batch: RolloutBatch, step: int) -> list[dict]:
 # ---------------------------------------------------------------- the run
 
 
-def evaluate(tr: Trainer) -> dict:
-    cfg = tr.cfg
-    result = greedy_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
-                             tr.pool, max_new_tokens=cfg.eval.max_new_tokens,
-                             stop_token_ids=tr.sampling.stop_token_ids, stop_strings=cfg.rollout.stop)
-    metrics = {f"eval_{k}": v for k, v in result.summary().items()}
-    if cfg.eval.samples:
-        sampled = sampled_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
-                                   tr.pool, samples=cfg.eval.samples, sampling=eval_samplers(cfg, tr.sampling)[1],
-                                   max_new_tokens=cfg.eval.max_new_tokens)
-        metrics |= {f"eval_sampled_{k}": v for k, v in sampled.summary().items()}
-    return metrics
-
-
-def sampled_note(metrics: dict) -> str:
-    return f"; sampled avg@k {metrics['eval_sampled_accuracy']:.3f}" if "eval_sampled_accuracy" in metrics else ""
-
-
-def evaluate_benchmarks(tr: Trainer, suites: list, checkpoint: str, policy: str, progress=None) -> dict:
-    """eval.benchmarks on the policy the run holds now, written as `caspo eval` writes them
-    (<run>/eval/<checkpoint>.json); returns each benchmark's greedy accuracy for the run log."""
-    if tr.cfg.rollout.staleness:  # the engine serves an older version: evaluate the one just saved
-        publish(tr.engine, tr.policy, tr.version)
-    result = evaluate_checkpoint(tr.engine, tr.tokenizer, tr.pool, tr.cfg, suites, tr.sampling,
-                                 checkpoint=checkpoint, step=tr.step, policy=policy, out_dir=tr.run_dir / "eval",
-                                 progress=progress)
-    if tr.cfg.rollout.staleness:
-        publish_current(tr)
-    return {f"bench_{name}_greedy": bench["metrics"]["greedy"] for name, bench in result["benchmarks"].items()}
-
-
 class BetweenSegments(Protocol):
     """What runs between two segments of a run: CASPO's refresh (`caspo.value.refresh.Refresh`)."""
 
@@ -234,30 +199,6 @@ class NoRefresh:
 
     def due(self, step: int) -> bool:
         return False
-
-
-class RunStopped(RuntimeError):
-    """The run stopped itself: its last good checkpoint is kept, the message says why and what to do."""
-
-
-RUN_FILES = ("checkpoints", "metrics.jsonl", "samples.jsonl", "refresh", "curves.png", "run.json", "status.json",
-             "tensorboard", "wandb", "ranks")
-
-
-def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | None:
-    """The checkpoint to resume from, if any, checked before anything is written; a fresh run refuses a
-    folder that holds another run unless `overwrite` (which removes that run's files)."""
-    run_dir = Path(cfg.train.output_dir)
-    if resume:
-        return ckpt.resolve_checkpoint(run_dir if resume == "latest" else resume)
-    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(existing)}); resume it with --resume "
-                              f"latest, start over with --overwrite, or set train.output_dir to a new folder")
-    for name in existing:
-        path = run_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    return None
 
 
 def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegments] = None,
@@ -323,13 +264,6 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     record_end(tr.run_dir, run_record, state="finished" if finished else "stopped", step=tr.step,
                **load_during(loads))
     return summary
-
-
-def load_during(loads: list[float]) -> dict:
-    """The machine's 1-minute load average over this process's steps (it counts the run's own threads)."""
-    if not loads:
-        return {}
-    return {"load_1m_mean": round(sum(loads) / len(loads), 2), "load_1m_max": round(max(loads), 2)}
 
 
 def batch_histograms(batch: RolloutBatch) -> dict[str, torch.Tensor]:

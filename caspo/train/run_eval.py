@@ -1,0 +1,43 @@
+"""What a run evaluates: the held-out set (greedy, and avg@k at the run's sampler) and, at every checkpoint,
+eval.benchmarks written as `caspo eval` writes them."""
+
+from __future__ import annotations
+
+from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
+from caspo.eval.run import evaluate_checkpoint
+from caspo.eval.suite import eval_samplers
+from caspo.rollout.base import publish
+from caspo.train.trainer import Trainer, publish_current
+
+
+def evaluate(tr: Trainer) -> dict:
+    cfg = tr.cfg
+    result = greedy_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
+                             tr.pool, max_new_tokens=cfg.eval.max_new_tokens,
+                             stop_token_ids=tr.sampling.stop_token_ids, stop_strings=cfg.rollout.stop)
+    metrics = {f"eval_{k}": v for k, v in result.summary().items()}
+    if cfg.eval.samples:
+        sampled = sampled_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
+                                   tr.pool, samples=cfg.eval.samples, sampling=eval_samplers(cfg, tr.sampling)[1],
+                                   max_new_tokens=cfg.eval.max_new_tokens)
+        metrics |= {f"eval_sampled_{k}": v for k, v in sampled.summary().items()}
+    return metrics
+
+
+def sampled_note(metrics: dict) -> str:
+    return f"; sampled avg@k {metrics['eval_sampled_accuracy']:.3f}" if "eval_sampled_accuracy" in metrics else ""
+
+
+def evaluate_benchmarks(tr: Trainer, suites: list, checkpoint: str, policy: str, progress=None) -> dict:
+    """eval.benchmarks on the policy the run holds now, written as `caspo eval` writes them
+    (<run>/eval/<checkpoint>.json); returns each benchmark's greedy accuracy for the run log."""
+    if tr.cfg.rollout.staleness:  # the engine serves an older version: evaluate the one just saved
+        publish(tr.engine, tr.policy, tr.version)
+    result = evaluate_checkpoint(tr.engine, tr.tokenizer, tr.pool, tr.cfg, suites, tr.sampling,
+                                 checkpoint=checkpoint, step=tr.step, policy=policy, out_dir=tr.run_dir / "eval",
+                                 progress=progress)
+    if tr.cfg.rollout.staleness:
+        publish_current(tr)
+    return {f"bench_{name}_greedy": bench["metrics"]["greedy"] for name, bench in result["benchmarks"].items()}
+
+

@@ -1,0 +1,43 @@
+"""A run's folder: what a fresh run may overwrite, what a resume starts from, and how a run that stops
+itself says so."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from caspo.config import Config
+from caspo.train import checkpoint as ckpt
+
+
+class RunStopped(RuntimeError):
+    """The run stopped itself: its last good checkpoint is kept, the message says why and what to do."""
+
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "samples.jsonl", "refresh", "curves.png", "run.json", "status.json",
+             "tensorboard", "wandb", "ranks")
+
+
+def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | None:
+    """The checkpoint to resume from, if any, checked before anything is written; a fresh run refuses a
+    folder that holds another run unless `overwrite` (which removes that run's files)."""
+    run_dir = Path(cfg.train.output_dir)
+    if resume:
+        return ckpt.resolve_checkpoint(run_dir if resume == "latest" else resume)
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(existing)}); resume it with --resume "
+                              f"latest, start over with --overwrite, or set train.output_dir to a new folder")
+    for name in existing:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return None
+
+
+def load_during(loads: list[float]) -> dict:
+    """The machine's 1-minute load average over this process's steps (it counts the run's own threads)."""
+    if not loads:
+        return {}
+    return {"load_1m_mean": round(sum(loads) / len(loads), 2), "load_1m_max": round(max(loads), 2)}
+
+
