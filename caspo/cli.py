@@ -140,7 +140,7 @@ def evaluate(
     policy_or_run: str = typer.Argument(..., help="a run folder, a checkpoint, a policy folder or embedded:NAME"),
     overrides: Optional[List[str]] = OVERRIDES,
     preset: Optional[str] = typer.Option(None, help="preset or YAML; default: the run's or checkpoint's config.yaml, "
-                                                   "else arith-tiny"),
+                                                   "else arith-tiny (which a shipped math benchmark refuses)"),
     benchmarks: Optional[str] = typer.Option(None, help="comma list of math500, gsm8k, olympiadbench, math, dsr_sub, "
                                                        "arith, heldout or data files; default eval.benchmarks"),
     samples: Optional[int] = typer.Option(None, help="samples per problem: avg@K, pass@k (k <= K), maj@K"),
@@ -152,6 +152,7 @@ def evaluate(
     out: str = typer.Option(..., help="folder for <checkpoint>.json, summary.md and accuracy.png"),
 ):
     """Greedy accuracy, avg@K, pass@k and maj@K of a policy or a run's checkpoints on benchmarks."""
+    from caspo.data.registry import SHIPPED
     from caspo.eval.run import evaluate_targets
     from caspo.eval.targets import resolve
 
@@ -162,6 +163,10 @@ def evaluate(
     flags = {"samples": samples, "limit": limit, "temperature": temperature, "top_p": top_p,
              "max_new_tokens": max_new_tokens,
              "benchmarks": [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else None}
+    named = [b for b in flags["benchmarks"] or [] if b in SHIPPED]
+    if named and preset is None and run_config is None:  # else arith-tiny's template and 96 tokens, silently
+        raise ConfigError(f"{', '.join(named)} need(s) a real run's template and token budget: add --preset "
+                          "qwen-math-dsr (or rho1b-math, or a YAML); without it a policy gets arith-tiny's settings")
     # the flags as the last overrides, so that they are checked like any other setting
     flag_overrides = [f"eval.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     cfg = checked_config(preset or (str(run_config) if run_config else "arith-tiny"),

@@ -131,10 +131,16 @@ def test_eval_flags_are_checked_like_overrides(tmp_path, monkeypatch):
 
     monkeypatch.setattr("caspo.eval.run.evaluate_targets", evaluate_targets)
     result = invoke("eval", "embedded:tiny-arith", "--samples", 3, "--top-p", 0.5, "--benchmarks", "math500, gsm8k",
-                    "--out", tmp_path)
+                    "--preset", "qwen-math-dsr", "--out", tmp_path)
     assert result.exit_code == 0, result.output
     assert seen == {"samples": 3, "top_p": 0.5, "benchmarks": ["math500", "gsm8k"]}
     assert json.loads(result.stdout)["results"] == {}
+
+
+def test_eval_of_a_policy_on_math_benchmarks_needs_a_preset(tmp_path):
+    result = invoke("eval", "embedded:tiny-arith", "--benchmarks", "arith,gsm8k", "--out", tmp_path)
+    assert result.exit_code == 2
+    assert "gsm8k need(s) a real run's template and token budget: add --preset qwen-math-dsr" in result.output
 
 
 def test_resuming_with_another_seed_is_a_user_error(tmp_path):

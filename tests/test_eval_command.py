@@ -103,6 +103,11 @@ def test_eval_gives_the_hand_computed_metrics(tmp_path, bench, scripted):
     assert data["settings"]["samples"] == 4 and data["settings"]["temperature"] == 0.7
     metrics = data["benchmarks"]["planted"]["metrics"]
     assert metrics == pytest.approx(EXPECTED) and list(metrics) == list(EXPECTED)
+    tokenizer = scripted[0].tokenizer  # every scripted text is generated once: its tokens are counted once
+    texts = [p["greedy"][0] for p in SCRIPT] + [t for p in SCRIPT for t, _ in p["samples"]]
+    generation = data["benchmarks"]["planted"]["generation"]
+    assert generation["tokens"] == sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+    assert generation["tokens_per_s"] > 0
     records = [json.loads(x) for x in (out / "tiny-arith" / "planted.jsonl").read_text().splitlines()]
     assert [r["id"] for r in records] == ["p0", "p1", "p2"]
     assert records[1]["answers"] == ["7", "2", "7", None] and records[1]["rewards"] == [0.0, 1.0, 0.0, 0.0]

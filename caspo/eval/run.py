@@ -57,7 +57,8 @@ def evaluate_checkpoint(engine, tokenizer, pool: RewardPool, cfg: Config, suites
             task = bars.add_task(f"{checkpoint} {suite.name}", total=total, status="")
             bench, records = evaluate_suite(engine, tokenizer, pool, cfg, suite, run_sampling,
                                             advance=lambda n, task=task: bars.advance(task, n))
-            bars.update(task, status=f"greedy {bench['metrics']['greedy']:.3f}")
+            speed = bench["generation"]["tokens_per_s"] or 0.0
+            bars.update(task, status=f"greedy {bench['metrics']['greedy']:.3f}, {speed:,.0f} tokens/s")
             result["benchmarks"][suite.name] = bench
             write_jsonl(out / checkpoint / f"{suite.name}.jsonl", records)
     write_json(out / f"{checkpoint}.json", result)

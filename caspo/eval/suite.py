@@ -33,6 +33,8 @@ class Outputs:
     texts: list[str]
     rewards: list[float]
     finished: list[bool]
+    tokens: int = 0  # generated tokens, the stop token included
+    generate_s: float = 0.0  # inside engine.generate (scoring excluded)
 
 
 def run_requests(engine, tokenizer, pool, requests: list[Request], labels: list[str], sampling: SamplingParams,
@@ -40,7 +42,10 @@ def run_requests(engine, tokenizer, pool, requests: list[Request], labels: list[
     """Generate and score in chunks of CHUNK requests, calling advance(n) after each."""
     out = Outputs([], [], [])
     for start in range(0, len(requests), CHUNK):
+        t0 = time.perf_counter()
         completions = engine.generate(requests[start:start + CHUNK], sampling)
+        out.generate_s += time.perf_counter() - t0
+        out.tokens += sum(len(c.tokens) for c in completions)
         texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
         finished = [c.finish_reason == "stop" for c in completions]
         out.rewards += pool.score(texts, labels[start:start + CHUNK], finished).rewards
@@ -67,7 +72,11 @@ def evaluate_suite(engine, tokenizer, pool, cfg: Config, suite: Suite, run_sampl
     for key, fld in (("by_subject", suite.subject_field), ("by_level", suite.level_field)):
         if fld:
             result[key] = breakdown(records, key.removeprefix("by_"), K)
+    runs = [greedy] + ([sampled] if sampled is not None else [])
+    tokens, generate_s = sum(o.tokens for o in runs), sum(o.generate_s for o in runs)
     result["seconds"] = round(time.perf_counter() - t0, 2)
+    result["generation"] = {"tokens": tokens, "seconds": round(generate_s, 2),
+                            "tokens_per_s": round(tokens / generate_s, 1) if generate_s > 0 else None}
     return result, records
 
 
