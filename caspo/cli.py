@@ -83,7 +83,9 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
           resume: Optional[str] = typer.Option(None, help="checkpoint folder, run folder, or 'latest'"),
           overwrite: bool = typer.Option(False, help="start over in a train.output_dir that holds a run"),
           nproc: int = typer.Option(1, "--nproc", min=1, help="processes on this host, one per device (torchrun "
-                                                                "underneath; docs/distributed.md)")):
+                                                                "underneath; docs/distributed.md)"),
+          ray_address: Optional[str] = typer.Option(None, "--ray-address", help="run the --nproc ranks on this Ray "
+                                                    "cluster (host:port, or local to start one)")):
     """Train a policy with the configured method."""
     import os
     import subprocess
@@ -92,12 +94,16 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     from caspo.value.refresh import train as run_train
 
     cfg = checked_config(preset, overrides)
-    if nproc > 1 and not distributed.launched():  # start the ranks, each running this command
+    if (nproc > 1 or ray_address) and not distributed.launched():  # start the ranks, each running this command
         distributed.check_config(cfg, nproc)
         argv = ["--debug"] if ctx.parent and ctx.parent.params.get("debug") else []
         # without --nproc: torchrun's parser would take it for its own --nproc-per-node
         argv += ["train", preset, *(overrides or []), *(["--resume", resume] if resume else []),
                  *(["--overwrite"] if overwrite else [])]
+        if ray_address:
+            from caspo.train.ray_launch import launch
+
+            raise typer.Exit(launch(ray_address, nproc, argv, cfg.model.device))
         raise typer.Exit(subprocess.call(distributed.launch_command(nproc, argv)))
     if nproc > 1 and distributed.launched() and int(os.environ["WORLD_SIZE"]) != nproc:
         raise ConfigError(f"--nproc {nproc}, but the launcher started {os.environ['WORLD_SIZE']} processes")

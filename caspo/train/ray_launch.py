@@ -1,0 +1,123 @@
+"""`caspo train PRESET --ray-address ADDR --nproc N`: the N ranks of a run placed on a Ray cluster.
+
+One Ray actor per rank, in a placement group of N bundles (one CPU, plus one GPU on CUDA), packed on as
+few hosts as the cluster allows. Each actor starts the same `caspo train` command as a child process
+with the driver's Python executable, the driver's source path first on PYTHONPATH, the determinism
+variables the driver has set, and the torch.distributed variables (rank 0's host and a free port of it
+as the rendezvous). The child then joins the process group as under torchrun
+(`caspo.train.distributed.start`). `--ray-address local` starts a Ray on this machine for the run.
+
+Ray is an optional extra: `pip install 'caspo[ray]'`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from caspo.config import ConfigError
+
+# set on the driver, the same on every rank: cuBLAS, NCCL and hashing are then as deterministic as the driver's
+PROPAGATED = ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG", "PYTHONHASHSEED",
+              "CASPO_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+READY_TIMEOUT_S = 120  # for the placement group: a cluster without the resources never schedules it
+
+
+def source_path() -> str:
+    """The folder the driver imports caspo from (a checkout or site-packages): first on every rank's path."""
+    import caspo
+
+    return str(Path(caspo.__file__).resolve().parents[1])
+
+
+def rank_env(rank: int, world: int, master_addr: str, master_port: int, driver_env: dict) -> dict:
+    """What a rank's process gets besides its host's environment."""
+    env = {k: driver_env[k] for k in PROPAGATED if k in driver_env}
+    path = [source_path(), *filter(None, driver_env.get("PYTHONPATH", "").split(os.pathsep))]
+    env |= {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",  # Ray shows each rank its own GPU only
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class RankProcess:
+    """A Ray actor that runs one rank's command as a child process; `stop` ends the child (the actor takes
+    two calls at once, so that `stop` reaches it while `run` waits)."""
+
+    def __init__(self):
+        self.child = None
+
+    def host(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def run(self, command: list[str], env: dict) -> int:
+        import subprocess
+
+        self.child = subprocess.Popen(command, env={**os.environ, **env})
+        return self.child.wait()
+
+    def stop(self) -> None:
+        if self.child is not None and self.child.poll() is None:
+            self.child.terminate()  # SIGTERM: a rank stops after its step, as under Ctrl-C
+
+
+def launch(address: str, nproc: int, argv: Sequence[str], device: str) -> int:
+    """Run `caspo <argv>` as `nproc` ranks on the Ray cluster at `address` ('local': a new local Ray), on
+    GPUs when `device` (model.device) is cuda, or auto and the cluster has GPUs; returns the largest exit
+    status of the ranks. When one rank fails the others are stopped (they would wait in a collective)."""
+    try:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError:
+        raise ConfigError("--ray-address needs Ray: pip install 'caspo[ray]'") from None
+    if address == "local":
+        import torch
+
+        ray.init(num_cpus=nproc, num_gpus=torch.cuda.device_count(), include_dashboard=False)
+    else:
+        ray.init(address=address)
+    try:
+        on_cuda = device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        bundle = {"CPU": 1, **({"GPU": 1} if on_cuda else {})}
+        group = placement_group([bundle] * nproc, strategy="PACK")
+        try:
+            ray.get(group.ready(), timeout=READY_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources()
+            raise ConfigError(f"the Ray cluster at {address} cannot place {nproc} ranks of {bundle} (it has "
+                              f"{free.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} GPUs free); lower --nproc"
+                              ) from None
+        actor = ray.remote(num_cpus=1, num_gpus=1 if on_cuda else 0, max_concurrency=2)(RankProcess)
+        ranks = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=r)).remote() for r in range(nproc)]
+        master_addr, master_port = ray.get(ranks[0].host.remote())
+        command = [sys.executable, "-m", "caspo.cli", *argv]
+        pending = {a.run.remote(command, rank_env(r, nproc, master_addr, master_port, dict(os.environ))): r
+                   for r, a in enumerate(ranks)}
+        status = 0
+        try:
+            while pending:
+                (ref,), _ = ray.wait(list(pending), num_returns=1)
+                pending.pop(ref)
+                code = ray.get(ref)
+                if code and not status:  # the first failure: stop the others, which would wait for it
+                    ray.get([ranks[r].stop.remote() for r in pending.values()])
+                status = max(status, code)
+        except KeyboardInterrupt:
+            ray.get([a.stop.remote() for a in ranks])
+            raise
+        return status
+    finally:
+        ray.shutdown()
