@@ -138,6 +138,25 @@ def test_sleep_can_free_the_weights_until_the_next_publication(tiny_model, backe
         engine.generate(requests(2), SAMPLING)  # the storage is back, but not yet the weights
     publish(engine, tiny_model, 0)
     assert engine.generate(requests(8), SAMPLING) == before
+    # new weights after a sleep serve exactly as in a fresh engine (the native q/k/v and gate/up are fused
+    # buffers: a publication must land in the buffers the forward reads, not in orphaned parameters)
+    updated = perturbed(tiny_model)
+    engine.sleep(weights=True)
+    if backend == "native":
+        assert all(m.gate_up_weight is None for m in fused_mlps(engine))  # freed, not only the views
+    engine.wake()
+    publish(engine, updated, 1)
+    fresh = engine_of(backend, updated).generate(requests(8), SAMPLING)
+    after = engine.generate(requests(8), SAMPLING)
+    assert [c.tokens for c in after] == [c.tokens for c in fresh]
+    assert [c.logprobs for c in after] == [c.logprobs for c in fresh]
+    assert [c.logprobs for c in after] != [c.logprobs for c in before]
+
+
+def fused_mlps(engine):
+    from caspo.rollout.native.runner import MLP
+
+    return [m for m in engine.runner.modules() if isinstance(m, MLP)]
 
 
 def test_nucleus_keeps_ties_at_the_cut():

@@ -35,7 +35,14 @@ from caspo.rollout.native.graphs import default_batch_sizes
 from caspo.rollout.native.kv_cache import CapacityReport, KVCache
 from caspo.rollout.native.looped_runner import LoopedCausalLM
 from caspo.rollout.native.model_runner import ModelRunner
-from caspo.rollout.native.runner import CausalLM, build_runner, decode_attention, read_checkpoint, weights_dtype
+from caspo.rollout.native.runner import (
+    CausalLM,
+    build_runner,
+    decode_attention,
+    fused_modules,
+    read_checkpoint,
+    weights_dtype,
+)
 from caspo.rollout.native.scheduler import Scheduler, SequenceState
 from caspo.rollout.native.spec import LoopedSpec, decoder_spec
 from caspo.rollout.publication import Publication, PublishedWeights
@@ -140,6 +147,21 @@ class NativeEngine(PublishedWeights):
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.runner.named_parameters())
+
+    def release_weights(self) -> None:
+        """Free the weights, the fused q/k/v and gate/up buffers included (they are the parameters' storage)."""
+        super().release_weights()
+        for module in fused_modules(self.runner):
+            module.unfuse()
+
+    def reallocate_weights(self) -> None:
+        """Storage for every released parameter, fused again: a publication's in-place copies land in the
+        buffers the forward reads (without fusing again they would land in orphaned parameters)."""
+        if self._released is None:
+            return
+        super().reallocate_weights()
+        for module in fused_modules(self.runner):
+            module.fuse()
 
     # ------------------------------------------------------------ memory
     def capacity_report(self) -> CapacityReport:

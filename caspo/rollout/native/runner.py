@@ -184,6 +184,10 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
+    def unfuse(self) -> None:
+        """Drop the fused buffer (the parameters' storage): after the parameters are freed, it holds the weights."""
+        self.qkv_weight = self.qkv_bias = None
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: Batch,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
@@ -207,6 +211,9 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         self.gate_up_weight, _ = fuse_linears([self.gate_proj, self.up_proj])
+
+    def unfuse(self) -> None:
+        self.gate_up_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
@@ -313,15 +320,19 @@ def weights_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
     return dtypes.pop()
 
 
+def fused_modules(runner: nn.Module) -> list[Attention | MLP]:
+    """The modules whose parameters are views of one fused weight (`fuse_linears`)."""
+    return [m for m in runner.modules() if isinstance(m, (Attention, MLP))]
+
+
 def build_runner(runner_class: type[Runner], spec: DecoderSpec, tensors: Mapping[str, torch.Tensor], *,
                  dtype: torch.dtype, device: torch.device, max_seq_len: int) -> Runner:
     """A runner on `device` in `dtype`, with every parameter loaded by name from `tensors`."""
     with torch.device("meta"):
         runner = runner_class(spec, dtype)
     runner.to_empty(device=device).requires_grad_(False).eval()
-    for module in runner.modules():
-        if isinstance(module, (Attention, MLP)):
-            module.fuse()  # after to_empty, which gives every parameter its own storage
+    for module in fused_modules(runner):
+        module.fuse()  # after to_empty, which gives every parameter its own storage
     load_weights(runner, tensors)
     runner.init_rope(max_seq_len)
     return runner
