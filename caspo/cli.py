@@ -96,6 +96,10 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     cfg = checked_config(preset, overrides)
     if (nproc > 1 or ray_address) and not distributed.launched():  # start the ranks, each running this command
         distributed.check_config(cfg, nproc)
+        if cfg.train.deterministic:  # in place before any rank starts (Ray passes it on to each)
+            from caspo.train.trainer import DETERMINISTIC_ENV
+
+            os.environ.update(DETERMINISTIC_ENV)
         argv = ["--debug"] if ctx.parent and ctx.parent.params.get("debug") else []
         # without --nproc: torchrun's parser would take it for its own --nproc-per-node
         argv += ["train", preset, *(overrides or []), *(["--resume", resume] if resume else []),
@@ -110,6 +114,34 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     summary = run_train(cfg, resume=resume, overwrite=overwrite)
     if distributed.is_main():
         typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command()
+def looped(ctx: typer.Context, overrides: Optional[List[str]] = OVERRIDES,
+           algorithm: str = typer.Option("ppo", help="ppo (actor and critic, GAE), grpo, dppo or flow-dppo"),
+           model: Optional[str] = typer.Option(None, help="the looped checkpoint (model.policy)"),
+           data: Optional[str] = typer.Option(None, help="a JSONL file of prompt / label rows (data.source)"),
+           output_dir: Optional[str] = typer.Option(None, "--output-dir", help="train.output_dir"),
+           rollout_batch_size: int = typer.Option(4, "--rollout-batch-size", help="prompts per rollout"),
+           n_samples_per_prompt: int = typer.Option(4, "--n-samples-per-prompt", help="completions per prompt"),
+           stop_after: int = typer.Option(0, "--stop-after", help="stop with a checkpoint after this many updates"),
+           resume: Optional[str] = typer.Option(None, help="checkpoint folder, run folder, or 'latest'"),
+           precision: str = typer.Option("fp32", help="fp32, bf16, or fp16 (fixed loss scale 128)"),
+           recompute: bool = typer.Option(False, "--recompute", help="checkpoint each physical block's activations"),
+           rlt_cuda_graphs: bool = typer.Option(False, "--rlt-cuda-graphs",
+                                                help="the engine's CUDA-graph decode (eager by default)"),
+           overwrite: bool = typer.Option(False, help="start over in an output folder that holds a run"),
+           nproc: int = typer.Option(1, "--nproc", min=1, help="ranks, one per device"),
+           ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                                     help="run the ranks on this Ray cluster (host:port, or local)")):
+    """The fixed-depth recurrent policy recipe with its flags: caspo train looped-recipe plus the flags as
+    overrides; extra key=value arguments pass through after them."""
+    from caspo.cli_looped import PRESET, recipe_overrides
+
+    flags = recipe_overrides(algorithm, rollout_batch_size, n_samples_per_prompt, precision, recompute,
+                             rlt_cuda_graphs, stop_after, model, data, output_dir)
+    train(ctx, preset=PRESET, overrides=[*flags, *(overrides or [])], resume=resume, overwrite=overwrite,
+          nproc=nproc, ray_address=ray_address)
 
 
 @app.command()

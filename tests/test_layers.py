@@ -17,7 +17,7 @@ LAYERS = [
                "caspo.eval", "caspo.report"]),
     ("train", ["caspo.methods", "caspo.train"]),
     ("tools", ["caspo.value"]),
-    ("cli", ["caspo.cli", "caspo.cli_args", "caspo.value.cli"]),
+    ("cli", ["caspo.cli", "caspo.cli_args", "caspo.cli_looped", "caspo.value.cli"]),
 ]
 
 

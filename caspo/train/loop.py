@@ -27,6 +27,7 @@ from caspo.config import Config, ConfigError, to_yaml
 from caspo.eval.benchmarks import load_suites
 from caspo.models.policy import resolve_device
 from caspo.report.curves import plot_run
+from caspo.report.timing import write_timing
 from caspo.report.trackers import RunRecords, build_trackers, check_loggers
 from caspo.rollout.base import Request
 from caspo.rollout.sampling import sample_seed
@@ -249,6 +250,7 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
         state = "stopped" if isinstance(err, RunStopped) else "failed"
         status.update(state=state, message=str(err) or type(err).__name__)
         record_end(tr.run_dir, run_record, state=state, step=tr.step, **load_during(loads))
+        write_timing(tr.run_dir)
         if isinstance(err, RunStopped):
             plot_run(tr.run_dir)
         raise
@@ -263,6 +265,7 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
                                               "--resume latest")
     record_end(tr.run_dir, run_record, state="finished" if finished else "stopped", step=tr.step,
                **load_during(loads))
+    summary["timing"] = str(write_timing(tr.run_dir))
     return summary
 
 

@@ -15,7 +15,7 @@ class RunStopped(RuntimeError):
 
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "samples.jsonl", "refresh", "curves.png", "run.json", "status.json",
-             "tensorboard", "wandb", "ranks")
+             "timing.json", "timing.md", "tensorboard", "wandb", "ranks")
 
 
 def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | None:

@@ -64,10 +64,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# what deterministic cuBLAS and NCCL reductions need in the environment (a launcher passes it to every rank)
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+
+
 def set_deterministic() -> None:
     """Deterministic kernels; the environment is inherited by every worker process started later."""
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    os.environ["NCCL_ALGO"] = "Ring"
+    os.environ.update(DETERMINISTIC_ENV)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
 

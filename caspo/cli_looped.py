@@ -1,0 +1,45 @@
+"""The flags of `caspo looped` (the fixed-depth recurrent policy recipe) as overrides of the looped-recipe preset.
+
+Each flag is a config override, so a run started by `caspo looped` is the run of
+`caspo train looped-recipe <the overrides>`, and its ranks (torchrun or Ray) run exactly that command.
+"""
+
+from __future__ import annotations
+
+from caspo.config import ConfigError
+
+PRESET = "looped-recipe"
+# the recipe's algorithm names -> our method rows: its ppo is actor and critic with GAE
+ALGORITHMS = {"ppo": "ppo_critic", "grpo": "grpo", "dppo": "dppo", "flow-dppo": "flow_dppo"}
+
+
+def recipe_overrides(algorithm: str, rollout_batch_size: int, n_samples_per_prompt: int,
+                     precision: str, recompute: bool, cuda_graphs: bool, stop_after: int,
+                     model: str | None = None, data: str | None = None, output_dir: str | None = None) -> list[str]:
+    """The overrides of the looped-recipe preset that the flags stand for.
+
+    One optimizer step per rollout (the whole completion batch), except flow-dppo: two steps, each on half of
+    it. GRPO needs at least two completions per prompt."""
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"--algorithm {algorithm}: use one of {', '.join(ALGORITHMS)}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--precision {precision}: use fp32, bf16 or fp16 (fixed loss scale 128)")
+    if rollout_batch_size < 1 or n_samples_per_prompt < 1:
+        raise ConfigError("--rollout-batch-size and --n-samples-per-prompt must be at least 1")
+    if algorithm == "grpo" and n_samples_per_prompt < 2:
+        raise ConfigError(f"--algorithm grpo normalises rewards within a prompt's group: --n-samples-per-prompt must "
+                          f"be at least 2 (got {n_samples_per_prompt})")
+    completions = rollout_batch_size * n_samples_per_prompt
+    if algorithm == "flow-dppo" and completions % 2:
+        raise ConfigError(f"--algorithm flow-dppo takes two optimizer steps on halves of the {completions} "
+                          "completions: make --rollout-batch-size × --n-samples-per-prompt even")
+    minibatch = completions // 2 if algorithm == "flow-dppo" else completions
+    out = [f"method.name={ALGORITHMS[algorithm]}", f"rollout.prompts_per_step={rollout_batch_size}",
+           f"rollout.samples_per_prompt={n_samples_per_prompt}", f"train.minibatch_size={minibatch}",
+           "train.epochs_per_rollout=1", f"train.precision={precision}",
+           f"train.activation_checkpointing={str(recompute).lower()}",
+           f"rollout.cuda_graphs={str(cuda_graphs).lower()}", f"train.stop_after={stop_after}"]
+    for key, value in (("model.policy", model), ("data.source", data), ("train.output_dir", output_dir)):
+        if value is not None:
+            out.append(f"{key}={value}")
+    return out

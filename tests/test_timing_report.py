@@ -1,0 +1,57 @@
+"""The timing report of a run (caspo.report.timing): phase sums from planted metrics and run records, and the
+report a real run writes."""
+
+import json
+
+import pytest
+
+from caspo.report.timing import markdown, timing
+
+
+def plant(run, rows, starts):
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "run.json").write_text(json.dumps({"format": "caspo-run-1", "starts": starts}))
+    (run / "config.yaml").write_text("model:\n  policy: /models/Ouro-1.4B\n  revision: 574fa66c\n")
+
+
+def test_phases_sum_the_step_timers_evaluation_and_refresh_rows(tmp_path):
+    rows = [{"step": 0, "t_eval": 2.0},
+            {"step": 1, "t_step": 10.0, "t_roll": 4.0, "t_reward": 1.0, "t_old": 0.5, "t_ref": 0.25, "t_value": 0.25,
+             "t_value_update": 0.0, "t_pol": 3.0, "t_sync": 0.5, "t_ckpt": 1.5},
+            {"step": 1, "refresh_value_model": "v", "t_refresh": 7.0},
+            {"step": 2, "t_step": 6.0, "t_roll": 2.0, "t_reward": 1.0, "t_pol": 2.5, "t_sync": 0.5, "t_bench": 3.0}]
+    starts = [{"started_at": "2026-12-01T10:00:00+0000", "step": 0, "world_size": 2, "precision": "fp16",
+               "engine_dtype": "fp16", "device_name": "NVIDIA H200", "git": {"commit": "abc", "dirty": True},
+               "packages": {"torch": "2.11.0"}, "load_at_start": {"cpus": 16, "load_1m": 9.0, "shared": True,
+                                                                   "shared_why": "load 9.0 of 16 CPUs"},
+               "end": {"ended_at": "2026-12-01T10:01:00+0000", "state": "stopped", "load_1m_mean": 8.5}},
+              {"started_at": "2026-12-01T11:00:00+0000", "step": 1, "end": {"ended_at": "2026-12-01T11:00:30+0000",
+                                                                             "state": "finished"}}]
+    plant(tmp_path / "run", rows, starts)
+    report = timing(tmp_path / "run")
+    assert report["steps"] == 2 and report["step_seconds"] == 16.0
+    assert report["seconds"] == {"rollout": 6.0, "rewards": 2.0, "scoring (old, reference, values)": 1.0,
+                                 "optimization": 5.5, "publications": 1.0, "checkpoints": 1.5,
+                                 "evaluation": 5.0, "value refreshes": 7.0}
+    assert report["wall_seconds"] == 90.0  # 60 s, then a resumed process of 30 s
+    assert report["outside_phases_seconds"] == pytest.approx(90.0 - 29.0)
+    assert report["model"] == {"policy": "/models/Ouro-1.4B", "revision": "574fa66c"}
+    text = markdown(report)
+    assert "| rollout | 6.0 | 21% | 3.00 |" in text  # 6 of the 29 s in phases
+    assert "- source: abc (uncommitted changes)" in text and "precision fp16, engine fp16" in text
+    assert "shared: load 9.0 of 16 CPUs" in text and "mean 8.5 during the steps" in text
+    assert "## Process 2: from step 1, 1 rank(s)" in text and "at revision 574fa66c" in text
+
+
+def test_a_run_writes_its_timing_report(tmp_path):
+    from caspo.config import load_config
+    from caspo.train import loop
+
+    summary = loop.train(load_config("tests", [f"train.output_dir={tmp_path}", "train.steps=1", "eval.before=false",
+                                               "eval.after=false"]))
+    report = json.loads((tmp_path / "timing.json").read_text())
+    row = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["timing"] == str(tmp_path / "timing.md")
+    assert report["steps"] == 1 and report["seconds"]["rollout"] == pytest.approx(row["t_roll"], abs=1e-3)
+    assert report["starts"][0]["end"]["state"] == "finished"
