@@ -31,6 +31,9 @@ def test_three_step_grpo_run(tmp_path):
                                "text"}
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    timing = json.loads((tmp_path / "timing.json").read_text())  # the run's timing report, from its rows
+    assert timing["steps"] == 3 and summary["timing"] == str(tmp_path / "timing.md")
+    assert timing["seconds"]["rollout"] == pytest.approx(sum(r["t_roll"] for r in steps), abs=1e-2)
     assert 0 <= summary["after"]["eval_accuracy"] <= 1
     evals = [r for r in rows if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 3]
@@ -75,6 +78,10 @@ def test_native_backend_trains_like_the_hf_backend(tmp_path):
         loop.train(cfg)
         samples = [json.loads(x) for x in (tmp_path / backend / "samples.jsonl").read_text().splitlines()]
         digests[backend] = [s["tokens_digest"] for s in samples]
+        # after an update (and the engine's sleep), the engine serves the trainer's weights: its behaviour
+        # log-probs are the trainer's recomputed ones
+        rows = [json.loads(x) for x in (tmp_path / backend / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["behaviour_vs_old_logp_absdiff"] < 1e-5 for r in rows), backend
     assert digests["native"] == digests["hf"]
 
 
