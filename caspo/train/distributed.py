@@ -41,7 +41,6 @@ from caspo.runlog import console
 
 # what a run of several processes does not do yet, each with the way out
 UNSUPPORTED = {
-    "train.precision=fp16": "its loss scaler checks each rank's shard of the gradients apart; use bf16 or fp32",
     "rollout.staleness > 0": "the engine's old versions would be full copies on every rank; use 0",
     "method.caspo.refresh_every > 0": "the refresh pipeline runs in one process; use method.caspo.online or one "
                                       "process",
@@ -80,8 +79,6 @@ def check_config(cfg: Config, nproc: int) -> None:
     if nproc <= 1:
         return
     found = []
-    if cfg.train.precision == "fp16":
-        found.append("train.precision=fp16")
     if cfg.rollout.staleness:
         found.append("rollout.staleness > 0")
     if cfg.method.caspo.refresh_every:

@@ -52,10 +52,10 @@ class Root(torch.nn.Module):
 def mixed_precision(precision: str, cast_inputs: bool = True) -> MixedPrecisionPolicy:
     if precision == "fp32":
         return MixedPrecisionPolicy()
-    if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                    cast_forward_inputs=cast_inputs)
-    raise ValueError(f"train.precision={precision!r} is not supported with several processes; use bf16 or fp32")
+    if precision in ("bf16", "fp16"):  # fp16: the loss scaler's overflow check is taken over every rank
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
+                                    reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs)
+    raise ValueError(f"train.precision={precision!r}; use fp32, bf16 or fp16")
 
 
 def _group(module, precision: str, cast_inputs: bool = True) -> None:
