@@ -1,6 +1,6 @@
 """Phase 1 of CASPO: Monte Carlo prefix labels, prefix value training, probes.
 
-caspo value collect arith-tiny rollout.max_batch=64 --out labels.jsonl [--shard 0/4]
+caspo value collect arith-tiny rollout.max_batch=64 --out labels.jsonl [--shard 0/4 | --nproc 4]
 
 caspo value merge labels.jsonl labels.0.jsonl labels.1.jsonl ...
 
@@ -25,6 +25,7 @@ from typing import List, Literal, Optional
 import typer
 
 from caspo.cli_args import OVERRIDES, PRESET, checked_config
+from caspo.config import ConfigError
 
 value_app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -46,13 +47,28 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
                             "(paper), or min(right, wrong) disjoint pairs (paper_multi)"),
             state_temperature: Optional[float] = typer.Option(
                 None, help="sample the base rollouts (the labelled states) at this temperature; continuations, "
-                           "and so the labels, keep the preset's (default: the preset's)")):
+                           "and so the labels, keep the preset's (default: the preset's)"),
+            nproc: int = typer.Option(1, "--nproc", min=1, help="shards at once, one process per device, merged "
+                                                                "into --out")):
     """Label response prefixes with Monte Carlo success rates of the preset's policy."""
     from caspo.value.collect import RECIPES, parse_shard
     from caspo.value.collect import collect as run_collect
 
     if recipe not in RECIPES:
         raise typer.BadParameter(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if nproc > 1:
+        from caspo.models.policy import resolve_device
+        from caspo.value.shards import collect_shards
+
+        if shard != "0/1":
+            raise ConfigError("--nproc runs every shard itself: leave --shard out")
+        cfg = checked_config(preset, overrides)  # fail fast, before any process starts
+        options = {"--recipe": recipe, "--prompts": prompts, "--k": k, "--j": j, "--boundaries": boundaries,
+                   "--splitter": splitter, "--pairing": pairing, "--state-temperature": state_temperature}
+        argv = [preset, *(overrides or []), *(x for key, v in options.items() if v is not None for x in (key, str(v)))]
+        merged = collect_shards(argv, out, nproc, resolve_device(cfg.model.device).type == "cuda")
+        typer.echo(f"{len(merged.rows)} rows from {nproc} shards -> {out}")
+        return
     sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries, "state_temperature": state_temperature}
     spec = dataclasses.replace(RECIPES[recipe], pairing=pairing,
                                **{key: v for key, v in sizes.items() if v is not None})

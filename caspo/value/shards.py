@@ -1,0 +1,57 @@
+"""`caspo value collect --nproc N`: the shards of one collection as N processes at once, one per device, then
+merged. Each process runs the same command with `--shard r/N` (prompts r, r + N, ...) and its own output file;
+the merged file is the unsharded collection's (caspo.value.labels.merge_label_files)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from caspo.config import ConfigError
+from caspo.value.labels import LabelFile, merge_label_files
+
+
+def shard_path(out: Path, rank: int, n: int) -> Path:
+    return out.with_name(f"{out.stem}.shard{rank}of{n}{out.suffix}")
+
+
+def shard_env(rank: int, devices: Sequence[str] | None) -> dict:
+    """Shard r's environment: on CUDA the r-th device alone (so model.device=cuda is that device)."""
+    env = dict(os.environ)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices[rank]
+    return env
+
+
+def cuda_devices(nproc: int) -> list[str]:
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if len(devices) < nproc:
+        raise ConfigError(f"--nproc {nproc} on CUDA needs {nproc} devices, this host shows {len(devices)}")
+    return devices[:nproc]
+
+
+def collect_shards(argv: Sequence[str], out: Path, nproc: int, on_cuda: bool) -> LabelFile:
+    """Run `caspo value collect <argv> --shard r/N --out <shard r>` for every r at once and merge the shards
+    into `out`. A failed shard stops the others; the shards that finished stay for a rerun to inspect."""
+    devices = cuda_devices(nproc) if on_cuda else None
+    paths = [shard_path(out, r, nproc) for r in range(nproc)]
+    children = [subprocess.Popen([sys.executable, "-m", "caspo.cli", "value", "collect", *argv, "--shard",
+                                  f"{r}/{nproc}", "--out", str(paths[r])], env=shard_env(r, devices))
+                for r in range(nproc)]
+    failed = None
+    for r, child in enumerate(children):
+        if child.wait() and failed is None:
+            failed = r
+            for other in children:
+                if other.poll() is None:
+                    other.terminate()
+    if failed is not None:
+        raise ConfigError(f"shard {failed}/{nproc} of the collection failed (its error is above); the others "
+                          "were stopped")
+    return merge_label_files(paths, out)
