@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import time
 from datetime import datetime, timezone
@@ -106,3 +107,21 @@ def print_table(header: list[str], rows: list[list]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def plant_rates(model: torch.nn.Module, rates: dict[int, float], shift: float = 30.0) -> None:
+    """Make a random-init model with tied embeddings write token t with probability ~rates[t] at every position
+    (newlines for step boundaries, EOS for ending), and otherwise as randomly as before.
+
+    Every embedding row gets `shift` in column 0, which then dominates the residual stream through the random
+    layers: after the final RMSNorm h ≈ √d·e_0, so logit_t ≈ √d·E[t, 0] plus near-equal noise. A planted row
+    gets shift + log(p_t·V / (1 − Σp)) / √d: weight p_t against V near-equal rows sharing the rest."""
+    embeddings = model.get_input_embeddings().weight
+    if model.get_output_embeddings().weight.data_ptr() != embeddings.data_ptr():
+        raise ValueError("plant_rates needs tied embeddings (the head reads the planted rows)")
+    vocab, width = embeddings.shape
+    rest = 1 - sum(rates.values())
+    with torch.no_grad():
+        embeddings[:, 0] = shift
+        for token, p in rates.items():
+            embeddings[token, 0] = shift + math.log(p * vocab / rest) / math.sqrt(width)

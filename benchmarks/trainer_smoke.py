@@ -10,6 +10,15 @@ parity (mean |behaviour − recomputed log-prob| of the sampled tokens), and app
 line to --out. Memory knobs: --micro-tokens (token-budget micro-batches), --checkpointing,
 --gpu-memory-fraction (the engine's KV share); --set passes any other config override.
 
+The step-level methods: --newline-rate / --eos-rate plant those next-token probabilities in the random
+policy (benchmarks/_common.plant_rates), so its responses have line steps and end; vineppo then runs K
+continuations per step boundary (scored by the verifier: the synthetic reward scores training batches
+only) and caspo gets a prefix value model of the policy's shape (φ = the policy, every V 0). Their rows add
+the value phase, the Monte Carlo tokens and the share of continuation prefill that prefix sharing saved.
+
+    python benchmarks/trainer_smoke.py --methods grpo,caspo,vineppo --prompts 64 --newline-rate 0.01 \
+        --eos-rate 0.002 --out benchmarks/results.jsonl   # ~10 steps per response, ~500 tokens
+
     python benchmarks/trainer_smoke.py --out benchmarks/results.jsonl --commit $COMMIT
     # smoke test:
     python benchmarks/trainer_smoke.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 --kv-heads 2 \
@@ -25,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _common import add_model_args, append_result, build_model, environment, print_table
+from _common import add_model_args, append_result, build_model, environment, plant_rates, print_table
 
 from caspo.config import load_config
 from caspo.data.build import load_task_data
@@ -50,13 +59,20 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="the card's dense bf16 peak (H200: ~790)")
     parser.add_argument("--set", action="append", default=[], help="another config override, KEY=VALUE")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode (CPU smoke tests)")
+    parser.add_argument("--newline-rate", type=float, default=0.0, help="P(newline) planted at every position")
+    parser.add_argument("--eos-rate", type=float, default=0.0, help="P(EOS) planted at every position")
+    parser.add_argument("--vineppo-k", type=int, default=9, help="vineppo's continuations per step boundary")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="caspo-smoke-"))
     policy = work / "policy"
     model = build_model(argparse.Namespace(**{**vars(args), "dtype": "float32"}))  # fp32 masters
-    model.save_pretrained(policy)
     tokenizer = load_tokenizer(resolve_model_path("embedded:tiny-arith"))
+    rates = {token: rate for token, rate in ((tokenizer.convert_tokens_to_ids("\n"), args.newline_rate),
+                                              (tokenizer.eos_token_id, args.eos_rate)) if rate}
+    if rates:
+        plant_rates(model, rates)
+    model.save_pretrained(policy)
     save_tokenizer(tokenizer, policy)
     parameters = sum(p.numel() for p in model.parameters())  # tied head counted once: its matmul
     del model
@@ -71,7 +87,10 @@ def main() -> None:
             f"train.micro_batch_size={args.micro_batch}", "eval.before=false", "eval.after=false",
             "train.save_every=0", "optim.lr=1e-6", f"train.output_dir={work / method}",
             f"rollout.gpu_memory_fraction={args.gpu_memory_fraction}", f"train.micro_batch_tokens={args.micro_tokens}",
-            f"train.activation_checkpointing={str(args.checkpointing).lower()}", *args.set])
+            f"train.activation_checkpointing={str(args.checkpointing).lower()}", *step_level(method, args),
+            *args.set])
+        if method == "caspo":
+            cfg = with_value_model(cfg, policy, tokenizer, work / "value")
         prompt_len = mean_prompt_tokens(cfg, tokenizer)
         if torch.device(args.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
@@ -83,8 +102,11 @@ def main() -> None:
         for s in steps:  # forward + backward of every (prompt + response) token, attention FLOPs left out
             tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
             s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.peak_tflops * 1e12)
-        print_table(["method", "step", *PHASES, "resp len", "|Δ logp|", "policy MFU", "peak GiB"],
+        print_table(["method", "step", *PHASES, "resp len", "steps", "MC tokens", "MC shared", "|Δ logp|",
+                     "policy MFU", "peak GiB"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
+                      f"{s.get('steps_per_response', 0):.1f}", s.get("mc_tokens", "-"),
+                      f"{s['mc_prefill_shared_frac']:.0%}" if "mc_prefill_shared_frac" in s else "-",
                       f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{s['policy_mfu']:.0%}",
                       f"{peak / 2**30:.1f}" if peak else "-"]
                      for s in steps])
@@ -93,12 +115,38 @@ def main() -> None:
                                            "new_tokens": args.new_tokens, "prompt_tokens_mean": prompt_len},
                                  "knobs": {"micro_tokens": args.micro_tokens, "checkpointing": args.checkpointing,
                                            "kv_share": args.gpu_memory_fraction, "micro_batch": args.micro_batch,
-                                           "set": args.set},
+                                           "newline_rate": args.newline_rate, "eos_rate": args.eos_rate,
+                                           "vineppo_k": args.vineppo_k, "set": args.set},
                                  "steps": steps, "peak_bytes": peak})
         # The final checkpoint (fp32 masters and AdamW state, ~50 GB with a critic) is not needed
         # here; two methods' checkpoints filled a 64 GB disk.
         shutil.rmtree(work / method / "checkpoints", ignore_errors=True)
     shutil.rmtree(work / "policy", ignore_errors=True)
+
+
+def step_level(method: str, args) -> list[str]:
+    """vineppo's continuations are scored by the verifier, not the synthetic reward (that scores batches)."""
+    if method == "vineppo":
+        return ["reward.synthetic=false", f"method.vineppo_k={args.vineppo_k}"]
+    return []
+
+
+def with_value_model(cfg, policy: Path, tokenizer, folder: Path):
+    """cfg with a prefix value model of the policy's shape: φ = the policy (V = 0 everywhere), labelled under
+    this run's conditions as `caspo value train` records them."""
+    import dataclasses
+
+    from caspo.models.policy import load_policy
+    from caspo.models.prefix_value import PrefixValueModel
+    from caspo.models.provenance import label_provenance, model_identity
+
+    base = load_policy(str(policy))
+    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
+    PrefixValueModel.from_reference(base, provenance=provenance, reference_source=str(policy)).save(
+        folder, tokenizer=tokenizer)
+    del base
+    caspo_cfg = dataclasses.replace(cfg.method.caspo, value_model=str(folder))
+    return dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, caspo=caspo_cfg))
 
 
 def mean_prompt_tokens(cfg, tokenizer) -> float:

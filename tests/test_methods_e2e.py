@@ -102,8 +102,10 @@ def test_the_synthetic_reward_is_refused_where_monte_carlo_uses_the_verifier(tmp
 
 
 def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
-    cfg, rows = run(tmp_path, "method.name=vineppo", "method.vineppo_k=2", steps=2)
+    cfg, rows = run(tmp_path, "method.name=vineppo", "method.vineppo_k=2", "rollout.backend=native", steps=2)
     assert all(r["mc_tokens"] > 0 and r["mc_unique_prefixes"] > 0 for r in rows)
+    # the K continuations of a prefix share its prompt positions: the native engine computes them once
+    assert all(0.3 < r["mc_prefill_shared_frac"] < 1 for r in rows)
     assert all(r["t_value"] > 0 for r in rows)
     assert all(r["steps_mean"] >= 1 for r in rows)
 

@@ -62,6 +62,8 @@ class MonteCarloValues(MethodState):
         lengths = batch.response_lengths.tolist()
         responses = [batch.responses[b, :lengths[b]].tolist() for b in range(batch.size)]
         starts = [step_start_indices(batch.step_ids[b, :lengths[b]].tolist()) for b in range(batch.size)]
+        engine_stats = getattr(tr.engine, "stats", None)  # the native engine's prefill counters
+        before = (engine_stats.prefill_tokens, engine_stats.shared_tokens) if engine_stats else None
         mc = mc_step_values(
             tr.engine, batch.prompt_ids, responses, starts, batch.labels, k=cfg.method.vineppo_k,
             sampling=tr.sampling, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -71,8 +73,12 @@ class MonteCarloValues(MethodState):
         )
         device = batch.responses.device
         batch.step_values, batch.step_mask = mc.values.to(device), mc.step_mask.to(device)
-        return {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes,
-                **step_stats(batch, batch.step_values)}
+        out = {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes,
+               **step_stats(batch, batch.step_values)}
+        if before is not None:  # the share of the continuations' prompt positions copied from a resident slot
+            computed, shared = engine_stats.prefill_tokens - before[0], engine_stats.shared_tokens - before[1]
+            out["mc_prefill_shared_frac"] = shared / max(computed + shared, 1)
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,37 @@
+"""The benchmarks' planted policy (benchmarks/_common.plant_rates): a random model writes the planted tokens at
+the planted rates, which the step-level trainer smokes rely on for their step boundaries and lengths."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from _common import plant_rates  # noqa: E402
+
+
+def test_planted_tokens_come_at_their_rates_whatever_the_context():
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    rates = {7: 0.1, 11: 0.02}
+    plant_rates(model, rates)
+    contexts = torch.randint(0, 2000, (64, 24))
+    with torch.no_grad():
+        probs = torch.softmax(model(contexts).logits.float(), -1)  # every position of 64 random contexts
+    for token, rate in rates.items():
+        assert probs[..., token].mean().item() == pytest.approx(rate, rel=0.1)
+        assert probs[..., token].std().item() < 0.2 * rate  # nearly the same at every position
+    rest = probs.clone()
+    rest[..., list(rates)] = 0
+    assert rest.max().item() < 5 / 2000  # the other tokens stay near-uniform
+
+
+def test_planting_needs_tied_embeddings():
+    config = Qwen2Config(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        plant_rates(AutoModelForCausalLM.from_config(config), {3: 0.1})
