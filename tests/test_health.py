@@ -1,5 +1,6 @@
-"""Health: pass@G, the detectors on hand-made histories, the watchdog, and a planted run that a detector
-stops (reward forced to 0), with a checkpoint, status.json, run.json and TensorBoard events read back."""
+"""Health: pass@G, the detectors on hand-made histories, the watchdog, and planted runs for every detector:
+one stopped by no_reward (reward forced to 0; checkpoint, status.json, run.json and TensorBoard events read back),
+one warned of KL and of lengths climbing to the cap, one stopped by non-finite metrics (NaN rewards)."""
 
 import json
 import time
@@ -137,3 +138,34 @@ def test_a_planted_zero_reward_run_stops_with_a_checkpoint(tmp_path, monkeypatch
     assert [e.step for e in table] == [1, 2]
     text = table[0].tensor_proto.string_val[0].decode()
     assert text.startswith("| prompt_id | reward |") and len(text.splitlines()) == 2 + cfg.train.log_samples
+
+
+def test_planted_runs_warn_of_kl_and_rising_lengths_and_go_on(tmp_path, monkeypatch):
+    """A KL bound below any real KL, and response lengths planted to climb to the cap from step 2 on: both warn
+    at their onset (recorded in the step's `health`), and the run goes on to its last step."""
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "train.steps=5", "eval.before=false",
+                                "eval.after=false", "rollout.max_new_tokens=16", "train.health.kl_max=1e-12",
+                                "train.health.no_reward=off", "train.health.rise_steps=3",
+                                "train.health.rise_cap_fraction=0.8"])
+    planted = iter([2.0, 4.0, 8.0, 14.0, 15.0])  # mean length per step: 14 is past 0.8 of the cap of 16
+    real = loop.batch_stats
+    monkeypatch.setattr(loop, "batch_stats", lambda batch: {**real(batch), "response_len_mean": next(planted)})
+    loop.train(cfg)
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "t_step" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    onset = next(i for i, r in enumerate(rows) if r["kl"] > 1e-12)
+    assert "kl" in rows[onset].get("health", []) and all("kl" not in r.get("health", []) for r in rows[:onset])
+    assert [("length_rise" in r.get("health", [])) for r in rows] == [False, False, False, True, False]  # onset
+
+
+def test_a_planted_non_finite_run_stops_before_saving_non_finite_weights(tmp_path, monkeypatch):
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "train.steps=3", "eval.before=false",
+                                "eval.after=false", "rollout.max_new_tokens=16", "train.max_bad_steps=0"])
+    monkeypatch.setattr(loop, "reward", lambda tr, batch: torch.full((batch.size,), float("nan"), device=tr.device))
+    with pytest.raises(loop.RunStopped, match="(?s)stopped itself after step 1.*train.health.nan: non-finite metrics"):
+        loop.train(cfg)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1] and rows[0]["health"] == ["nan"]
+    saved = ckpt.resolve_checkpoint(tmp_path)  # the update was skipped: the weights are finite and saved
+    assert saved.name == "step_000001"
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "stopped"
