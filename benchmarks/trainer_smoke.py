@@ -33,7 +33,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from _common import add_model_args, append_result, build_model, environment, plant_rates, print_table
 
 from caspo.config import load_config
@@ -92,12 +91,11 @@ def main() -> None:
         if method == "caspo":
             cfg = with_value_model(cfg, policy, tokenizer, work / "value")
         prompt_len = mean_prompt_tokens(cfg, tokenizer)
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.reset_peak_memory_stats(args.device)
         train(cfg)
-        peak = torch.cuda.max_memory_allocated(args.device) if torch.device(args.device).type == "cuda" else None
         steps = [json.loads(line) for line in (work / method / "metrics.jsonl").read_text().splitlines()]
         steps = [s for s in steps if "t_step" in s]
+        # each phase resets the CUDA peak counter: the run's peak is the largest step peak
+        peak = max(s["mem_peak_gb"] for s in steps) * 2**30 if "mem_peak_gb" in steps[0] else None
         # One table and one JSON line per method, so a run stopped midway keeps what finished.
         for s in steps:  # forward + backward of every (prompt + response) token, attention FLOPs left out
             tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
@@ -108,7 +106,7 @@ def main() -> None:
                       f"{s.get('steps_per_response', 0):.1f}", s.get("mc_tokens", "-"),
                       f"{s['mc_prefill_shared_frac']:.0%}" if "mc_prefill_shared_frac" in s else "-",
                       f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{s['policy_mfu']:.0%}",
-                      f"{peak / 2**30:.1f}" if peak else "-"]
+                      f"{s['mem_peak_gb']:.1f}" if peak else "-"]
                      for s in steps])
         append_result(args.out, {"benchmark": "trainer_smoke", "method": method, **environment(args),
                                  "shape": {"prompts": args.prompts, "samples": args.samples,

@@ -11,6 +11,8 @@ Per step (`step_health`):
                          (critic or prefix value model) read for the step's values
     t_roll_tokens_per_s  generated tokens / t_roll; t_step_tokens_per_s: generated tokens / t_step
     mem_allocated_gb, mem_reserved_gb, mem_peak_gb   CUDA only: at the step's end, and the peak over it
+    mem_<phase>_peak_gb, mem_<phase>_reserved_gb     CUDA only: each phase's peak and what it left reserved
+                                                     (caspo.train.timers.PhaseTimer)
 
 Detectors are pure functions of the step records so far, oldest first (each holds `step` and the
 metrics above), returning a message or None; `HealthWatch` runs those train.health enables.
@@ -61,12 +63,15 @@ def value_tokens(batch: RolloutBatch, stats: dict) -> int:
     return int(batch.attention_mask.sum()) if read else 0
 
 
-def memory_stats(device: torch.device) -> dict:
+def memory_stats(device: torch.device, stats: dict) -> dict:
+    """At the step's end, and its peak: the largest of its phases' peaks (`stats`' mem_<phase>_peak_gb, each
+    phase resetting the counter) and what came after the last phase."""
     if device.type != "cuda":
         return {}
+    phases = [v for k, v in stats.items() if k.startswith("mem_") and k.endswith("_peak_gb")]
     return {"mem_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 3),
             "mem_reserved_gb": round(torch.cuda.memory_reserved(device) / GB, 3),
-            "mem_peak_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3)}
+            "mem_peak_gb": max([round(torch.cuda.max_memory_allocated(device) / GB, 3), *phases])}
 
 
 def step_health(tr: "Trainer", batch: RolloutBatch, stats: dict) -> dict:
@@ -83,7 +88,7 @@ def step_health(tr: "Trainer", batch: RolloutBatch, stats: dict) -> dict:
     for phase in ("t_roll", "t_step"):
         if stats.get(phase):
             out[f"{phase}_tokens_per_s"] = round(tokens / stats[phase], 1)
-    return out | memory_stats(tr.device)
+    return out | memory_stats(tr.device, stats)
 
 
 # ---------------------------------------------------------------- detectors

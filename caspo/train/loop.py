@@ -65,7 +65,7 @@ __all__ = ["RunStopped", "Trainer", "build_trainer", "evaluate", "outer_step", "
 
 
 def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
-    cfg, timer, state = tr.cfg, PhaseTimer(), tr.method_state
+    cfg, timer, state = tr.cfg, PhaseTimer(tr.device), tr.method_state
     with timer("t_step"):
         indices = tr.cursor.take(cfg.rollout.prompts_per_step)
         with timer("t_roll"):

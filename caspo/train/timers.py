@@ -1,23 +1,47 @@
-"""Per-phase wall-clock timers of one outer step."""
+"""Per-phase wall-clock timers of one outer step, and on CUDA each phase's memory."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 
+import torch
+
+GB = 2**30
+OUTER = "t_step"  # holds the other phases: its memory is the step's (health.memory_stats)
+
 
 class PhaseTimer:
-    def __init__(self):
+    """`with timer("t_roll"): ...` adds the phase's seconds to `t_roll`. With a CUDA `device`, a phase also
+    records the peak memory allocated inside it and the memory reserved at its end (`mem_roll_peak_gb`,
+    `mem_roll_reserved_gb`): the peak counter is reset when a phase starts, so the step's own peak is the
+    largest of its phases' (`step_peak_gb`)."""
+
+    def __init__(self, device: torch.device | None = None):
         self.times: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
+        self.cuda = device if device is not None and device.type == "cuda" else None
 
     @contextmanager
     def __call__(self, phase: str):
+        track = self.cuda is not None and phase != OUTER
+        if track:
+            torch.cuda.reset_peak_memory_stats(self.cuda)
         start = time.perf_counter()
         try:
             yield
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+            if track:
+                name = phase.removeprefix("t_")
+                peak = round(torch.cuda.max_memory_allocated(self.cuda) / GB, 3)
+                key = f"mem_{name}_peak_gb"
+                self.memory[key] = max(self.memory.get(key, 0.0), peak)
+                self.memory[f"mem_{name}_reserved_gb"] = round(torch.cuda.memory_reserved(self.cuda) / GB, 3)
+
+    def step_peak_gb(self) -> float:
+        return max((v for k, v in self.memory.items() if k.endswith("_peak_gb")), default=0.0)
 
     def reset(self) -> dict[str, float]:
-        times, self.times = self.times, {}
-        return {k: round(v, 4) for k, v in times.items()}
+        times, memory, self.times, self.memory = self.times, self.memory, {}, {}
+        return {**{k: round(v, 4) for k, v in times.items()}, **memory}

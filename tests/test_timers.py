@@ -1,0 +1,60 @@
+"""PhaseTimer's per-phase memory on CUDA, with the CUDA memory counters scripted: each phase resets the peak
+counter, records its own peak and what it left reserved, and the step's peak is the largest phase's."""
+
+import pytest
+import torch
+
+from caspo.train import health
+from caspo.train.timers import GB, PhaseTimer
+
+
+class ScriptedCuda:
+    """The allocator counters as one phase after another would move them."""
+
+    def __init__(self):
+        self.peak, self.reserved, self.allocated, self.resets = 0, 0, 0, 0
+
+    def use(self, peak_gb, reserved_gb, allocated_gb=1.0):
+        self.peak = max(self.peak, int(peak_gb * GB))
+        self.reserved, self.allocated = int(reserved_gb * GB), int(allocated_gb * GB)
+
+    def reset_peak_memory_stats(self, device):
+        self.peak, self.resets = self.allocated, self.resets + 1
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    fake = ScriptedCuda()
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: fake.peak)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: fake.reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: fake.allocated)
+    return fake
+
+
+def test_each_phase_keeps_its_own_peak_and_the_step_the_largest(cuda):
+    timer = PhaseTimer(torch.device("cuda", 0))
+    with timer("t_step"):
+        with timer("t_roll"):
+            cuda.use(peak_gb=60.0, reserved_gb=70.0)
+        with timer("t_pol"):
+            cuda.use(peak_gb=45.0, reserved_gb=50.0)
+        with timer("t_pol"):  # a phase timed twice keeps its larger peak
+            cuda.use(peak_gb=20.0, reserved_gb=30.0)
+    assert cuda.resets == 3  # once per inner phase, never for the step itself
+    assert timer.step_peak_gb() == 60.0
+    out = timer.reset()
+    assert (out["mem_roll_peak_gb"], out["mem_roll_reserved_gb"]) == (60.0, 70.0)
+    assert (out["mem_pol_peak_gb"], out["mem_pol_reserved_gb"]) == (45.0, 30.0)
+    assert "mem_step_peak_gb" not in out and {"t_step", "t_roll", "t_pol"} <= set(out)
+    # the step's row: the largest phase's peak, not the counter since the last phase's reset
+    stats = health.memory_stats(torch.device("cuda", 0), out)
+    assert stats["mem_peak_gb"] == 60.0 and stats["mem_reserved_gb"] == 30.0
+
+
+def test_on_the_cpu_only_times():
+    timer = PhaseTimer(torch.device("cpu"))
+    with timer("t_roll"):
+        pass
+    assert list(timer.reset()) == ["t_roll"]
+    assert health.memory_stats(torch.device("cpu"), {}) == {}
