@@ -255,7 +255,10 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
                                                            "time; default: model.device, one run at a time"),
           benchmarks: Optional[str] = typer.Option(None, help="evaluate each finished run's checkpoints on these "
                                                               "(as caspo eval --benchmarks)"),
-          group_by: str = typer.Option("config", help="the report's grouping: config, method or run")):
+          group_by: str = typer.Option("config", help="the report's grouping: config, method or run"),
+          ray_address: Optional[str] = typer.Option(None, "--ray-address", help="place the runs on this Ray cluster "
+                                                    "(host:port, or local), one device each"),
+          ray_slots: int = typer.Option(1, "--ray-slots", min=1, help="with --ray-address: runs at a time")):
     """Methods × seeds from one preset, queued one run per device; rerun to resume; then a caspo report."""
     from caspo.config import ConfigError
     from caspo.train.suite import run_suite
@@ -264,8 +267,16 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
         device_list = [d.strip() if d.strip() == "cpu" else f"cuda:{int(d)}" for d in devices.split(",")] \
             if devices else None
+        slots = None
+        if ray_address:
+            from caspo.train.ray_launch import RaySlots
+
+            if devices:
+                raise ConfigError("--devices and --ray-address both place the runs: give one")
+            cfg = checked_config(preset, overrides, policy=False, data=False)
+            slots = RaySlots(ray_address, ray_slots, cfg.model.device)
         result = run_suite(preset, methods, seed_list, out, devices=device_list, overrides=overrides or [],
-                           benchmarks=benchmarks, group_by=group_by)
+                           benchmarks=benchmarks, group_by=group_by, slots=slots)
     except ValueError as err:  # a bad --methods / --seeds / --devices item, a folder holding another suite
         raise ConfigError(str(err)) from None
     typer.echo(json.dumps(result, indent=2))

@@ -108,3 +108,20 @@ def test_the_tests_preset_suite_resumes_the_unfinished_run_and_skips_finished_on
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout)["skipped"] == result["ran"] and json.loads(again.stdout)["ran"] == []
     assert len(json.loads((out / "ppo" / "seed1" / "run.json").read_text())["starts"]) == 2  # not run again
+
+
+@pytest.mark.slow
+def test_a_suite_on_a_local_ray_runs_each_run_as_an_actor(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "suite"
+    cli = [sys.executable, "-m", "caspo.cli", "suite", "tests", "train.steps=1", "eval.before=false",
+           "eval.after=false", "model.threads=1", "--methods", "grpo,ppo", "--seeds", "0", "--out", str(out),
+           "--ray-address", "local", "--ray-slots", "2"]
+    done = subprocess.run(cli, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout[done.stdout.index("{"):])
+    assert result["ran"] == ["grpo/seed0", "ppo/seed0"] and result["failed"] == []
+    for run in result["ran"]:
+        assert json.loads((out / run / "status.json").read_text())["state"] == "finished"
+        assert '"run_dir"' in (out / run / "suite.log").read_text()  # the actor's output went to the run's log
+    assert (out / "report" / "summary.json").is_file()

@@ -1,4 +1,5 @@
-"""`caspo train PRESET --ray-address ADDR --nproc N`: the N ranks of a run placed on a Ray cluster.
+"""`caspo train PRESET --ray-address ADDR --nproc N`: the N ranks of a run placed on a Ray cluster (and
+`caspo suite --ray-address`: the suite's runs placed there, `RaySlots`).
 
 One Ray actor per rank, in a placement group of N bundles (one CPU, plus one GPU on CUDA), packed on as
 few hosts as the cluster allows. Each actor starts the same `caspo train` command as a child process
@@ -33,14 +34,20 @@ def source_path() -> str:
     return str(Path(caspo.__file__).resolve().parents[1])
 
 
-def rank_env(rank: int, world: int, master_addr: str, master_port: int, driver_env: dict) -> dict:
-    """What a rank's process gets besides its host's environment."""
+def passed_env(driver_env: dict) -> dict:
+    """What a process started on a Ray host takes from the driver: the propagated variables, and PYTHONPATH
+    with the driver's source path first."""
     env = {k: driver_env[k] for k in PROPAGATED if k in driver_env}
     path = [source_path(), *filter(None, driver_env.get("PYTHONPATH", "").split(os.pathsep))]
-    env |= {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",  # Ray shows each rank its own GPU only
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
-    return env
+    return env | {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
+
+
+def rank_env(rank: int, world: int, master_addr: str, master_port: int, driver_env: dict) -> dict:
+    """What a rank's process gets besides its host's environment."""
+    return passed_env(driver_env) | {
+        "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",  # Ray shows each rank its own GPU only
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
 def free_port() -> int:
@@ -61,11 +68,18 @@ class RankProcess:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def run(self, command: list[str], env: dict) -> int:
+    def run(self, command: list[str], env: dict, log: str | None = None) -> int:
+        """The command's exit status; its output appended to `log` when given (a path every host sees)."""
         import subprocess
 
-        self.child = subprocess.Popen(command, env={**os.environ, **env})
-        return self.child.wait()
+        out = open(log, "a") if log else None
+        try:
+            self.child = subprocess.Popen(command, env={**os.environ, **env}, stdout=out,
+                                          stderr=subprocess.STDOUT if out else None)
+            return self.child.wait()
+        finally:
+            if out:
+                out.close()
 
     def stop(self) -> None:
         if self.child is not None and self.child.poll() is None:
@@ -121,3 +135,37 @@ def launch(address: str, nproc: int, argv: Sequence[str], device: str) -> int:
         return status
     finally:
         ray.shutdown()
+
+
+class RaySlots:
+    """`caspo suite --ray-address`: each queued command as a Ray actor of one CPU (plus one GPU on CUDA), up to
+    `slots` at a time; Ray picks the host and, on CUDA, the device (the command runs with model.device=cuda)."""
+
+    def __init__(self, address: str, slots: int, device: str):
+        """`device`: the runs' model.device; cuda, or auto on a cluster with GPUs, gives each run a GPU."""
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("--ray-address needs Ray: pip install 'caspo[ray]'") from None
+        self.ray = ray
+        if address == "local":
+            import torch
+
+            ray.init(num_cpus=max(slots, 1), num_gpus=torch.cuda.device_count(), include_dashboard=False)
+        else:
+            ray.init(address=address)
+        on_cuda = device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        self.actor = ray.remote(num_cpus=1, num_gpus=1 if on_cuda else 0, max_concurrency=2)(RankProcess)
+        self.devices: list[str | None] = ["cuda" if on_cuda else None] * slots
+
+    def start(self, command: list[str], log: Path):
+        actor = self.actor.remote()
+        return actor, actor.run.remote(command, passed_env(dict(os.environ)), str(log))
+
+    def poll(self, handle) -> int | None:
+        actor, ref = handle
+        ready, _ = self.ray.wait([ref], timeout=0)
+        return self.ray.get(ref) if ready else None
+
+    def close(self) -> None:
+        self.ray.shutdown()

@@ -2,7 +2,7 @@
 each evaluated when it ends, then one `caspo report` of them all.
 
     caspo suite arith-slips --methods grpo,mu2=grpo+train.epochs_per_rollout=2,vineppo --seeds 0,1,2 \\
-        --out runs/slips-suite [--devices 0,1] [--benchmarks math500] [OVERRIDES...]
+        --out runs/slips-suite [--devices 0,1 | --ray-address ADDR --ray-slots N] [--benchmarks math500] [OVERRIDES...]
 
 A methods item is METHOD or LABEL=METHOD, then `+KEY=VALUE` overrides of that item only (the item is its
 label when it has none). Every run gets the shared OVERRIDES, method.name=METHOD, the item's overrides,
@@ -142,9 +142,29 @@ def check_configs(preset: str, shared: list[str], runs: list[SuiteRun], out: Pat
             raise ConfigError(f"suite run {r.label} seed {r.seed}: {err}") from err
 
 
+class LocalSlots:
+    """The suite's runs as processes on this host: one at a time on each device of `devices` (or on the config's
+    device, one at a time)."""
+
+    def __init__(self, devices: list[str] | None):
+        self.devices: list[str | None] = list(devices) if devices else [None]
+
+    def start(self, command: list[str], log: Path) -> subprocess.Popen:
+        with log.open("a") as out:
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+    def poll(self, handle: subprocess.Popen) -> int | None:
+        return handle.poll()
+
+    def close(self) -> None:
+        pass
+
+
 def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devices: list[str] | None = None,
-              overrides: list[str] = (), benchmarks: str | None = None, group_by: str = "config") -> dict:
-    """Run what is not finished, evaluate, report; returns {"report", "ran", "skipped", "failed"}."""
+              overrides: list[str] = (), benchmarks: str | None = None, group_by: str = "config",
+              slots=None) -> dict:
+    """Run what is not finished, evaluate, report; returns {"report", "ran", "skipped", "failed"}. `slots` places
+    the runs (LocalSlots(devices) by default; caspo.train.ray_launch.RaySlots on a Ray cluster)."""
     out, shared = Path(out).resolve(), list(overrides)
     wanted = plan(parse_methods(methods), seeds)
     check_configs(preset, shared, wanted, out)
@@ -153,41 +173,46 @@ def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devi
     skipped = [r for r in wanted if r not in queue]
     for r in skipped:
         console.print(f"suite: {r.dir} finished, skipped")
-    slots: list[str | None] = list(devices) if devices else [None]
-    active: dict[int, tuple[subprocess.Popen, SuiteRun, str]] = {}  # slot -> (process, run, phase)
+    slots = slots or LocalSlots(devices)
+    active: dict[int, tuple[object, SuiteRun, str]] = {}  # slot -> (handle, run, phase)
     failed: list[str] = []
-    while queue or active:
-        for slot, device in enumerate(slots):
-            if slot not in active and queue:
-                run = queue.pop(0)
-                action = next_action(out / run.dir)
-                cmd = train_command(preset, shared, run, out / run.dir, device, action)
-                active[slot] = (start(cmd, out / run.dir), run, "train")
-                console.print(f"suite: {run.dir} {'resumed' if action == 'resume' else 'started'} on "
-                              f"{device or 'the config device'}")
-        time.sleep(0.2)
-        for slot, (proc, run, phase) in list(active.items()):
-            if proc.poll() is None:
-                continue
-            del active[slot]
-            log = out / run.dir / "suite.log"
-            if proc.returncode:
-                failed.append(f"{run.dir} ({phase} exited {proc.returncode}; see {log})")
-                console.print(f"[red]suite: {failed[-1]}[/red]")
-            elif phase == "train" and benchmarks and (cmd := eval_command(out / run.dir, benchmarks, slots[slot])):
-                active[slot] = (start(cmd, out / run.dir), run, "eval")
-                console.print(f"suite: {run.dir} evaluating its checkpoints")
-            else:
-                console.print(f"suite: {run.dir} done")
+    try:
+        while queue or active:
+            for slot, device in enumerate(slots.devices):
+                if slot not in active and queue:
+                    run = queue.pop(0)
+                    action = next_action(out / run.dir)
+                    cmd = train_command(preset, shared, run, out / run.dir, device, action)
+                    active[slot] = (start(slots, cmd, out / run.dir), run, "train")
+                    console.print(f"suite: {run.dir} {'resumed' if action == 'resume' else 'started'} on "
+                                  f"{device or 'the config device'}")
+            time.sleep(0.2)
+            for slot, (handle, run, phase) in list(active.items()):
+                code = slots.poll(handle)
+                if code is None:
+                    continue
+                del active[slot]
+                log = out / run.dir / "suite.log"
+                if code:
+                    failed.append(f"{run.dir} ({phase} exited {code}; see {log})")
+                    console.print(f"[red]suite: {failed[-1]}[/red]")
+                elif phase == "train" and benchmarks and (cmd := eval_command(out / run.dir, benchmarks,
+                                                                             slots.devices[slot])):
+                    active[slot] = (start(slots, cmd, out / run.dir), run, "eval")
+                    console.print(f"suite: {run.dir} evaluating its checkpoints")
+                else:
+                    console.print(f"suite: {run.dir} done")
+    finally:
+        slots.close()
     runs = expand([str(out)])
     path = report(runs, out / "report", group_by=group_by) if runs else None
     return {"report": str(path) if path else None, "ran": [r.dir for r in wanted if r not in skipped],
             "skipped": [r.dir for r in skipped], "failed": failed}
 
 
-def start(cmd: list[str], run_dir: Path) -> subprocess.Popen:
+def start(slots, cmd: list[str], run_dir: Path):
     run_dir.mkdir(parents=True, exist_ok=True)
-    with (run_dir / "suite.log").open("a") as log:
-        log.write(f"\n$ {' '.join(cmd)}\n")
-        log.flush()
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log = run_dir / "suite.log"
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+    return slots.start(cmd, log)
