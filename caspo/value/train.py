@@ -11,9 +11,8 @@ label file; the checkpoint with the best validation Spearman ρ is kept. Trainin
 prefixes longer than `max_train_prefix_len` response tokens are dropped (and counted),
 and `save_every` keeps a checkpoint every N epochs in `step_NNNNNN/` beside the best.
 
-IPVRM's online-update options named ``use_adb`` and ``use_dlw`` are not implemented:
-their definitions are in the IPVRM paper and code, which were not available to check,
-and guessing them would make a method that only shares their names.
+IPVRM's balancing (``use_adb``, ``use_dlw``) belongs to CASPO's online value update during RL
+(method.caspo.use_adb / use_dlw, caspo.algo.ipvrm); this offline fit is the plain BCE above.
 """
 
 from __future__ import annotations
