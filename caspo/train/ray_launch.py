@@ -126,6 +126,7 @@ def launch(address: str, nproc: int, argv: Sequence[str], device: str) -> int:
                 (ref,), _ = ray.wait(list(pending), num_returns=1)
                 pending.pop(ref)
                 code = ray.get(ref)
+                code = code if code >= 0 else 128 - code  # killed by signal s: 128 + s, as a shell says
                 if code and not status:  # the first failure: stop the others, which would wait for it
                     ray.get([ranks[r].stop.remote() for r in pending.values()])
                 status = max(status, code)
