@@ -17,7 +17,7 @@ from caspo.rollout.base import Completion
 
 SEQUENCE_FRAME = ("input_ids", "attention_mask", "position_ids")  # [B, P+R]
 RESPONSE_FRAME = ("responses", "response_mask", "behaviour_logprobs", "old_logprobs", "ref_logprobs", "values",
-                  "returns", "advantages", "step_ids")  # [B, R]
+                  "returns", "advantages", "step_ids", "update_ratios")  # [B, R]
 
 
 @dataclass
@@ -48,6 +48,8 @@ class RolloutBatch:
     values: Optional[torch.Tensor] = None  # [B, R] critic values before the update
     returns: Optional[torch.Tensor] = None  # [B, R] GAE returns
     advantages: Optional[torch.Tensor] = None  # [B, R]
+    # π/π_old of each token at its last training forward (the ratio the loss clips), written by the update
+    update_ratios: Optional[torch.Tensor] = None  # [B, R]
     true_rewards: Optional[torch.Tensor] = None  # [B] the verifier's rewards when a control replaced them
     # step-level methods: the step of each response token, and per-step tensors [B, S]
     step_ids: Optional[torch.Tensor] = None  # [B, R] step index of each response token, −1 on padding

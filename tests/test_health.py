@@ -134,6 +134,7 @@ def test_a_planted_zero_reward_run_stops_with_a_checkpoint(tmp_path, monkeypatch
         got = [(e.step, e.value) for e in events.Scalars(f"{group}/{key}")]
         assert got == [(r["step"], pytest.approx(r[key], rel=1e-6, abs=1e-7)) for r in rows], key
     assert [e.step for e in events.Histograms("hist/advantages")] == [1, 2]
+    assert [e.step for e in events.Histograms("hist/update_ratio")] == [1, 2]
     table = events.Tensors("samples/text_summary")  # the text plugin stores the markdown as a string tensor
     assert [e.step for e in table] == [1, 2]
     text = table[0].tensor_proto.string_val[0].decode()

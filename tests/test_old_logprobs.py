@@ -63,6 +63,10 @@ def test_skipping_gives_the_same_update_as_recomputing(tmp_path):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
     assert stats["clipfrac"] == 0 and stats["behaviour_vs_old_logp_absdiff"] == pytest.approx(
         stats_kept["behaviour_vs_old_logp_absdiff"], abs=1e-5)
+    # the update's ratios π/π_old (the histogram's): exactly 1 where π_old is this very forward, 0 on padding
+    assert torch.equal(batch.update_ratios[mask], torch.ones(int(mask.sum())))
+    assert torch.equal(batch.update_ratios[~mask], torch.zeros(int((~mask).sum())))
+    assert "update_ratio" in loop.batch_histograms(batch)
     assert stats["entropy"] > 0 and stats["entropy"] == pytest.approx(stats_kept["entropy"], rel=1e-5)
 
 
@@ -71,3 +75,5 @@ def test_two_minibatches_recompute_and_differ_from_the_current_policy(tmp_path):
     tr, batch, stats = one_step(tmp_path, "train.minibatch_size=4")
     assert not batch.old_is_current and stats["t_old"] > 0
     assert torch.isfinite(batch.old_logprobs).all()
+    ratios = batch.update_ratios[batch.response_mask.bool()]  # the second minibatch's rows moved off 1
+    assert (ratios - 1).abs().max() > 1e-4 and stats["ratio_mean"] == pytest.approx(float(ratios.mean()), rel=1e-4)

@@ -2,8 +2,8 @@
 
 Each gets every number of every metrics.jsonl record at the record's step (tags grouped by prefix:
 train/, time/, health/, memory/, eval/, bench/, refresh/), and per outer step a table of sample texts
-(train.log_samples of them) and histograms of the batch's token advantages and of the ratio
-π_old/μ of the trainer's recomputed scores to the engine's behaviour scores (hist/).
+(train.log_samples of them) and histograms of the batch's token advantages, of the update's ratios
+π/π_old and of the ratio π_old/μ of the trainer's recomputed scores to the engine's behaviour scores (hist/).
 
     tensorboard   <run>/tensorboard/ (torch.utils.tensorboard); a resumed run purges the steps it redoes
     wandb         <run>/wandb/, offline unless train.wandb.mode=online; a resumed run continues its W&B run

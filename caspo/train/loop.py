@@ -270,12 +270,14 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
 
 
 def batch_histograms(batch: RolloutBatch) -> dict[str, torch.Tensor]:
-    """The step's token advantages, and the ratio π_old/μ of the trainer's recomputed scores to the
-    engine's (the update's own ratios π/π_old stay inside the update; their mean is `ratio_mean`)."""
+    """The step's token advantages, the update's ratios π/π_old (each token's at its last training forward,
+    the ratio the loss clips), and the ratio π_old/μ of the trainer's recomputed scores to the engine's."""
     mask = batch.response_mask.bool()
     out = {}
     if batch.advantages is not None:
         out["advantages"] = batch.advantages[mask]
+    if batch.update_ratios is not None:
+        out["update_ratio"] = batch.update_ratios[mask]
     if batch.old_logprobs is not None:
         ratio = (batch.old_logprobs - batch.behaviour_logprobs)[mask].exp()
         out["old_over_behaviour_ratio"] = ratio[torch.isfinite(ratio)]

@@ -45,6 +45,7 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
     logp, entropy = hidden_logprobs(model, hidden, batch.responses, T, with_entropy=True)
     if batch.old_is_current:
         batch.old_logprobs = logp.detach()
+    batch.update_ratios = (logp.detach() - batch.old_logprobs).exp() * batch.response_mask
     inputs = LossInputs(logp=logp, batch=batch, denom=denom)
     if method.loss.full_vocab:
         old = state.frozen_old_policy()
@@ -105,6 +106,8 @@ def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Co
         scaler.scale_loss(loss).backward()
         if fill_old and micro.old_is_current:  # the policy's forward gave them (policy_loss)
             batch.old_logprobs[idx, :micro.responses.shape[1]] = micro.old_logprobs
+        if fill_old:  # this forward's ratios replace an earlier epoch's
+            batch.update_ratios[idx, :micro.responses.shape[1]] = micro.update_ratios
         out.append({"tokens": micro.response_mask.sum().item(), **metrics})
     return out
 
@@ -160,6 +163,7 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
     for _, learner, _ in learners:
         learner.model.train()
     filled = torch.zeros(batch.size, dtype=torch.bool)  # rows whose old log-probs this rank's forwards gave
+    batch.update_ratios = torch.zeros_like(batch.response_mask)
     for _ in range(t.epochs_per_rollout):
         order = torch.randperm(batch.size, generator=generator)
         for start in range(0, batch.size, t.minibatch_size):
@@ -178,6 +182,8 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
         learner.model.eval()
     if distributed.active() and batch.old_is_current:  # each rank's forwards gave its rows' old log-probs
         batch.old_logprobs = distributed.share_rows(batch.old_logprobs, filled)
+    if distributed.active():  # and their ratios
+        batch.update_ratios = distributed.share_rows(batch.update_ratios, filled)
     if distributed.active():  # the micro-batch sums over every rank's rows; the norms are global already
         norms = {key for key, _, _ in learners}
         sums |= distributed.all_sum({k: v for k, v in sums.items() if k not in norms})
