@@ -151,3 +151,26 @@ def test_two_processes_in_fp16_skip_together_and_track_one_process(tmp_path):
     assert first[1] == pytest.approx(first[0], rel=0.02)
     w1, w2 = exported(runs[1])["policy"], exported(runs[2])["policy"]
     assert max((w1[k].float() - w2[k].float()).abs().max().item() for k in w1) <= 1e-3
+
+
+@pytest.mark.slow
+def test_value_training_on_two_ranks_fits_the_one_process_model(tmp_path):
+    """`caspo value train --nproc 2`: φ and the reference sharded with FSDP2, each rank a block of every batch:
+    the same validation numbers and, up to the order of the sums (amplified by AdamW), the same φ."""
+    from safetensors.torch import load_file
+
+    labels = tmp_path / "labels.jsonl"
+    result = caspo("value", "collect", "tests", "reward.workers=0", "model.threads=1", "--prompts", "12", "--k", "4",
+                   "--j", "2", "--boundaries", "2", "--out", str(labels))
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = ["value", "train", str(labels), "--policy", "embedded:tiny-arith", "--val-split", "prompt",
+             "--val-fraction", "0.5", "--epochs", "2", "--batch-size", "8", "--micro-batch-size", "3"]
+    for n in (1, 2):
+        result = caspo(*train, "--out", str(tmp_path / f"n{n}"), *(["--nproc", "2"] if n == 2 else []))
+        assert result.returncode == 0, result.stderr[-3000:]
+    history = {n: json.loads((tmp_path / f"n{n}" / "metrics.json").read_text())["history"] for n in (1, 2)}
+    assert [h["step"] for h in history[1]] == [h["step"] for h in history[2]] == [2, 4]
+    for one, two in zip(history[1], history[2]):
+        assert two["spearman"] == one["spearman"] and two["bce"] == pytest.approx(one["bce"], rel=1e-6)
+    w1, w2 = (load_file(tmp_path / f"n{n}" / "model.safetensors") for n in (1, 2))
+    assert set(w1) == set(w2) and max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 2e-5

@@ -14,9 +14,9 @@ import copy
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +160,8 @@ class PrefixValueModel:
     beta: float = DEFAULT_BETA
     provenance: Optional[Provenance] = None
     reference_source: str = ""  # where `reference` can be loaded from (a folder, hub id or embedded: spec)
+    # how a function of φ or the reference is called: directly, or through an FSDP root (caspo.train.fsdp.call)
+    call: Callable = field(default=lambda model, fn, *args: fn(model, *args), repr=False, compare=False)
 
     def __post_init__(self):
         self.reference.eval().requires_grad_(False)
@@ -181,10 +183,10 @@ class PrefixValueModel:
         when its reference model is this reference and its rollout temperature is 1;
         scores at the sampling temperature of a T ≠ 1 run do not.
         """
-        logp = response_logprobs(self.policy, batch, temperature=1.0)
+        logp = self.call(self.policy, response_logprobs, batch, 1.0)
         if ref_logprobs is None:
             with torch.no_grad():
-                ref_logprobs = response_logprobs(self.reference, batch, temperature=1.0)
+                ref_logprobs = self.call(self.reference, response_logprobs, batch, 1.0)
         elif ref_logprobs.shape != logp.shape:
             raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, the batch needs {tuple(logp.shape)}")
         diff = logp - ref_logprobs.to(logp.dtype)
@@ -199,14 +201,15 @@ class PrefixValueModel:
         self.reference.to(device)
         return self
 
-    def save(self, path: str | Path, tokenizer=None) -> Path:
-        """φ as a save_pretrained folder (with the tokenizer, if given) plus value_config.json."""
+    def save(self, path: str | Path, tokenizer=None, state_dict: Optional[dict] = None) -> Path:
+        """φ as a save_pretrained folder (with the tokenizer, if given) plus value_config.json; `state_dict`:
+        φ's whole tensors when φ itself is sharded."""
         from caspo.models.tokenizer import save_tokenizer
 
         if self.provenance is None or self.provenance.reference is None:
             raise ProvenanceError("a value model needs a provenance with its reference identity before it is saved")
         path = Path(path)
-        self.policy.save_pretrained(path, safe_serialization=True)
+        self.policy.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             save_tokenizer(tokenizer, path)
         config = {"format": FORMAT, "beta": self.beta, "reference_source": self.reference_source,

@@ -98,10 +98,18 @@ def start(cfg: Config) -> Config:
     others' report to no tracker. In a single process: `cfg` as it is, and no group."""
     if not launched():
         return cfg
-    world = int(os.environ["WORLD_SIZE"])
-    check_config(cfg, world)
+    check_config(cfg, int(os.environ["WORLD_SIZE"]))
+    join(cfg.model.device)
+    if not is_main():  # rank 0 prints and reports to the trackers; the others keep their own metrics.jsonl
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loggers=["jsonl"]))
+    return cfg
+
+
+def join(device: str) -> None:
+    """Join the launcher's process group (gloo on the CPU; nccl on CUDA, the current device cuda:LOCAL_RANK
+    for `device` cuda, or auto with a GPU); ranks other than 0 print nothing."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    on_cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if on_cuda:
         if torch.cuda.device_count() <= local:
             raise ConfigError(f"rank {os.environ.get('RANK')} has local rank {local}, but this host shows "
@@ -112,10 +120,8 @@ def start(cfg: Config) -> Config:
         dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(minutes=30),
                                 device_id=torch.device("cuda", local) if on_cuda else None)
         atexit.register(stop)
-    if not is_main():  # rank 0 prints and reports to the trackers; the others keep their own metrics.jsonl
+    if not is_main():
         console.quiet = True
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loggers=["jsonl"]))
-    return cfg
 
 
 def log_dir(run_dir: Path) -> Path:

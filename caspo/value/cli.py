@@ -105,19 +105,35 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
           merge_duplicates: bool = typer.Option(False, help="one forward per distinct rollout, weighted by its "
                                                 "copies (same loss; batch-size then counts distinct rollouts)"),
           seed: int = typer.Option(0), device: str = typer.Option("cpu"),
-          threads: int = typer.Option(1, help=THREADS_HELP)):
+          threads: int = typer.Option(1, help=THREADS_HELP),
+          nproc: int = typer.Option(1, "--nproc", min=1, help="ranks, one per device (torchrun underneath): φ and "
+                                                              "the reference sharded with FSDP2")):
     """Fit a prefix value model: BCE of σ(V/β) against p̂; keeps the best validation ρ."""
+    import subprocess
+
     import torch
 
+    from caspo.train import distributed
     from caspo.value.train import TrainSpec, train_value
 
+    if nproc > 1 and not distributed.launched():  # start the ranks, each running this command without --nproc
+        options = {"--policy": policy, "--out": out, "--val-split": val_split, "--val-fraction": val_fraction,
+                   "--beta": beta, "--lr": lr, "--epochs": epochs, "--batch-size": batch_size,
+                   "--micro-batch-size": micro_batch_size, "--eval-every": eval_every,
+                   "--max-train-prefix-len": max_train_prefix_len, "--save-every": save_every, "--seed": seed,
+                   "--device": device, "--threads": threads}
+        argv = ["value", "train", str(labels), *(x for k, v in options.items() for x in (k, str(v))),
+                *(["--merge-duplicates"] if merge_duplicates else [])]
+        raise typer.Exit(subprocess.call(distributed.launch_command(nproc, argv)))
     if threads:
         torch.set_num_threads(threads)
     spec = TrainSpec(beta=beta, lr=lr, epochs=epochs, batch_size=batch_size, micro_batch_size=micro_batch_size,
                      val_split=val_split, val_fraction=val_fraction, eval_every=eval_every, seed=seed,
                      merge_duplicates=merge_duplicates, max_train_prefix_len=max_train_prefix_len,
                      save_every=save_every)
-    typer.echo(json.dumps(train_value(labels, policy, out, spec, device), indent=2))
+    summary = train_value(labels, policy, out, spec, device)
+    if distributed.is_main():
+        typer.echo(json.dumps(summary, indent=2))
 
 
 @value_app.command()

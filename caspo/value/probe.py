@@ -36,7 +36,7 @@ def boundary_values(model: PrefixValueModel, responses: Sequence[ResponseLabels]
         mask[i, :len(r.boundaries)] = 1.0
     boundaries, mask = boundaries.to(device), mask.to(device)
     with torch.no_grad():
-        ref = response_logprobs(model.reference, batch, temperature=1.0)
+        ref = model.call(model.reference, response_logprobs, batch, 1.0)
     values = prefix_values(model.cumulative(batch, ref), boundaries)
     ref_prefix = prefix_values(torch.where(batch.response_mask.bool(), ref, 0.0).cumsum(-1), boundaries)
     return values, mask, probability_ceiling(ref_prefix)

@@ -34,6 +34,8 @@ from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel
 from caspo.models.provenance import ProvenanceError, check_provenance, model_identity, tokenizer_hash
 from caspo.models.tokenizer import load_tokenizer
 from caspo.runlog import console, progress_bar
+from caspo.train import distributed, fsdp, sharded
+from caspo.train.update import clip_gradients
 from caspo.value.labels import LabelRow, ResponseLabels, group_responses, merge_duplicates, read_label_file
 from caspo.value.probe import boundary_values, evaluate, write_report
 
@@ -110,9 +112,17 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
     if tokenizer_hash(tokenizer) != provenance.tokenizer_hash:
         raise ProvenanceError(f"{policy} has tokenizer {tokenizer_hash(tokenizer)}, the labels were tokenized by "
                               f"{provenance.tokenizer_hash}: their token ids mean other text to this model")
+    if distributed.launched():  # one of `caspo value train --nproc N`'s ranks
+        distributed.join(device)
+        if device.startswith("cuda"):
+            device = f"cuda:{torch.cuda.current_device()}"
     reference = load_policy(path, device)
     model = PrefixValueModel.from_reference(reference, spec.beta, provenance.with_reference(model_identity(reference)),
                                             reference_source=policy)
+    if distributed.active():  # φ and the reference sharded with FSDP2; each rank trains on its block of a batch
+        fsdp.shard_routed(model.policy, "fp32")
+        fsdp.shard_routed(model.reference, "fp32")
+        model.call = fsdp.call
     optimizer = torch.optim.AdamW(model.policy.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     responses = truncate_responses(group_responses(train_rows), spec.max_train_prefix_len)
     if spec.merge_duplicates:
@@ -133,7 +143,7 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
         rho = metrics["spearman"]
         if not math.isnan(rho) and (best is None or rho > best["spearman"]):
             best, best_values = record, values
-            model.save(out_dir, tokenizer)
+            save_model(model, out_dir, tokenizer)
         console.print(f"step {step}: val ρ {rho:.3f}  within-response ρ {metrics['within_response_spearman']:.3f}  "
                       f"AUC {metrics['auc_outcome']:.3f}  bce {metrics['bce']:.4f}")
         return record
@@ -158,6 +168,8 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
                            "nothing was saved")
     summary = {"best": best, "out": str(out_dir), "train_rows": len(train_rows), "val_rows": len(val_rows),
                "dropped_long_prefixes": dropped, "epoch_checkpoints": saved, "seconds": round(time.monotonic() - t0, 1)}
+    if not distributed.is_main():
+        return summary
     best_metrics = {k: v for k, v in best.items() if k not in ("step", "epoch", "seconds")}
     write_report(out_dir, best_metrics, best_values, val_rows, spec.beta,
                  f"validation ({spec.val_split}), best step {best['step']}",
@@ -189,11 +201,23 @@ def truncate_responses(responses: list[ResponseLabels], max_len: int) -> list[Re
     return [dataclasses.replace(r, response_tokens=r.response_tokens[:max_len]) for r in responses]
 
 
+def save_model(model: PrefixValueModel, folder: Path, tokenizer) -> None:
+    """model.save, by rank 0 with φ's gathered tensors when φ is sharded (every rank takes part)."""
+    if not distributed.active():
+        model.save(folder, tokenizer)
+        return
+    state = sharded.whole_state(model.policy, "fp32")  # a collective
+    if distributed.is_main():
+        model.save(folder, tokenizer, state_dict=state)
+    distributed.barrier()
+
+
 def save_epoch(model: PrefixValueModel, tokenizer, out_dir: Path, record: dict) -> Path:
     """The model after an epoch, with that epoch's validation metrics, in <out>/step_NNNNNN/."""
     folder = out_dir / f"step_{record['step']:06d}"
-    model.save(folder, tokenizer)
-    (folder / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+    save_model(model, folder, tokenizer)
+    if distributed.is_main():
+        (folder / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
     return folder
 
 
@@ -204,20 +228,24 @@ def train_step(model: PrefixValueModel, optimizer: torch.optim.Optimizer, batch,
     Each micro-batch's summed BCE is divided by the prefixes of the whole batch, so the
     gradient does not depend on the micro-batch size; a merged rollout counts ``weight`` times.
     """
-    total = sum(r.weight * len(r.boundaries) for r in batch)
+    total = sum(r.weight * len(r.boundaries) for r in batch)  # the whole batch's, on every rank
     optimizer.zero_grad(set_to_none=True)
+    share = distributed.block(len(batch))  # this rank's rollouts (all of them in one process)
+    mine = batch[share.start:share.stop]
+    micros = [mine[i:i + spec.micro_batch_size] for i in range(0, len(mine), spec.micro_batch_size)]
+    # every rank runs as many forwards and backwards (FSDP's collectives); a stand-in's loss counts 0
+    stand_ins = distributed.all_max(len(micros)) - len(micros)
     loss_sum = 0.0
-    for start in range(0, len(batch), spec.micro_batch_size):
-        micro = batch[start:start + spec.micro_batch_size]
+    for micro, real in [(m, True) for m in micros] + [(batch[:1], False)] * stand_ins:
         values, mask, _ = boundary_values(model, micro, pad_token_id, device)
         targets = torch.zeros_like(values)
         for i, r in enumerate(micro):
             targets[i, :len(r.p_hats)] = torch.tensor(r.p_hats)
         weights = torch.tensor([float(r.weight) for r in micro], device=values.device)[:, None]
         bce = F.binary_cross_entropy_with_logits(values / model.beta, targets, reduction="none")
-        loss = (bce * mask * weights).sum() / total
+        loss = (bce * mask * weights).sum() / total * (1.0 if real else 0.0)
         loss.backward()
         loss_sum += loss.detach().item()
-    torch.nn.utils.clip_grad_norm_(model.policy.parameters(), spec.grad_clip)
+    clip_gradients([p for p in model.policy.parameters() if p.grad is not None], spec.grad_clip)
     optimizer.step()
-    return loss_sum
+    return distributed.all_sum({"loss": loss_sum})["loss"]
