@@ -10,9 +10,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-import yaml
-
-from caspo.runlog import read_jsonl, read_run_json
+from caspo.report.runs import read_run
 
 # report line -> the metrics' phase timers summed into it
 PHASES = {
@@ -38,15 +36,13 @@ def wall_seconds(starts: list[dict]) -> float:
 
 
 def timing(run_dir: str | Path) -> dict:
-    run_dir = Path(run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    run = read_run(run_dir)
+    rows = run.records
     steps = [r for r in rows if "t_step" in r]
     phases = {name: round(sum(float(r.get(k, 0.0)) for r in rows for k in keys), 3) for name, keys in PHASES.items()}
-    run = read_run_json(run_dir) or {"starts": []}
-    starts = run["starts"]
+    starts = (run.run_json or {}).get("starts", [])
     wall = wall_seconds(starts)
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
-    model = config.get("model", {})
+    model = run.config.get("model", {})
     return {
         "steps": len(steps),
         "model": {"policy": model.get("policy"), "revision": model.get("revision")},
