@@ -86,24 +86,37 @@ class RankProcess:
             self.child.terminate()  # SIGTERM: a rank stops after its step, as under Ctrl-C
 
 
-def launch(address: str, nproc: int, argv: Sequence[str], device: str) -> int:
-    """Run `caspo <argv>` as `nproc` ranks on the Ray cluster at `address` ('local': a new local Ray), on
-    GPUs when `device` (model.device) is cuda, or auto and the cluster has GPUs; returns the largest exit
-    status of the ranks. When one rank fails the others are stopped (they would wait in a collective)."""
+def connect(address: str, cpus: int):
+    """Ray, connected to the cluster at `address`, or to a new one on this machine for 'local' (`cpus` CPUs and
+    every GPU here)."""
     try:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ConfigError("--ray-address needs Ray: pip install 'caspo[ray]'") from None
     if address == "local":
         import torch
 
-        ray.init(num_cpus=nproc, num_gpus=torch.cuda.device_count(), include_dashboard=False)
+        ray.init(num_cpus=cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False)
     else:
         ray.init(address=address)
+    return ray
+
+
+def wants_gpu(ray, device: str) -> bool:
+    """Whether a process of model.device `device` takes a GPU: cuda, or auto on a cluster that has GPUs."""
+    return device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+
+
+def launch(address: str, nproc: int, argv: Sequence[str], device: str) -> int:
+    """Run `caspo <argv>` as `nproc` ranks on the Ray cluster at `address` ('local': a new local Ray), on
+    GPUs when `device` (model.device) is cuda, or auto and the cluster has GPUs; returns the largest exit
+    status of the ranks. When one rank fails the others are stopped (they would wait in a collective)."""
+    ray = connect(address, nproc)
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     try:
-        on_cuda = device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        on_cuda = wants_gpu(ray, device)
         bundle = {"CPU": 1, **({"GPU": 1} if on_cuda else {})}
         group = placement_group([bundle] * nproc, strategy="PACK")
         try:
@@ -144,18 +157,8 @@ class RaySlots:
 
     def __init__(self, address: str, slots: int, device: str):
         """`device`: the runs' model.device; cuda, or auto on a cluster with GPUs, gives each run a GPU."""
-        try:
-            import ray
-        except ImportError:
-            raise ConfigError("--ray-address needs Ray: pip install 'caspo[ray]'") from None
-        self.ray = ray
-        if address == "local":
-            import torch
-
-            ray.init(num_cpus=max(slots, 1), num_gpus=torch.cuda.device_count(), include_dashboard=False)
-        else:
-            ray.init(address=address)
-        on_cuda = device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        self.ray = ray = connect(address, slots)
+        on_cuda = wants_gpu(ray, device)
         self.actor = ray.remote(num_cpus=1, num_gpus=1 if on_cuda else 0, max_concurrency=2)(RankProcess)
         self.devices: list[str | None] = ["cuda" if on_cuda else None] * slots
 
