@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -44,14 +45,18 @@ def collect_shards(argv: Sequence[str], out: Path, nproc: int, on_cuda: bool) ->
     children = [subprocess.Popen([sys.executable, "-m", "caspo.cli", "value", "collect", *argv, "--shard",
                                   f"{r}/{nproc}", "--out", str(paths[r])], env=shard_env(r, devices))
                 for r in range(nproc)]
-    failed = None
-    for r, child in enumerate(children):
-        if child.wait() and failed is None:
-            failed = r
-            for other in children:
-                if other.poll() is None:
-                    other.terminate()
+    while True:  # until every shard ended, or one failed: the others then stop now, not when they end
+        codes = [child.poll() for child in children]
+        failed = next((r for r, code in enumerate(codes) if code), None)
+        if failed is not None or None not in codes:
+            break
+        time.sleep(0.2)
     if failed is not None:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            child.wait()
         raise ConfigError(f"shard {failed}/{nproc} of the collection failed (its error is above); the others "
                           "were stopped")
     return merge_label_files(paths, out)
