@@ -18,6 +18,17 @@ PRESET = typer.Argument(..., help="preset name (e.g. arith-tiny) or path to a YA
 OVERRIDES = typer.Argument(None, help="dotted overrides, e.g. train.steps=50 method.name=grpo")
 
 
+def option_argv(options: dict) -> list[str]:
+    """Parsed options back as command-line words, for a command that starts copies of itself: a value of None
+    is left out, True is a bare flag, False nothing."""
+    out: list[str] = []
+    for flag, value in options.items():
+        if value is None or value is False:
+            continue
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
 def checked_config(preset: str, overrides: Optional[List[str]], *, policy: bool = True, data: bool = True) -> Config:
     """The config with its method's checks and the data layer's (template, arithmetic task, benchmarks that
     exist); a ConfigError otherwise, which the CLI prints as one line. `policy`: the command loads

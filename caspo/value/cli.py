@@ -24,7 +24,7 @@ from typing import List, Literal, Optional
 
 import typer
 
-from caspo.cli_args import OVERRIDES, PRESET, checked_config
+from caspo.cli_args import OVERRIDES, PRESET, checked_config, option_argv
 from caspo.config import ConfigError
 
 value_app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -65,7 +65,7 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         cfg = checked_config(preset, overrides)  # fail fast, before any process starts
         options = {"--recipe": recipe, "--prompts": prompts, "--k": k, "--j": j, "--boundaries": boundaries,
                    "--splitter": splitter, "--pairing": pairing, "--state-temperature": state_temperature}
-        argv = [preset, *(overrides or []), *(x for key, v in options.items() if v is not None for x in (key, str(v)))]
+        argv = [preset, *(overrides or []), *option_argv(options)]
         merged = collect_shards(argv, out, nproc, resolve_device(cfg.model.device).type == "cuda")
         typer.echo(f"{len(merged.rows)} rows from {nproc} shards -> {out}")
         return
@@ -121,9 +121,8 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
                    "--beta": beta, "--lr": lr, "--epochs": epochs, "--batch-size": batch_size,
                    "--micro-batch-size": micro_batch_size, "--eval-every": eval_every,
                    "--max-train-prefix-len": max_train_prefix_len, "--save-every": save_every, "--seed": seed,
-                   "--device": device, "--threads": threads}
-        argv = ["value", "train", str(labels), *(x for k, v in options.items() for x in (k, str(v))),
-                *(["--merge-duplicates"] if merge_duplicates else [])]
+                   "--device": device, "--threads": threads, "--merge-duplicates": merge_duplicates}
+        argv = ["value", "train", str(labels), *option_argv(options)]
         raise typer.Exit(subprocess.call(distributed.launch_command(nproc, argv)))
     if threads:
         torch.set_num_threads(threads)
