@@ -8,6 +8,7 @@ import math
 import platform
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -125,3 +126,18 @@ def plant_rates(model: torch.nn.Module, rates: dict[int, float], shift: float = 
         embeddings[:, 0] = shift
         for token, p in rates.items():
             embeddings[token, 0] = shift + math.log(p * vocab / rest) / math.sqrt(width)
+
+
+def save_value_model(cfg, policy: Path, out: Path, device: str = "cpu") -> Path:
+    """A fresh prefix value model of the policy's shape (φ = the policy, every V 0) whose labels would come from
+    the run `cfg` describes (its template, verifier settings and splitter), as `caspo value train` records them."""
+    from caspo.models.policy import load_policy
+    from caspo.models.prefix_value import PrefixValueModel
+    from caspo.models.provenance import label_provenance, model_identity
+    from caspo.models.tokenizer import load_tokenizer
+
+    base = load_policy(str(policy), torch.device(device))
+    tokenizer = load_tokenizer(str(policy))
+    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
+    model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=str(policy))
+    return model.save(out, tokenizer=tokenizer)

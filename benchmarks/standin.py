@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import torch
+from _common import save_value_model
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
 from caspo.models.bpe import build_qwen_tokenizer
@@ -49,21 +50,12 @@ def save_standin(out: Path, overrides: dict, seed: int = 0, device: str = "cpu")
     return out
 
 
-def save_value_model(policy: Path, preset: str, out: Path, overrides: list[str] = (), device: str = "cpu") -> Path:
-    """A prefix value model of the policy's shape whose labels would come from `preset`'s prompts (its template,
-    verifier settings and splitter), as `caspo value train` records them."""
+def value_model_for(policy: Path, preset: str, out: Path, overrides: list[str] = (), device: str = "cpu") -> Path:
+    """A prefix value model of the policy's shape for `preset`'s run (its prompts, verifier and splitter)."""
     from caspo.config import load_config
-    from caspo.models.policy import load_policy
-    from caspo.models.prefix_value import PrefixValueModel
-    from caspo.models.provenance import label_provenance, model_identity
-    from caspo.models.tokenizer import load_tokenizer
 
     cfg = load_config(preset, [f"model.policy={policy}", "model.device=cpu", *overrides])
-    base = load_policy(str(policy), torch.device(device))
-    tokenizer = load_tokenizer(str(policy))
-    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
-    model = PrefixValueModel.from_reference(base, provenance=provenance, reference_source=str(policy))
-    return model.save(out, tokenizer=tokenizer)
+    return save_value_model(cfg, policy, out, device)
 
 
 def main() -> None:
@@ -87,7 +79,7 @@ def main() -> None:
     if args.value_for:
         if args.value_out is None:
             parser.error("--value-for needs --value-out")
-        print(f"value model: {save_value_model(policy, args.value_for, args.value_out, args.set, args.device)}")
+        print(f"value model: {value_model_for(policy, args.value_for, args.value_out, args.set, args.device)}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from _common import add_model_args, append_result, build_model, environment, plant_rates, print_table
+from _common import (
+    add_model_args,
+    append_result,
+    build_model,
+    environment,
+    plant_rates,
+    print_table,
+    save_value_model,
+)
 
 from caspo.config import load_config
 from caspo.data.build import load_task_data
@@ -89,7 +97,7 @@ def main() -> None:
             f"train.activation_checkpointing={str(args.checkpointing).lower()}", *step_level(method, args),
             *args.set])
         if method == "caspo":
-            cfg = with_value_model(cfg, policy, tokenizer, work / "value")
+            cfg = with_value_model(cfg, policy, work / "value")
         prompt_len = mean_prompt_tokens(cfg, tokenizer)
         train(cfg)
         steps = [json.loads(line) for line in (work / method / "metrics.jsonl").read_text().splitlines()]
@@ -129,20 +137,12 @@ def step_level(method: str, args) -> list[str]:
     return []
 
 
-def with_value_model(cfg, policy: Path, tokenizer, folder: Path):
-    """cfg with a prefix value model of the policy's shape: φ = the policy (V = 0 everywhere), labelled under
-    this run's conditions as `caspo value train` records them."""
+def with_value_model(cfg, policy: Path, folder: Path):
+    """cfg with a prefix value model of the policy's shape (φ = the policy, V = 0 everywhere), labelled under this
+    run's conditions."""
     import dataclasses
 
-    from caspo.models.policy import load_policy
-    from caspo.models.prefix_value import PrefixValueModel
-    from caspo.models.provenance import label_provenance, model_identity
-
-    base = load_policy(str(policy))
-    provenance = label_provenance(cfg, tokenizer, base).with_reference(model_identity(base))
-    PrefixValueModel.from_reference(base, provenance=provenance, reference_source=str(policy)).save(
-        folder, tokenizer=tokenizer)
-    del base
+    save_value_model(cfg, policy, folder)
     caspo_cfg = dataclasses.replace(cfg.method.caspo, value_model=str(folder))
     return dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, caspo=caspo_cfg))
 
