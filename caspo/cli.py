@@ -9,7 +9,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from caspo.cli_args import OVERRIDES, PRESET, checked_config
+from caspo.cli_args import OVERRIDES, PRESET, checked_config, option_argv
 from caspo.config import ConfigError, to_yaml
 from caspo.value.cli import value_app
 
@@ -102,8 +102,7 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
             os.environ.update(DETERMINISTIC_ENV)
         argv = ["--debug"] if ctx.parent and ctx.parent.params.get("debug") else []
         # without --nproc: torchrun's parser would take it for its own --nproc-per-node
-        argv += ["train", preset, *(overrides or []), *(["--resume", resume] if resume else []),
-                 *(["--overwrite"] if overwrite else [])]
+        argv += ["train", preset, *(overrides or []), *option_argv({"--resume": resume, "--overwrite": overwrite})]
         if ray_address:
             from caspo.train.ray_launch import launch
 
