@@ -22,6 +22,7 @@ def run(script: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
 
 
+@pytest.mark.slow  # about 40 s: three runs; the default run checks bit-identical resume with verify-resume
 def test_sigterm_mid_step_checkpoints_that_step_and_resumes_bit_identically(tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     common = f"from caspo.config import load_config\nfrom caspo.train import loop\nBASE = {BASE!r}\n"
