@@ -66,7 +66,8 @@ def test_two_configs_by_two_seeds_compared_against_their_metrics(tmp_path):
     assert per_run["pins"]["device"] == "cpu test cpu" and per_run["pins"]["dtype"] == "fp32 (engine fp32)"
     text = path.read_text()
     grpo_last5 = [statistics.mean(REWARDS[("grpo", s)][-5:]) for s in (0, 1)]
-    assert f"| grpo | 2 | 6 | {statistics.mean(grpo_last5):.3f} ± {statistics.stdev(grpo_last5):.3f} (n=2) |" in text
+    half_width = 12.706 * statistics.stdev(grpo_last5) / 2 ** 0.5  # t(0.975, 1 degree of freedom)
+    assert f"| grpo | 2 | 6 | {statistics.mean(grpo_last5):.3f} ± {half_width:.3f} (n=2) |" in text
     for png in ("curves.png", "phases.png", "eval_accuracy_vs_compute.png"):
         assert (tmp_path / "report" / png).stat().st_size > 5000
 

@@ -2,9 +2,9 @@
 (+ summary.json, the same numbers for programs).
 
 Runs are grouped by config (runs whose configs differ only in seed, folder and logging are seeds of one
-group), by method (method.name) or not at all (run). A group's numbers are the mean ± sample std over its
-runs (n, and the 95% t interval in summary.json). Runs compared must share the conditions (CONDITIONS:
-model, data and template, verifier, sampler, evaluation) unless allow_mismatch.
+group), by method (method.name) or not at all (run). A group's numbers are the mean over its runs ± the
+half-width of the 95% t interval of that mean (summary.json adds the sample std). Runs compared must share
+the conditions (CONDITIONS: model, data and template, verifier, sampler, evaluation) unless allow_mismatch.
 """
 
 from __future__ import annotations
@@ -177,12 +177,12 @@ def state_note(run: Run) -> str:
 
 
 def fmt(stat: dict, integer: bool = False) -> str:
-    """mean ± std (n) of a group; the mean alone for one run."""
+    """mean ± 95% interval half-width (n) of a group; the mean alone for one run."""
     if not stat or stat["n"] == 0 or math.isnan(stat["mean"]):
         return ""
     one = (lambda v: f"{v:,.0f}") if integer or abs(stat["mean"]) >= 1000 else (lambda v: f"{v:.3f}")
     spread = stat["n"] > 1 and not (integer and stat["std"] == 0)  # counts all equal: the count alone
-    return one(stat["mean"]) + (f" ± {one(stat['std'])} (n={stat['n']})" if spread else "")
+    return one(stat["mean"]) + (f" ± {one(stat['ci95'])} (n={stat['n']})" if spread else "")
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -209,8 +209,8 @@ def report(runs: list[Run], out: str | Path, group_by: str = "config", allow_mis
         lines += ["**Conditions differ** (reported with --allow-mismatch):", ""] + [f"- {m}" for m in mismatch] + [""]
     metric_cols = list(dict.fromkeys(k for g in numbers.values() for k in g
                                      if k not in ("steps", "policy_tokens", "mc_tokens", "value_tokens", "wall_s")))
-    lines += ["## Results", "", f"Mean ± sample std over each group's runs; training metrics averaged over each run's "
-              f"last {LAST} steps, evaluations at each run's last one.", ""]
+    lines += ["## Results", "", "Mean over each group's runs ± the half-width of its 95% t interval (n); training "
+              f"metrics averaged over each run's last {LAST} steps, evaluations at each run's last one.", ""]
     lines += table(["group", "runs", "steps", *metric_cols],
                    [[label, str(len(groups[label])), fmt(g.get("steps", {}), integer=True)]
                     + [fmt(g.get(k, {})) for k in metric_cols] for label, g in numbers.items()])

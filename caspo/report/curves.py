@@ -25,7 +25,7 @@ X_LABELS = {"step": "outer step", "samples": "training samples", "tokens": "gene
 
 
 def band(ax, runs: list[Run], key: str, label: str, x: str = "step", style: str = "-", color=None) -> bool:
-    """The mean of `key` over `runs` against `x`, ± one std; False when no run logged it."""
+    """The mean of `key` over `runs` against `x`, ± the 95% t interval of the mean; False when no run logged it."""
     points = aligned(runs, key, x)
     if not points:
         return False
@@ -33,8 +33,8 @@ def band(ax, runs: list[Run], key: str, label: str, x: str = "step", style: str 
     mean = [p[1]["mean"] for p in points]
     line, = ax.plot(xs, mean, style, label=label, color=color, marker="o" if len(xs) < 12 else None, markersize=3)
     if len(runs) > 1:
-        std = [p[1]["std"] for p in points]
-        ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+        ci = [p[1]["ci95"] for p in points]
+        ax.fill_between(xs, [m - c for m, c in zip(mean, ci)], [m + c for m, c in zip(mean, ci)],
                         color=line.get_color(), alpha=0.2)
     return True
 
