@@ -239,8 +239,9 @@ def load_prefix_value(path: str | Path, expected_provenance: Optional[Provenance
     the recorded ``reference_source`` unless given; either way its weights must have the
     recorded identity, or the values would be log-ratios against another model.
     """
-    from caspo.models.policy import load_policy
+    from caspo.models.policy import load_policy, resolve_model_path
 
+    path = resolve_model_path(str(path))  # a folder, or embedded:NAME for one that ships
     config = read_value_config(path)
     provenance = Provenance.from_dict(config["provenance"])
     if expected_provenance is not None:
