@@ -32,7 +32,9 @@ from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_seed
 
-ENGINES = ("native", "native-graphs", "hf", "native-graphs-sdpa")  # the last: decode attention by masked SDPA
+# native-graphs-sdpa: decode attention by masked SDPA; native-graphs-eager-sampler: the sampler's kernels
+# launched one by one after the decode graph, instead of replayed as a graph of their own
+ENGINES = ("native", "native-graphs", "hf", "native-graphs-sdpa", "native-graphs-eager-sampler")
 
 
 def make_engine(name: str, model, args, max_seq_len: int):
@@ -41,6 +43,7 @@ def make_engine(name: str, model, args, max_seq_len: int):
     return NativeEngine(model, max_seq_len=max_seq_len, max_running=args.prompts,
                         cuda_graphs=name.startswith("native-graphs"),
                         decode_kernel=False if name.endswith("-sdpa") else None,
+                        sampler_graphs=not name.endswith("-eager-sampler"),
                         **kv_sizing(args, max_seq_len, args.prompts))
 
 

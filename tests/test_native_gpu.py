@@ -183,3 +183,42 @@ def test_fused_sampler_matches_eager(temperature, top_k, top_p):
         assert torch.equal(fused[0], eager[0])
         for got, expected in zip(fused[1:], eager[1:]):
             assert torch.allclose(got, expected, atol=1e-5)
+
+
+SAMPLERS = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1.0, top_k=20, top_p=0.8)]
+
+
+@pytest.mark.parametrize("sp", SAMPLERS, ids=["greedy", "t1", "top-p", "top-k-top-p"])
+def test_sampler_graphs_pick_the_eager_samplers_tokens(sp):
+    """Replayed at a padded batch size, the sampler's graph picks each row's token as eagerly."""
+    from caspo.rollout.native.sampler_graphs import SamplerGraphs, pick
+
+    torch.manual_seed(0)
+    logits = torch.randn(13, 5000, device=CUDA) * 3
+    seeds = torch.arange(13, device=CUDA) * 7919 + 5
+    positions = torch.arange(13, device=CUDA) % 5
+    graphs = SamplerGraphs([4, 16, 32], 5000, CUDA)
+    for rows in (13, 3):  # 13 rows in the 16-row graph, then 3 in the 4-row one
+        tokens, packed = graphs.run(logits[:rows], seeds[:rows], positions[:rows], sp)
+        eager_tokens, eager_packed = pick(logits[:rows], seeds[:rows], positions[:rows], sp)
+        assert tokens.tolist() == eager_tokens.tolist()
+        torch.testing.assert_close(packed, eager_packed, rtol=0, atol=1e-6)
+    assert {key[0] for key in graphs.graphs} == {16, 4}
+
+
+@pytest.mark.parametrize("sp", SAMPLERS[1:], ids=["t1", "top-p", "top-k-top-p"])
+def test_engine_with_sampler_graphs_samples_as_without(family, sp):
+    model = build(family, torch.float32)
+    reqs = requests(16)  # lengths differ: the batch shrinks through the graph ladder
+    eager = native(model, cuda_graphs=True, sampler_graphs=False).generate(reqs, sp)
+    engine = native(model, cuda_graphs=True)
+    graphed = engine.generate(reqs, sp)
+    assert len(engine.model_runner.sampler_graphs.graphs) >= 2
+    assert [c.tokens for c in graphed] == [c.tokens for c in eager]
+    for a, b in zip(graphed, eager):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    engine.sleep()
+    assert engine.model_runner.sampler_graphs is None
+    engine.wake()
+    assert [c.tokens for c in engine.generate(reqs, sp)] == [c.tokens for c in eager]

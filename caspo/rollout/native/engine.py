@@ -83,6 +83,8 @@ class NativeEngine(PublishedWeights):
     max_prefill_tokens: padded prompt positions per prefill forward; longer prompts are prefilled in pieces.
     prefix_sharing: prompts sharing a prefix with a resident sequence copy its K/V instead of computing it.
     cuda_graphs: replay CUDA graphs of the decode step, captured per (rows, key length) on first use (CUDA only).
+    sampler_graphs: with cuda_graphs, replay the sampler as graphs too, per (rows, sampling parameters)
+        (false: launch its kernels one by one; the same tokens).
     decode_kernel: decode attention through the split-K Triton kernel instead of masked SDPA
         (default: on CUDA; it reads each sequence's K/V once, where SDPA reads them at ~1/3 of the bandwidth).
     dtype / device: compute dtype and device (default: those of the weights).
@@ -92,8 +94,8 @@ class NativeEngine(PublishedWeights):
     def __init__(self, model: nn.Module | str | os.PathLike, *, max_seq_len: int, capacity_tokens: int | None = None,
                  gpu_memory_fraction: float | None = None, max_running: int | None = None,
                  max_prefill_tokens: int = 8192, prefix_sharing: bool = True, cuda_graphs: bool = False,
-                 graph_batch_sizes: list[int] | None = None, decode_kernel: bool | None = None,
-                 dtype: torch.dtype | None = None,
+                 graph_batch_sizes: list[int] | None = None, sampler_graphs: bool = True,
+                 decode_kernel: bool | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, decode: Callable[[list[int]], str] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -142,7 +144,7 @@ class NativeEngine(PublishedWeights):
         self.stats = EngineStats()
         self._publication: Publication | None = None
         self.model_runner = ModelRunner(self.runner, self.cache, self.spec, max_seq_len=max_seq_len,
-                                        graph_batch_sizes=self.graph_batch_sizes)
+                                        graph_batch_sizes=self.graph_batch_sizes, sampler_graphs=sampler_graphs)
 
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ def default_key_lengths(max_seq_len: int, count: int = 8) -> list[int]:
     return sorted(set(range(step, max_seq_len, step)) | {max_seq_len})
 
 
-def _smallest_holding(ladder: list[int], n: int, what: str) -> int:
+def smallest_holding(ladder: list[int], n: int, what: str) -> int:
     index = bisect.bisect_left(ladder, n)
     if index == len(ladder):
         raise ValueError(f"a decode step of {n} {what} exceeds the largest graph ({ladder[-1]})")
@@ -67,8 +67,8 @@ class DecodeGraphs:
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
         """Hidden states [n, hidden] for rows 0..n-1, attending over keys [0, key_len); valid until the next call."""
         n = tokens.shape[0]
-        size = _smallest_holding(self.sizes, n, "rows")
-        keys = _smallest_holding(self.key_lengths, key_len, "key positions")
+        size = smallest_holding(self.sizes, n, "rows")
+        keys = smallest_holding(self.key_lengths, key_len, "key positions")
         self.tokens[:n].copy_(tokens)
         self.tokens[n:size].zero_()
         self.positions[:n].copy_(positions)

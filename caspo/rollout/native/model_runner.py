@@ -2,7 +2,8 @@
 
 `ModelRunner` (nano-vllm's name for this half) turns the scheduler's decisions into forwards of
 the decoder (`runner.py` or `looped_runner.py`) over the KV cache, and owns what points into
-that cache: the CUDA graphs of the decode step and each slot's last prompt hidden state. It
+that cache: the CUDA graphs of the decode step and each slot's last prompt hidden state; with the
+decode graphs it also replays the sampler as graphs (`sampler_graphs.py`). It
 reads the scheduler's sequences (slots, prompts, seeds, tokens) but never changes them.
 
 Nothing here waits for the device unless it must: host-built index tensors are copied from
@@ -20,25 +21,27 @@ from caspo.rollout.base import SamplingParams
 from caspo.rollout.native.graphs import DecodeGraphs, default_key_lengths
 from caspo.rollout.native.kv_cache import KVCache
 from caspo.rollout.native.runner import Batch, Runner
+from caspo.rollout.native.sampler_graphs import SamplerGraphs, pick
 from caspo.rollout.native.scheduler import PrefillWave, PromptPiece, SequenceState
 from caspo.rollout.native.spec import DecoderSpec
-from caspo.rollout.sampling import sample_next
 
 
 class ModelRunner:
     def __init__(self, runner: Runner, cache: KVCache, spec: DecoderSpec, *, max_seq_len: int,
-                 graph_batch_sizes: list[int] | None):
+                 graph_batch_sizes: list[int] | None, sampler_graphs: bool = True):
         self.runner, self.cache, self.spec = runner, cache, spec
         self.device, self.max_seq_len = cache.device, max_seq_len
         self.graph_batch_sizes = graph_batch_sizes  # None: no CUDA graphs
+        self.graph_sampler = graph_batch_sizes is not None and sampler_graphs
         # Final-norm hidden state of each slot's last prompt position: what an exact prefix share reuses.
         self.prompt_hidden = torch.zeros(cache.slots, spec.hidden_size, dtype=cache.dtype, device=self.device)
         self.graphs = self._capture() if graph_batch_sizes is not None else None
+        self.sampler_graphs = self._sampler_graphs()
 
     # ------------------------------------------------------------ memory
     def sleep(self, release=None) -> None:
         """Drop the graphs (they point into the cache and the weights), the cache, and `release()` what else."""
-        self.graphs = None
+        self.graphs = self.sampler_graphs = None
         self.cache.release()
         if release is not None:
             release()
@@ -49,9 +52,14 @@ class ModelRunner:
         self.cache.allocate()
         if self.graph_batch_sizes is not None and self.graphs is None:
             self.graphs = self._capture()
+        if self.sampler_graphs is None:
+            self.sampler_graphs = self._sampler_graphs()
 
     def _capture(self) -> DecodeGraphs:
         return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes, default_key_lengths(self.max_seq_len))
+
+    def _sampler_graphs(self) -> SamplerGraphs | None:
+        return SamplerGraphs(self.graph_batch_sizes, self.spec.vocab_size, self.device) if self.graph_sampler else None
 
     # ------------------------------------------------------------ prefill
     def prefill(self, plan: list[PrefillWave], seqs: list[SequenceState]) -> torch.Tensor:
@@ -112,12 +120,15 @@ class ModelRunner:
         """One token per sequence, sampled on the device with the noise of (seed, token index)."""
         seeds = self._tensor([s.request.seed for s in seqs])
         steps = self._tensor([len(s.tokens) for s in seqs])
-        tokens, logprobs, full = sample_next(logits, seeds, steps, sp.temperature, sp.top_k, sp.top_p)
+        if self.sampler_graphs is not None:
+            tokens, packed = self.sampler_graphs.run(logits, seeds, steps, sp)
+        else:
+            tokens, packed = pick(logits, seeds, steps, sp)
         top = None
         if top_n:
             values, ids = torch.topk(torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1), top_n, dim=-1)
             top = torch.cat([ids.double(), values.double()], dim=-1)
-        return Picked(tokens, torch.stack([tokens.double(), logprobs.double(), full.double()], dim=-1), top)
+        return Picked(tokens, packed, top)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """An int64 tensor on the device, copied without waiting for the work queued on it.
