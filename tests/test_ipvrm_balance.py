@@ -103,3 +103,20 @@ def test_with_dlw_prompts_whose_samples_agree_teach_nothing(value_model_folder):
 def test_the_balances_need_caspos_online_update_over_groups(overrides, named):
     with pytest.raises(ConfigError, match=named):
         resolve_method(load_config("tests", overrides))
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", None), ("bf16", torch.bfloat16)])
+def test_the_value_reads_and_the_online_step_run_in_the_runs_compute_precision(value_model_folder, precision, dtype):
+    """φ and its reference forward under train.precision's autocast, as the policy's passes (fp32: none)."""
+    state = online_values(value_model_folder, f"train.precision={precision}")
+    seen = []
+
+    def spy(module, args):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+    for model in (state.model.policy, state.model.reference):
+        model.get_input_embeddings().register_forward_pre_hook(spy)
+    batch = batch_of(REWARDS, GROUPS)
+    values, mask = state.read(batch, micro_batch_size=4)
+    state.online_step(batch, micro_batch_size=4)
+    assert len(seen) == 8 and set(seen) == {dtype}  # 2 micro-batches × (φ, reference) × (read, online step)
+    assert values.dtype == torch.float32 and mask[:, :3].sum() == 24

@@ -24,6 +24,7 @@ from caspo.config import Config
 from caspo.models.policy import load_policy
 from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_values, transform_values
 from caspo.models.provenance import label_provenance
+from caspo.precision import autocast
 from caspo.runlog import console
 from caspo.segment import pad_step_ids, step_splitter
 from caspo.train.method_state import MethodState
@@ -122,12 +123,14 @@ class PrefixValues(MethodState):
     @torch.no_grad()
     def read(self, batch: RolloutBatch, micro_batch_size: int,
              max_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """V(s_k) [B, S] and the step mask, micro-batch by micro-batch."""
+        """V(s_k) [B, S] and the step mask, micro-batch by micro-batch, in the run's compute precision (φ and
+        its reference in bf16 under train.precision=bf16, as the policy's own passes)."""
         S = max(int(batch.step_ids.max()) + 1, 1)
         values = torch.zeros(batch.size, S, device=batch.step_ids.device)
         mask = torch.zeros_like(values)
         for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
-            v, m = step_values(self.model.cumulative(micro), micro.step_ids)
+            with autocast(self.cfg.train.precision, micro.input_ids.device):
+                v, m = step_values(self.model.cumulative(micro), micro.step_ids)
             values[idx, :v.shape[1]], mask[idx, :m.shape[1]] = v, m
         return values, mask
 
@@ -157,7 +160,8 @@ class PrefixValues(MethodState):
         self.online.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
-            v, m = step_values(self.model.cumulative(micro), micro.step_ids)
+            with autocast(self.cfg.train.precision, micro.input_ids.device):
+                v, m = step_values(self.model.cumulative(micro), micro.step_ids)
             bce = ipvrm.balanced_value_bce(v / beta, micro.rewards.float(), shift[idx], weight[idx])
             loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0)
             loss.backward()
