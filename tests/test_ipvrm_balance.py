@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from value_checks import batch_of, online_values
 
 from caspo.algo import ipvrm
 from caspo.config import ConfigError, load_config
@@ -46,34 +47,6 @@ def test_balanced_bce_is_eq15_without_margin_and_the_released_codes_convention()
     assert one.item() == pytest.approx(-0.25 * math.log(0.75), rel=1e-6)
 
 
-def online_values(value_model_folder, *overrides):
-    from caspo.models.policy import load_policy
-    from caspo.models.tokenizer import load_tokenizer
-    from caspo.train.step_values import PrefixValues, ValueSource
-
-    cfg = load_config("tests", ["method.name=caspo", f"method.caspo.value_model={value_model_folder}",
-                                "method.caspo.online=true", "method.caspo.online_value_lr=1e-3", *overrides])
-    resolve_method(cfg)
-    tokenizer = load_tokenizer(value_model_folder)
-    return PrefixValues(cfg, tokenizer, ValueSource(str(value_model_folder), cfg.model.policy),
-                        load_policy(cfg.model.policy), "cpu")
-
-
-def batch_of(rewards, groups):
-    """Eight responses of 3 steps (4, 3 and 2 tokens) each: boundaries k = 1, 2 in every row."""
-    from caspo.batch import RolloutBatch
-    from caspo.rollout.base import Completion
-
-    tokens = [[10 + i, 20, 21, 30, 31, 32, 40, 41, 5 + i] for i in range(len(rewards))]
-    batch = RolloutBatch.from_completions(
-        [[2, 11, 12]] * len(rewards), [Completion(t, [0.0] * len(t), "stop", 0) for t in tokens],
-        group_ids=groups.tolist(), example_ids=[str(g) for g in groups.tolist()],
-        sample_seeds=list(range(len(rewards))), texts=[""] * len(rewards), pad_token_id=0)
-    batch.rewards = rewards.clone()
-    batch.step_ids = torch.tensor([[0] * 4 + [1] * 3 + [2] * 2] * len(rewards))
-    return batch
-
-
 def test_the_online_step_weighs_and_shifts_as_ipvrm(value_model_folder):
     """φ = reference, so every V(s_k) = 0 and each boundary's loss is w·BCE(V(x), r): 2 boundaries per row."""
     state = online_values(value_model_folder, "method.caspo.use_adb=true", "method.caspo.use_dlw=true")
@@ -104,19 +77,3 @@ def test_the_balances_need_caspos_online_update_over_groups(overrides, named):
     with pytest.raises(ConfigError, match=named):
         resolve_method(load_config("tests", overrides))
 
-
-@pytest.mark.parametrize("precision, dtype", [("fp32", None), ("bf16", torch.bfloat16)])
-def test_the_value_reads_and_the_online_step_run_in_the_runs_compute_precision(value_model_folder, precision, dtype):
-    """φ and its reference forward under train.precision's autocast, as the policy's passes (fp32: none)."""
-    state = online_values(value_model_folder, f"train.precision={precision}")
-    seen = []
-
-    def spy(module, args):
-        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
-    for model in (state.model.policy, state.model.reference):
-        model.get_input_embeddings().register_forward_pre_hook(spy)
-    batch = batch_of(REWARDS, GROUPS)
-    values, mask = state.read(batch, micro_batch_size=4)
-    state.online_step(batch, micro_batch_size=4)
-    assert len(seen) == 8 and set(seen) == {dtype}  # 2 micro-batches × (φ, reference) × (read, online step)
-    assert values.dtype == torch.float32 and mask[:, :3].sum() == 24

@@ -101,6 +101,16 @@ def load_value_model(cfg: Config, tokenizer, source: ValueSource, label_policy: 
     return model
 
 
+def shares_reference(cfg: Config, source: ValueSource, model: PrefixValueModel) -> bool:
+    """Whether the trainer's reference scores are φ's reference scores, so that φ's reference need not run:
+    the rollout temperature is 1 (the trainer scores at it, φ at 1), φ's reference has the weights of the
+    policy that labelled it, and that policy is the run's base policy, which the trainer's reference copies
+    (both identities checked at load, so not under allow_provenance_mismatch)."""
+    p = model.provenance
+    return (cfg.rollout.temperature == 1.0 and not cfg.method.caspo.allow_provenance_mismatch
+            and source.label_policy == cfg.model.policy and p.reference == p.label_policy)
+
+
 class PrefixValues(MethodState):
     """CASPO: step values from a prefix value model, frozen, trained online, or replaced by a refresh."""
 
@@ -109,6 +119,7 @@ class PrefixValues(MethodState):
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
         self.source = source
         self.model = load_value_model(cfg, tokenizer, source, label_policy, device)
+        self.shares_reference = shares_reference(cfg, source, self.model)
         self.online: Optional[Learner] = None
         if cfg.method.caspo.online:  # φ with its optimizer, saved in <checkpoint>/value/
             # a value learner like the critic: its weight decay and gradient clip, not the policy's
@@ -121,23 +132,27 @@ class PrefixValues(MethodState):
         return cls(cfg, tokenizer, ValueSource(cfg.method.caspo.value_model, cfg.model.policy), policy, device)
 
     @torch.no_grad()
-    def read(self, batch: RolloutBatch, micro_batch_size: int,
-             max_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0,
+             ref_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """V(s_k) [B, S] and the step mask, micro-batch by micro-batch, in the run's compute precision (φ and
-        its reference in bf16 under train.precision=bf16, as the policy's own passes)."""
+        its reference in bf16 under train.precision=bf16, as the policy's own passes). `ref_logprobs` [B, R]: the
+        reference's scores of the batch at temperature 1, given in place of a forward of φ's reference."""
         S = max(int(batch.step_ids.max()) + 1, 1)
         values = torch.zeros(batch.size, S, device=batch.step_ids.device)
         mask = torch.zeros_like(values)
         for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
+            ref = None if ref_logprobs is None else ref_logprobs[idx, :micro.responses.shape[1]]
             with autocast(self.cfg.train.precision, micro.input_ids.device):
-                v, m = step_values(self.model.cumulative(micro), micro.step_ids)
+                v, m = step_values(self.model.cumulative(micro, ref), micro.step_ids)
             values[idx, :v.shape[1]], mask[idx, :m.shape[1]] = v, m
         return values, mask
 
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         c = tr.cfg.method.caspo
         batch.step_ids = segment(tr, batch)
-        values, batch.step_mask = self.read(batch, tr.cfg.train.micro_batch_size, tr.cfg.train.micro_batch_tokens)
+        shared = batch.ref_logprobs if self.shares_reference and batch.ref_logprobs is not None else None
+        values, batch.step_mask = self.read(batch, tr.cfg.train.micro_batch_size, tr.cfg.train.micro_batch_tokens,
+                                            ref_logprobs=shared)
         if c.shuffle_values:
             values = shuffled_within_batch(values, batch.step_mask, seed=control_seed(tr.cfg, tr.step))
         batch.step_values = transform_values(values, c.transform, self.model.beta)
@@ -180,6 +195,7 @@ class PrefixValues(MethodState):
         label_policy = load_policy(source.label_policy, self.device)
         self.model = load_value_model(self.cfg, self.tokenizer, source, label_policy, self.device)
         self.source = source
+        self.shares_reference = shares_reference(self.cfg, source, self.model)
 
     def state_dict(self) -> dict:
         return {"value_source": {"path": self.source.path, "label_policy": self.source.label_policy}}

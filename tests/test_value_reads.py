@@ -1,0 +1,66 @@
+"""CASPO's value reads: in the run's compute precision, and with the trainer's reference scores in place of
+a forward of φ's reference where they are the same quantity."""
+
+import pytest
+import torch
+from value_checks import batch_of, online_values
+
+from caspo.config import load_config
+from caspo.train.scoring import score
+from caspo.train.step_values import ValueSource, shares_reference
+
+REWARDS = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+GROUPS = torch.tensor([7, 7, 7, 7, 3, 3, 5, 5])
+
+
+def forward_log(*models) -> list:
+    """One entry per forward of any of `models`: the autocast dtype it ran under (None: autocast off)."""
+    seen = []
+    for model in models:
+        model.get_input_embeddings().register_forward_pre_hook(lambda module, args: seen.append(
+            torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
+    return seen
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", None), ("bf16", torch.bfloat16)])
+def test_the_value_reads_and_the_online_step_run_in_the_runs_compute_precision(value_model_folder, precision, dtype):
+    """φ and its reference forward under train.precision's autocast, as the policy's passes (fp32: none)."""
+    state = online_values(value_model_folder, f"train.precision={precision}")
+    seen = forward_log(state.model.policy, state.model.reference)
+    batch = batch_of(REWARDS, GROUPS)
+    values, mask = state.read(batch, micro_batch_size=4)
+    state.online_step(batch, micro_batch_size=4)
+    assert len(seen) == 8 and set(seen) == {dtype}  # 2 micro-batches × (φ, reference) × (read, online step)
+    assert values.dtype == torch.float32 and mask[:, :3].sum() == 24
+
+
+def test_the_trainers_reference_scores_replace_phis_reference_forward(value_model_folder):
+    """φ moved off its reference: the values read with the trainer's reference scores (a copy of the base
+    policy at the rollout temperature 1) equal those read with φ's own reference, which then never runs."""
+    state = online_values(value_model_folder)
+    assert state.shares_reference
+    with torch.no_grad():
+        for p in state.model.policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    batch = batch_of(REWARDS, GROUPS)
+    own, mask = state.read(batch, micro_batch_size=3)
+    batch.ref_logprobs = score(state.model.reference, batch, state.cfg)
+    calls = forward_log(state.model.reference)
+    shared, shared_mask = state.read(batch, micro_batch_size=3, ref_logprobs=batch.ref_logprobs)
+    assert calls == [] and own.abs().max() > 1e-3  # the values are not all zero
+    torch.testing.assert_close(shared, own, rtol=0, atol=1e-6)
+    assert torch.equal(shared_mask, mask)
+
+
+@pytest.mark.parametrize("override, source_policy", [
+    ("rollout.temperature=0.7", None),  # the trainer scores at T = 0.7, φ at 1
+    ("method.caspo.allow_provenance_mismatch=true", None),  # φ's reference identity was not checked
+    (None, "another/policy"),  # labelled by another policy (a refresh's checkpoint) than the base
+])
+def test_the_reference_is_shared_only_when_it_is_the_same_quantity(value_model_folder, override, source_policy):
+    state = online_values(value_model_folder)
+    base = ValueSource(str(value_model_folder), state.cfg.model.policy)
+    assert shares_reference(state.cfg, base, state.model)
+    cfg = load_config("tests", ["method.name=caspo", f"method.caspo.value_model={value_model_folder}",
+                                *([override] if override else [])])
+    assert not shares_reference(cfg, ValueSource(base.path, source_policy or cfg.model.policy), state.model)
