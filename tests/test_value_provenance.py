@@ -43,3 +43,17 @@ def test_the_verifier_record_names_the_reward_settings_off_their_defaults(tiny_m
                                tokenizer, tiny_model)
     assert default.verifier_version == VERIFIER_VERSION  # values made under the defaults keep their record
     assert lenient.verifier_version == f"{VERIFIER_VERSION}/extractor=minerva/fallback=last_number"
+
+
+def test_the_shipped_slips_value_model_fits_the_arith_slips_preset():
+    """embedded:tiny-arith-slips-value loads by name and was labelled under arith-slips' conditions (a change
+    of prompt, sampler, verifier or policy weights would make every CASPO run of that preset refuse it)."""
+    from caspo.models.policy import load_policy
+    from caspo.models.prefix_value import load_prefix_value
+
+    cfg = load_config("arith-slips")
+    policy = load_policy(cfg.model.policy)
+    expected = label_provenance(cfg, load_tokenizer(resolve_model_path(cfg.model.policy)), policy)
+    model = load_prefix_value("embedded:tiny-arith-slips-value", expected)
+    assert model.provenance.reference == model.provenance.label_policy == model_identity(policy)
+    assert model.beta == 10.0
