@@ -250,8 +250,10 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
                                                 "overrides of its own (e.g. mu2=grpo+train.epochs_per_rollout=2)"),
           seeds: str = typer.Option("0", help="comma list of train.seed values"),
           out: str = typer.Option(..., help="the suite's folder: <label>/seed<k>/, suite.json, report/"),
-          devices: Optional[str] = typer.Option(None, help="CUDA device indices (comma list), one run on each at a "
-                                                           "time; default: model.device, one run at a time"),
+          devices: Optional[str] = typer.Option(None, help="CUDA device indices (comma list; cpu for the CPU), one run "
+                                                           "on each at a time; a device named k times runs k at once, "
+                                                           "each with 1/k of the KV share; default: model.device, "
+                                                           "one run at a time"),
           benchmarks: Optional[str] = typer.Option(None, help="evaluate each finished run's checkpoints on these "
                                                               "(as caspo eval --benchmarks)"),
           group_by: str = typer.Option("config", help="the report's grouping: config, method or run"),

@@ -125,3 +125,23 @@ def test_a_suite_on_a_local_ray_runs_each_run_as_an_actor(tmp_path):
         assert json.loads((out / run / "status.json").read_text())["state"] == "finished"
         assert '"run_dir"' in (out / run / "suite.log").read_text()  # the actor's output went to the run's log
     assert (out / "report" / "summary.json").is_file()
+
+
+def test_runs_sharing_a_cuda_device_split_its_kv_share(tmp_path):
+    """--devices 0,0,1: the two runs at once on cuda:0 get half the config's KV share each, for training and
+    evaluation; cuda:1's run and a CPU list keep the config's."""
+    slots = suite.LocalSlots(["cuda:0", "cuda:0", "cuda:1"])
+    assert [slots.sharing(d) for d in slots.devices] == [2, 2, 1]
+    run = suite.SuiteRun("grpo", 0, "grpo/seed0", ["method.name=grpo"])
+    shared = ["rollout.gpu_memory_fraction=0.3"]
+    half = suite.train_command("tests", shared, run, tmp_path / "r", "cuda:0", "fresh", sharing=2)
+    assert half[-2:] == ["rollout.gpu_memory_fraction=0.15", "--overwrite"]
+    alone = suite.train_command("tests", shared, run, tmp_path / "r", "cuda:1", "fresh", sharing=1)
+    on_cpu = suite.train_command("tests", shared, run, tmp_path / "r", "cpu", "fresh", sharing=2)
+    for cmd in (alone, on_cpu):  # only the shared override's own share
+        assert [a for a in cmd if a.startswith("rollout.gpu_memory_fraction")] == shared
+    (tmp_path / "r" / "checkpoints" / "step_000001" / "policy").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoints" / "step_000001" / "policy" / "config.json").write_text("{}")
+    (tmp_path / "r" / "config.yaml").write_text("rollout:\n  gpu_memory_fraction: 0.24\n")
+    cmd = suite.eval_command(tmp_path / "r", "arith", "cuda:0", sharing=3)
+    assert "rollout.gpu_memory_fraction=0.08" in cmd and "model.device=cuda:0" in cmd

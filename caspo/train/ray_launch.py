@@ -162,6 +162,9 @@ class RaySlots:
         self.actor = ray.remote(num_cpus=1, num_gpus=1 if on_cuda else 0, max_concurrency=2)(RankProcess)
         self.devices: list[str | None] = ["cuda" if on_cuda else None] * slots
 
+    def sharing(self, device: str | None) -> int:
+        return 1  # Ray gives each run a GPU of its own
+
     def start(self, command: list[str], log: Path):
         actor = self.actor.remote()
         return actor, actor.run.remote(command, passed_env(dict(os.environ)), str(log))

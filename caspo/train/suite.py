@@ -6,7 +6,10 @@ each evaluated when it ends, then one `caspo report` of them all.
 
 A methods item is METHOD or LABEL=METHOD, then `+KEY=VALUE` overrides of that item only (the item is its
 label when it has none). Every run gets the shared OVERRIDES, method.name=METHOD, the item's overrides,
-train.seed and train.output_dir=OUT/<label>/seed<seed>, and on a device list model.device=cuda:<i>.
+train.seed and train.output_dir=OUT/<label>/seed<seed>, and on a device list model.device=cuda:<i>. A device
+listed k times runs k runs at once, which split one run's KV cache: each gets its config's
+rollout.gpu_memory_fraction / k, for training and evaluation (a sample does not depend on the batch it
+shares, up to the float rounding of other batch shapes; the report pins the device).
 
 A run is a `caspo train` process (its output in <run>/suite.log). Rerunning the command skips runs whose
 status.json says finished, resumes the others from their latest checkpoint and starts over those that
@@ -94,20 +97,30 @@ def next_action(run_dir: Path) -> str:
 
 
 def train_command(preset: str, shared: list[str], run: SuiteRun, run_dir: Path, device: str | None,
-                  action: str) -> list[str]:
+                  action: str, sharing: int = 1) -> list[str]:
+    """The run's `caspo train`; `sharing` runs at once on its CUDA device split the KV share of one."""
     args = [sys.executable, "-m", "caspo.cli", "train", preset, *shared, *run.overrides, f"train.seed={run.seed}",
             f"train.output_dir={run_dir}"] + ([f"model.device={device}"] if device else [])
+    if sharing > 1 and device and device.startswith("cuda"):
+        args.append(kv_share(load_config(preset, [*shared, *run.overrides]), sharing))
     return args + {"resume": ["--resume", "latest"], "fresh": ["--overwrite"]}[action]
 
 
-def eval_command(run_dir: Path, benchmarks: str, device: str | None) -> list[str] | None:
+def kv_share(cfg, sharing: int) -> str:
+    """The override giving one of `sharing` runs on a device its part of the run's KV share."""
+    return f"rollout.gpu_memory_fraction={cfg.rollout.gpu_memory_fraction / sharing:.6g}"
+
+
+def eval_command(run_dir: Path, benchmarks: str, device: str | None, sharing: int = 1) -> list[str] | None:
     """`caspo eval` of the run's checkpoints (and base) that <run>/eval/ lacks; None when it has them all."""
     done = {p.stem for p in (run_dir / "eval").glob("*.json")}
     todo = [name for name in ["base"] + [p.name for p in checkpoint_dirs(run_dir)] if name not in done]
     if not todo:
         return None
+    shared = sharing > 1 and device and device.startswith("cuda")
+    share = [kv_share(load_config(run_dir / "config.yaml"), sharing)] if shared else []
     return [sys.executable, "-m", "caspo.cli", "eval", str(run_dir), *([f"model.device={device}"] if device else []),
-            "--benchmarks", benchmarks, "--checkpoints", ",".join(todo), "--out", str(run_dir / "eval")]
+            *share, "--benchmarks", benchmarks, "--checkpoints", ",".join(todo), "--out", str(run_dir / "eval")]
 
 
 def record_suite(out: Path, preset: str, shared: list[str], runs: list[SuiteRun]) -> list[SuiteRun]:
@@ -149,6 +162,10 @@ class LocalSlots:
     def __init__(self, devices: list[str] | None):
         self.devices: list[str | None] = list(devices) if devices else [None]
 
+    def sharing(self, device: str | None) -> int:
+        """How many runs run at once on `device`."""
+        return self.devices.count(device)
+
     def start(self, command: list[str], log: Path) -> subprocess.Popen:
         with log.open("a") as out:
             return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -182,10 +199,11 @@ def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devi
                 if slot not in active and queue:
                     run = queue.pop(0)
                     action = next_action(out / run.dir)
-                    cmd = train_command(preset, shared, run, out / run.dir, device, action)
+                    cmd = train_command(preset, shared, run, out / run.dir, device, action, slots.sharing(device))
                     active[slot] = (start(slots, cmd, out / run.dir), run, "train")
+                    share = next((a for a in cmd if a.startswith("rollout.gpu_memory_fraction=")), "")
                     console.print(f"suite: {run.dir} {'resumed' if action == 'resume' else 'started'} on "
-                                  f"{device or 'the config device'}")
+                                  f"{device or 'the config device'}" + (f" ({share})" if share else ""))
             time.sleep(0.2)
             for slot, (handle, run, phase) in list(active.items()):
                 code = slots.poll(handle)
@@ -196,8 +214,8 @@ def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devi
                 if code:
                     failed.append(f"{run.dir} ({phase} exited {code}; see {log})")
                     console.print(f"[red]suite: {failed[-1]}[/red]")
-                elif phase == "train" and benchmarks and (cmd := eval_command(out / run.dir, benchmarks,
-                                                                             slots.devices[slot])):
+                elif phase == "train" and benchmarks and (cmd := eval_command(
+                        out / run.dir, benchmarks, slots.devices[slot], slots.sharing(slots.devices[slot]))):
                     active[slot] = (start(slots, cmd, out / run.dir), run, "eval")
                     console.print(f"suite: {run.dir} evaluating its checkpoints")
                 else:
