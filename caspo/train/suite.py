@@ -101,14 +101,20 @@ def train_command(preset: str, shared: list[str], run: SuiteRun, run_dir: Path, 
     """The run's `caspo train`; `sharing` runs at once on its CUDA device split the KV share of one."""
     args = [sys.executable, "-m", "caspo.cli", "train", preset, *shared, *run.overrides, f"train.seed={run.seed}",
             f"train.output_dir={run_dir}"] + ([f"model.device={device}"] if device else [])
-    if sharing > 1 and device and device.startswith("cuda"):
-        args.append(kv_share(load_config(preset, [*shared, *run.overrides]), sharing))
+    args += kv_share(device, sharing, lambda: load_config(preset, [*shared, *run.overrides]))
     return args + {"resume": ["--resume", "latest"], "fresh": ["--overwrite"]}[action]
 
 
-def kv_share(cfg, sharing: int) -> str:
-    """The override giving one of `sharing` runs on a device its part of the run's KV share."""
-    return f"rollout.gpu_memory_fraction={cfg.rollout.gpu_memory_fraction / sharing:.6g}"
+def splits_kv(device: str | None, sharing: int) -> bool:
+    return sharing > 1 and (device or "").startswith("cuda")
+
+
+def kv_share(device: str | None, sharing: int, config) -> list[str]:
+    """The override giving one of `sharing` runs at once on a CUDA device its part of the run's KV share
+    (`config()`: the run's config), or none."""
+    if not splits_kv(device, sharing):
+        return []
+    return [f"rollout.gpu_memory_fraction={config().rollout.gpu_memory_fraction / sharing:.6g}"]
 
 
 def eval_command(run_dir: Path, benchmarks: str, device: str | None, sharing: int = 1) -> list[str] | None:
@@ -117,8 +123,7 @@ def eval_command(run_dir: Path, benchmarks: str, device: str | None, sharing: in
     todo = [name for name in ["base"] + [p.name for p in checkpoint_dirs(run_dir)] if name not in done]
     if not todo:
         return None
-    shared = sharing > 1 and device and device.startswith("cuda")
-    share = [kv_share(load_config(run_dir / "config.yaml"), sharing)] if shared else []
+    share = kv_share(device, sharing, lambda: load_config(run_dir / "config.yaml"))
     return [sys.executable, "-m", "caspo.cli", "eval", str(run_dir), *([f"model.device={device}"] if device else []),
             *share, "--benchmarks", benchmarks, "--checkpoints", ",".join(todo), "--out", str(run_dir / "eval")]
 
@@ -199,11 +204,12 @@ def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devi
                 if slot not in active and queue:
                     run = queue.pop(0)
                     action = next_action(out / run.dir)
-                    cmd = train_command(preset, shared, run, out / run.dir, device, action, slots.sharing(device))
+                    sharing = slots.sharing(device)
+                    cmd = train_command(preset, shared, run, out / run.dir, device, action, sharing)
                     active[slot] = (start(slots, cmd, out / run.dir), run, "train")
-                    share = next((a for a in cmd if a.startswith("rollout.gpu_memory_fraction=")), "")
+                    note = f" (1/{sharing} of its KV share)" if splits_kv(device, sharing) else ""
                     console.print(f"suite: {run.dir} {'resumed' if action == 'resume' else 'started'} on "
-                                  f"{device or 'the config device'}" + (f" ({share})" if share else ""))
+                                  f"{device or 'the config device'}{note}")
             time.sleep(0.2)
             for slot, (handle, run, phase) in list(active.items()):
                 code = slots.poll(handle)

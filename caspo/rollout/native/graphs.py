@@ -83,15 +83,23 @@ class DecodeGraphs:
         return self.runner.decode(self.tokens[:size], self.positions[:size], self.cache, keys)
 
     def _capture(self, size: int, keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        device = self.cache.device
-        # Library handles and workspaces are created on first use, which must not happen during capture.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            self._step(size, keys)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = self._step(size, keys)
+        graph, output = capture(lambda: self._step(size, keys), self.cache.device, self.pool)
         self.pool = graph.pool()
         return graph, output
+
+
+def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of `step()` in memory pool `pool` (None: a new one), and the outputs of its capture.
+
+    One warm-up run on a side stream first: library handles, workspaces and Triton compilations are
+    created on first use, which must not happen during capture.
+    """
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph, output

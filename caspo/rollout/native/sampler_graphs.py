@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from caspo.rollout.base import SamplingParams
-from caspo.rollout.native.graphs import smallest_holding
+from caspo.rollout.native.graphs import capture, smallest_holding
 from caspo.rollout.sampling import sample_next
 
 
@@ -58,14 +58,6 @@ class SamplerGraphs:
         return pick(self.logits[:size], self.seeds[:size], self.positions[:size], sp)
 
     def _capture(self, size: int, sp: SamplingParams):
-        device = self.logits.device
-        stream = torch.cuda.Stream(device)  # the warm-up compiles the Triton kernels outside the capture
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            self._step(size, sp)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._step(size, sp)
+        graph, outputs = capture(lambda: self._step(size, sp), self.logits.device, self.pool)
         self.pool = graph.pool()
         return graph, outputs
