@@ -110,22 +110,27 @@ def print_table(header: list[str], rows: list[list]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def plant_rates(model: torch.nn.Module, rates: dict[int, float], shift: float = 30.0) -> None:
+def plant_rates(model: torch.nn.Module, rates: dict[int, float]) -> None:
     """Make a random-init model with tied embeddings write token t with probability ~rates[t] at every position
     (newlines for step boundaries, EOS for ending), and otherwise as randomly as before.
 
-    Every embedding row gets `shift` in column 0, which then dominates the residual stream through the random
-    layers: after the final RMSNorm h ≈ √d·e_0, so logit_t ≈ √d·E[t, 0] plus near-equal noise. A planted row
-    gets shift + log(p_t·V / (1 − Σp)) / √d: weight p_t against V near-equal rows sharing the rest."""
+    Every embedding row gets a shift s in column 0. Each random layer sees ≈ √d·e_0 after its RMSNorm and adds
+    a near-constant vector of norm ~0.02²·d·√d, so s = 100·√(d·L) keeps column 0 dominant through L layers:
+    after the final RMSNorm h ≈ g_0·√d·e_0, and logit_t ≈ g_0·√d·E[t, 0] plus near-equal noise. Setting the
+    final norm's g_0 = 1 / (√d·s) makes that common logit 1 (bf16 logits of ~1,000 are spaced 8 apart, which
+    would round the planted offsets away). A planted row gets s·(1 + log(p_t·V / (1 − Σp))): weight p_t
+    against V near-equal rows sharing the rest."""
     embeddings = model.get_input_embeddings().weight
     if model.get_output_embeddings().weight.data_ptr() != embeddings.data_ptr():
         raise ValueError("plant_rates needs tied embeddings (the head reads the planted rows)")
     vocab, width = embeddings.shape
+    shift = 100 * math.sqrt(width * model.config.num_hidden_layers)
     rest = 1 - sum(rates.values())
     with torch.no_grad():
         embeddings[:, 0] = shift
+        model.get_decoder().norm.weight[0] = 1 / (math.sqrt(width) * shift)
         for token, p in rates.items():
-            embeddings[token, 0] = shift + math.log(p * vocab / rest) / math.sqrt(width)
+            embeddings[token, 0] = shift * (1 + math.log(p * vocab / rest))
 
 
 def save_value_model(cfg, policy: Path, out: Path, device: str = "cpu") -> Path:

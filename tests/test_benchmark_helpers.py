@@ -12,13 +12,17 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from _common import plant_rates  # noqa: E402
 
 
-def test_planted_tokens_come_at_their_rates_whatever_the_context():
+@pytest.mark.parametrize("hidden, layers, dtype", [(64, 4, torch.float32), (1536, 2, torch.bfloat16)])
+def test_planted_tokens_come_at_their_rates_whatever_the_context(hidden, layers, dtype):
+    """Also at the 1.5B width in bf16, as the engine samples: the random layers must not drown column 0, and
+    the planted offsets must survive bf16 rounding."""
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    config = Qwen2Config(vocab_size=2000, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config).eval()
     rates = {7: 0.1, 11: 0.02}
     plant_rates(model, rates)
+    model.to(dtype)
     contexts = torch.randint(0, 2000, (64, 24))
     with torch.no_grad():
         probs = torch.softmax(model(contexts).logits.float(), -1)  # every position of 64 random contexts
