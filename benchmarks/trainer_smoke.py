@@ -92,7 +92,7 @@ def main() -> None:
             "train.precision=" + ("bf16" if args.dtype == "bfloat16" else "fp32"), "reward.synthetic=true",
             f"method.name={method}", f"train.steps={args.steps}", f"train.minibatch_size={args.prompts * args.samples}",
             f"train.micro_batch_size={args.micro_batch}", "eval.before=false", "eval.after=false",
-            "train.save_every=0", "optim.lr=1e-6", f"train.output_dir={work / method}",
+            "train.save_every=0", "train.save_last=false", "optim.lr=1e-6", f"train.output_dir={work / method}",
             f"rollout.gpu_memory_fraction={args.gpu_memory_fraction}", f"train.micro_batch_tokens={args.micro_tokens}",
             f"train.activation_checkpointing={str(args.checkpointing).lower()}", *step_level(method, args),
             *args.set])
@@ -124,9 +124,6 @@ def main() -> None:
                                            "newline_rate": args.newline_rate, "eos_rate": args.eos_rate,
                                            "vineppo_k": args.vineppo_k, "set": args.set},
                                  "steps": steps, "peak_bytes": peak})
-        # The final checkpoint (fp32 masters and AdamW state, ~50 GB with a critic) is not needed
-        # here; two methods' checkpoints filled a 64 GB disk.
-        shutil.rmtree(work / method / "checkpoints", ignore_errors=True)
     shutil.rmtree(work / "policy", ignore_errors=True)
 
 

@@ -232,7 +232,7 @@ def report(runs: List[str] = typer.Argument(..., help="run folders, or suite fol
            out: str = typer.Option(..., help="folder for report.md, summary.json and the PNGs"),
            group_by: str = typer.Option("config", help="config (runs differing only in seed), method, or run"),
            allow_mismatch: bool = typer.Option(False, help="compare runs made under different conditions")):
-    """Curves, timing and pins of runs (running, finished or crashed); runs × seeds compared, mean ± std."""
+    """Curves, timing and pins of runs (running, finished or crashed); runs × seeds compared, mean ± 95% interval."""
     from caspo.config import ConfigError
     from caspo.report.compare import expand
     from caspo.report.compare import report as write_report

@@ -131,6 +131,10 @@ def test_refreshes_write_labels_and_a_value_model_of_the_current_policy(refreshe
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["refresh_label_rows"] > 0 and -1 <= r["refresh_val_spearman"] <= 1 and r["t_refresh"] > 0
                and r["refresh_reused"] == "none" for r in records)
+    for r in records:  # the labelling's generated tokens, counted for the report's compute
+        stats = read_jsonl(run_dir / "refresh" / f"step_{r['step']:06d}" / "labels.jsonl")[0]["header"]["stats"]
+        assert r["refresh_tokens"] == stats["base_tokens"] + stats["mc_tokens"] and stats["mc_tokens"] > 0
+        assert stats["base_rollouts"] <= stats["base_tokens"] <= stats["base_rollouts"] * cfg.rollout.max_new_tokens
     state = ckpt.load_trainer_state(run_dir / "checkpoints" / "step_000003")
     assert state["value_source"] == {"path": str(run_dir.resolve() / "refresh" / "step_000002" / "value"),
                                      "label_policy": str(run_dir.resolve() / "checkpoints" / "step_000002" / "policy")}

@@ -68,6 +68,9 @@ def test_two_configs_by_two_seeds_compared_against_their_metrics(tmp_path):
     grpo_last5 = [statistics.mean(REWARDS[("grpo", s)][-5:]) for s in (0, 1)]
     half_width = 12.706 * statistics.stdev(grpo_last5) / 2 ** 0.5  # t(0.975, 1 degree of freedom)
     assert f"| grpo | 2 | 6 | {statistics.mean(grpo_last5):.3f} ± {half_width:.3f} (n=2) |" in text
+    # the numbers behind each interval: every seed's last evaluation, and its timing row named by group and seed
+    assert "| eval_accuracy | ppo | 0.3000 | 0.2500 |" in text and "| eval_accuracy | grpo | 0.5000 | 0.4000 |" in text
+    assert "| ppo | 1 | 0.50 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 1.25 |" in text
     for png in ("curves.png", "phases.png", "eval_accuracy_vs_compute.png"):
         assert (tmp_path / "report" / png).stat().st_size > 5000
 
@@ -115,3 +118,20 @@ def test_mean_std_and_its_interval():
     stats = mean_std([1.0, 2.0, 3.0])
     assert (stats["mean"], stats["std"], stats["n"]) == (2.0, 1.0, 3)
     assert stats["ci95"] == pytest.approx(4.303 / 3 ** 0.5)
+
+
+def test_refresh_labelling_counts_once_per_refresh_in_the_compute_table(tmp_path):
+    folder, _ = make_run(tmp_path / "grpo-s0", "grpo", 0)
+    refreshes = [(2, 1000), (4, 700), (4, 700)]  # the refresh after step 4 logged again by a resumed run
+    with (folder / "metrics.jsonl").open("a") as f:
+        for step, tokens in refreshes:
+            f.write(json.dumps({"step": step, "refresh_value_model": "v", "refresh_tokens": tokens,
+                                "t_refresh": 1.0}) + "\n")
+    report(expand([str(folder)]), tmp_path / "report")
+    numbers = json.loads((tmp_path / "report" / "summary.json").read_text())["groups"]["grpo"]["numbers"]
+    assert numbers["refresh_tokens"]["mean"] == 1700
+    assert "| 1,700 |" in (tmp_path / "report" / "report.md").read_text()
+    with (folder / "metrics.jsonl").open("a") as f:  # a refresh logged before its tokens were counted
+        f.write(json.dumps({"step": 6, "refresh_value_model": "v", "t_refresh": 1.0}) + "\n")
+    report(expand([str(folder)]), tmp_path / "report")
+    assert "| not recorded |" in (tmp_path / "report" / "report.md").read_text()

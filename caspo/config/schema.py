@@ -285,6 +285,9 @@ class TrainConfig:
     # Recompute activations in the backward: checkpoint each decoder block (in every loop of a looped model).
     activation_checkpointing: bool = False
     save_every: int = 0
+    # false: no checkpoint after the run's last step (a measurement that needs none: at the seed's shape it is
+    # ~24 GB and 46 s); a process stopped early by stop_after still writes its checkpoint to resume from
+    save_last: bool = True
     # Stop cleanly (checkpoint written) after this many outer steps of this process; 0 = run to train.steps.
     stop_after: int = 0
     # Deterministic kernels (and the environment they need), for bit-exact resume checks.

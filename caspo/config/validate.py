@@ -228,6 +228,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.micro_batch_size={t.micro_batch_size} does not divide train.minibatch_size={t.minibatch_size}"
         )
+    if not t.save_last and cfg.eval.benchmarks:
+        raise ConfigError("train.save_last=false leaves no last checkpoint for eval.benchmarks to evaluate: "
+                          "set eval.benchmarks=[] or keep train.save_last=true")
     validate_reward(cfg.reward)
     validate_refresh(cfg.method)
     validate_data(cfg)

@@ -22,10 +22,11 @@ CONDITIONS = {"model": ["policy"], "data": None,  # None: the whole section
               "eval": ["heldout_size", "max_new_tokens", "samples", "temperature", "top_p", "benchmarks", "limit"]}
 # not part of what a run is: which seed, where, on which device (and its share of it), how it is logged and watched
 NOT_CONFIG = {"train.seed", "train.output_dir", "model.device", "model.threads", "train.loggers", "train.log_samples",
-              "train.stop_after", "train.save_every", "reward.workers", "rollout.gpu_memory_fraction"}
+              "train.stop_after", "train.save_every", "train.save_last", "reward.workers", "rollout.gpu_memory_fraction"}
 NOT_CONFIG_SECTIONS = ("train.wandb.", "train.health.")
 LAST = 5  # training metrics are averaged over a run's last LAST steps
 GROUP_BY = ("config", "method", "run")
+COMPUTE = ("policy_tokens", "mc_tokens", "value_tokens", "refresh_tokens", "wall_s")  # the report's compute table
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
@@ -123,6 +124,11 @@ def run_numbers(run: Run) -> dict[str, float]:
                                                              for r in run.steps)
     out["mc_tokens"] = run.total("mc_tokens")
     out["value_tokens"] = run.total("value_tokens")
+    # a refresh's labelling rollouts and continuations; a run resumed at a refresh logs it again; runs from
+    # before refreshes counted their tokens leave the figure out rather than report 0
+    refreshes = {r["step"]: r.get("refresh_tokens") for r in run.records if "refresh_value_model" in r}
+    if None not in refreshes.values():
+        out["refresh_tokens"] = float(sum(refreshes.values()))
     out["wall_s"] = run.wall_s()
     return out
 
@@ -208,16 +214,19 @@ def report(runs: list[Run], out: str | Path, group_by: str = "config", allow_mis
     if mismatch:
         lines += ["**Conditions differ** (reported with --allow-mismatch):", ""] + [f"- {m}" for m in mismatch] + [""]
     metric_cols = list(dict.fromkeys(k for g in numbers.values() for k in g
-                                     if k not in ("steps", "policy_tokens", "mc_tokens", "value_tokens", "wall_s")))
+                                     if k not in ("steps", *COMPUTE)))
     lines += ["## Results", "", "Mean over each group's runs ± the half-width of its 95% t interval (n); training "
               f"metrics averaged over each run's last {LAST} steps, evaluations at each run's last one.", ""]
     lines += table(["group", "runs", "steps", *metric_cols],
                    [[label, str(len(groups[label])), fmt(g.get("steps", {}), integer=True)]
                     + [fmt(g.get(k, {})) for k in metric_cols] for label, g in numbers.items()])
+    lines += per_seed_table(groups, [k for k in metric_cols if "(last" not in k])
     lines += ["", "## Compute", ""]
-    lines += table(["group", "policy tokens", "Monte Carlo tokens", "value-model tokens", "wall-clock (s)"],
-                   [[label] + [fmt(g[k], integer=k != "wall_s") for k in ("policy_tokens", "mc_tokens", "value_tokens",
-                                                                         "wall_s")]
+    lines += ["Tokens generated or read per run: the policy's responses, Monte Carlo continuations (VinePPO), "
+              "value-model reads (CASPO), and a refresh's labelling (its rollouts and their continuations).", ""]
+    lines += table(["group", "policy tokens", "Monte Carlo tokens", "value-model tokens", "refresh tokens",
+                    "wall-clock (s)"],
+                   [[label] + [fmt(g.get(k, {}), integer=True) or "not recorded" for k in COMPUTE]
                     for label, g in numbers.items()])
     lines += ["", "## Runs", ""]
     pin_rows = []
@@ -231,7 +240,8 @@ def report(runs: list[Run], out: str | Path, group_by: str = "config", allow_mis
     lines += ["", "## Timing", "", "Mean seconds per step by phase (inside t_step), then totals.", ""]
     time_cols = list(PHASES) + ["t_step", "t_ckpt total", "t_eval total", "t_bench total", "t_refresh total",
                                 "wall_s"]
-    lines += table(["run", *time_cols], [[r.name] + [f"{timing(r)[c]:.2f}" for c in time_cols] for r in runs])
+    lines += table(["group", "seed", *time_cols], [[label, str(r.seed)] + [f"{timing(r)[c]:.2f}" for c in time_cols]
+                                                   for label, members in groups.items() for r in members])
     alarms = [(r.name, rec["step"], a) for r in runs for rec in r.records for a in rec.get("health", [])]
     lines += ["", "## Health", ""] + ([f"- {n}, step {s}: train.health.{a} fired" for n, s, a in alarms]
                                       or ["No detector fired."])
@@ -244,6 +254,24 @@ def report(runs: list[Run], out: str | Path, group_by: str = "config", allow_mis
                "mismatch": mismatch}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return out / "report.md"
+
+
+def per_seed_table(groups: dict[str, list[Run]], keys: list[str]) -> list[str]:
+    """Each evaluation metric at each run's last evaluation, a row per group and a column per seed: the
+    numbers behind a group's interval."""
+    seeds = sorted({r.seed for members in groups.values() for r in members}, key=str)
+    if not keys or len(seeds) < 2:
+        return []
+    lines = ["", "## Per seed", "", "Each run's last evaluation.", ""]
+    rows = []
+    for key in keys:
+        for label, members in groups.items():
+            by_seed: dict = {}  # a group pooled by method may hold two runs of one seed
+            for r in members:
+                if (v := run_numbers(r).get(key)) is not None:
+                    by_seed.setdefault(r.seed, []).append(f"{v:.4f}")
+            rows.append([key, label] + [" / ".join(by_seed.get(s, ["—"])) for s in seeds])
+    return lines + table(["metric", "group", *(f"seed {s}" for s in seeds)], rows)
 
 
 def expand(paths: list[str]) -> list[Run]:

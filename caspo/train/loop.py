@@ -343,7 +343,8 @@ def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords
                 if alarms:
                     record["health"] = [a.detector for a in alarms]
                 timer = PhaseTimer()
-                if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or tr.step == last \
+                at_last = tr.step == last and (cfg.train.save_last or last < cfg.train.steps)
+                if cfg.train.save_every and tr.step % cfg.train.save_every == 0 or at_last \
                         or refresh.due(tr.step) or requested or stops:
                     if not stops or weights_finite(tr):  # never a checkpoint of non-finite weights
                         with timer("t_ckpt"):

@@ -133,7 +133,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
     indices = list(range(shard[0], spec.prompts, shard[1]))
     rows: list[LabelRow] = []
     stats = {"prompts": len(indices), "base_rollouts": 0, "mixed_prompts": 0, "labelled_rollouts": 0,
-             "mc_requests": 0, "mc_unique_prefixes": 0, "mc_tokens": 0}
+             "base_tokens": 0, "mc_requests": 0, "mc_unique_prefixes": 0, "mc_tokens": 0}
 
     with RewardPool.from_config(cfg.reward) as pool, progress_bar() as progress:
         scorer = setup.scorer(pool)
@@ -144,6 +144,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
             rollouts, rewards = base_rollouts(cfg, setup, data, chunk, spec.k, scorer, seed_step,
                                               spec.state_temperature)
             stats["base_rollouts"] += len(rollouts)
+            stats["base_tokens"] += sum(len(t) for t in rollouts)
             pending = []  # (row fields, prefix) of every prefix to label in this chunk
             for n, i in enumerate(chunk):
                 outcomes = rewards[n * spec.k:(n + 1) * spec.k]

@@ -162,7 +162,9 @@ def refresh(tr: Trainer, checkpoint: Path) -> dict:
     console.print(f"refresh after step {step}: {summary['label_rows']} labelled prefixes, value model "
                   f"val ρ {summary['val_spearman']:.3f} -> {folder / 'value'}"
                   + (f" (reused: {reused})" if reused != "none" else ""))
+    stats = summary["collect_stats"]  # the tokens generated to label: base rollouts and their continuations
     return {"step": step, "refresh_label_rows": summary["label_rows"],
+            "refresh_tokens": stats.get("base_tokens", 0) + stats["mc_tokens"],
             "refresh_val_spearman": summary["val_spearman"], "refresh_reused": reused,
             "refresh_value_model": str(folder / "value"), **timer.reset()}
 
