@@ -17,7 +17,7 @@ from caspo.rollout.base import Completion
 
 SEQUENCE_FRAME = ("input_ids", "attention_mask", "position_ids")  # [B, P+R]
 RESPONSE_FRAME = ("responses", "response_mask", "behaviour_logprobs", "old_logprobs", "ref_logprobs", "values",
-                  "returns", "advantages", "step_ids", "update_ratios")  # [B, R]
+                  "returns", "advantages", "step_ids", "update_ratios", "value_ref_logprobs")  # [B, R]
 
 
 @dataclass
@@ -56,6 +56,8 @@ class RolloutBatch:
     step_values: Optional[torch.Tensor] = None  # [B, S] values the step TD reads (V(s_k), or CASPO's T(V(s_k)))
     step_mask: Optional[torch.Tensor] = None  # [B, S]
     step_advantages: Optional[torch.Tensor] = None  # [B, S]
+    # CASPO trained online: φ's frozen reference scores at T = 1 from the value read, for the online step
+    value_ref_logprobs: Optional[torch.Tensor] = None  # [B, R]
     stats: dict = field(default_factory=dict)  # batch-level counts for the run log (not per sample)
 
     @property

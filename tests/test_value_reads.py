@@ -28,8 +28,8 @@ def test_the_value_reads_and_the_online_step_run_in_the_runs_compute_precision(v
     state = online_values(value_model_folder, f"train.precision={precision}")
     seen = forward_log(state.model.policy, state.model.reference)
     batch = batch_of(REWARDS, GROUPS)
-    values, mask = state.read(batch, micro_batch_size=4)
-    state.online_step(batch, micro_batch_size=4)
+    values, mask, _ = state.read(batch, micro_batch_size=4)
+    state.online_step(batch, micro_batch_size=4)  # no reference scores kept: its reference runs again
     assert len(seen) == 8 and set(seen) == {dtype}  # 2 micro-batches × (φ, reference) × (read, online step)
     assert values.dtype == torch.float32 and mask[:, :3].sum() == 24
 
@@ -43,13 +43,41 @@ def test_the_trainers_reference_scores_replace_phis_reference_forward(value_mode
         for p in state.model.policy.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     batch = batch_of(REWARDS, GROUPS)
-    own, mask = state.read(batch, micro_batch_size=3)
+    own, mask, _ = state.read(batch, micro_batch_size=3)
     batch.ref_logprobs = score(state.model.reference, batch, state.cfg)
     calls = forward_log(state.model.reference)
-    shared, shared_mask = state.read(batch, micro_batch_size=3, ref_logprobs=batch.ref_logprobs)
+    shared, shared_mask, _ = state.read(batch, micro_batch_size=3, ref_logprobs=batch.ref_logprobs)
     assert calls == [] and own.abs().max() > 1e-3  # the values are not all zero
     torch.testing.assert_close(shared, own, rtol=0, atol=1e-6)
     assert torch.equal(shared_mask, mask)
+
+
+def ragged_batch():
+    """batch_of's rows cut to 9, 8 and 7 tokens in turn (the last step shorter or gone), so that micro-batches
+    trim to different widths."""
+    batch = batch_of(REWARDS, GROUPS)
+    for i in range(batch.size):
+        cut = 9 - i % 3
+        batch.response_mask[i, cut:] = 0
+        batch.attention_mask[i, batch.prompt_width + cut:] = 0
+        batch.step_ids[i, cut:] = -1
+    return batch
+
+
+def test_the_online_step_reuses_the_reads_reference_scores(value_model_folder):
+    """The value read keeps φ's reference scores; the online step given them takes the step it takes when it
+    runs the reference again (same loss, same φ after it), and the reference does not run."""
+    recompute, reuse = online_values(value_model_folder), online_values(value_model_folder)
+    batch = ragged_batch()
+    _, _, reference = reuse.read(batch, micro_batch_size=3)
+    assert reference.shape == batch.responses.shape
+    plain = recompute.online_step(batch, micro_batch_size=3)
+    batch.value_ref_logprobs = reference
+    calls = forward_log(reuse.model.reference)
+    kept = reuse.online_step(batch, micro_batch_size=3)
+    assert calls == [] and kept["value_bce"] == plain["value_bce"] and plain["value_grad_norm"] > 0
+    for a, b in zip(recompute.model.policy.parameters(), reuse.model.policy.parameters()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("override, source_policy", [

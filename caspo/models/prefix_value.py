@@ -185,12 +185,16 @@ class PrefixValueModel:
         """
         logp = self.call(self.policy, response_logprobs, batch, 1.0)
         if ref_logprobs is None:
-            with torch.no_grad():
-                ref_logprobs = self.call(self.reference, response_logprobs, batch, 1.0)
+            ref_logprobs = self.reference_logprobs(batch)
         elif ref_logprobs.shape != logp.shape:
             raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, the batch needs {tuple(logp.shape)}")
         diff = logp - ref_logprobs.to(logp.dtype)
         return torch.where(batch.response_mask.bool(), diff, torch.zeros_like(diff))
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch) -> torch.Tensor:
+        """log π_ref(y_t) of the response tokens at temperature 1, ``[B, R]``."""
+        return self.call(self.reference, response_logprobs, batch, 1.0)
 
     def cumulative(self, batch, ref_logprobs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``cumulative_values`` of the batch: C[b, t] is V of the prefix ending with token t."""

@@ -133,26 +133,34 @@ class PrefixValues(MethodState):
 
     @torch.no_grad()
     def read(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0,
-             ref_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """V(s_k) [B, S] and the step mask, micro-batch by micro-batch, in the run's compute precision (φ and
-        its reference in bf16 under train.precision=bf16, as the policy's own passes). `ref_logprobs` [B, R]: the
-        reference's scores of the batch at temperature 1, given in place of a forward of φ's reference."""
+             ref_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """V(s_k) [B, S], the step mask and the reference scores used [B, R], micro-batch by micro-batch, in the
+        run's compute precision (φ and its reference in bf16 under train.precision=bf16, as the policy's own
+        passes). `ref_logprobs` [B, R]: the reference's scores of the batch at temperature 1, given in place of
+        a forward of φ's reference."""
         S = max(int(batch.step_ids.max()) + 1, 1)
         values = torch.zeros(batch.size, S, device=batch.step_ids.device)
         mask = torch.zeros_like(values)
+        reference = None
         for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
-            ref = None if ref_logprobs is None else ref_logprobs[idx, :micro.responses.shape[1]]
+            R = micro.responses.shape[1]
             with autocast(self.cfg.train.precision, micro.input_ids.device):
+                ref = self.model.reference_logprobs(micro) if ref_logprobs is None else ref_logprobs[idx, :R]
                 v, m = step_values(self.model.cumulative(micro, ref), micro.step_ids)
             values[idx, :v.shape[1]], mask[idx, :m.shape[1]] = v, m
-        return values, mask
+            if reference is None:
+                reference = torch.zeros(batch.responses.shape, dtype=ref.dtype, device=ref.device)
+            reference[idx, :R] = ref
+        return values, mask, reference
 
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         c = tr.cfg.method.caspo
         batch.step_ids = segment(tr, batch)
         shared = batch.ref_logprobs if self.shares_reference and batch.ref_logprobs is not None else None
-        values, batch.step_mask = self.read(batch, tr.cfg.train.micro_batch_size, tr.cfg.train.micro_batch_tokens,
-                                            ref_logprobs=shared)
+        values, batch.step_mask, reference = self.read(batch, tr.cfg.train.micro_batch_size,
+                                                       tr.cfg.train.micro_batch_tokens, ref_logprobs=shared)
+        if self.online is not None:  # the reference is frozen: the online step reuses its scores
+            batch.value_ref_logprobs = reference
         if c.shuffle_values:
             values = shuffled_within_batch(values, batch.step_mask, seed=control_seed(tr.cfg, tr.step))
         batch.step_values = transform_values(values, c.transform, self.model.beta)
@@ -165,7 +173,8 @@ class PrefixValues(MethodState):
     def online_step(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0) -> dict:
         """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
         step boundaries k >= 1 (V(s_0) = 0 whatever φ is); with method.caspo.use_adb / use_dlw, IPVRM's
-        prompt-difficulty shift of the logits and outcome weights (caspo.algo.ipvrm)."""
+        prompt-difficulty shift of the logits and outcome weights (caspo.algo.ipvrm). φ's reference runs only
+        where the value read left no scores of it (batch.value_ref_logprobs)."""
         c, beta = self.cfg.method.caspo, self.model.beta
         boundaries = float((batch.step_ids.max(-1).values.clamp(min=0)).sum())  # steps after the first, per row
         rewards = batch.rewards.float()
@@ -176,7 +185,7 @@ class PrefixValues(MethodState):
         total = 0.0
         for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
             with autocast(self.cfg.train.precision, micro.input_ids.device):
-                v, m = step_values(self.model.cumulative(micro), micro.step_ids)
+                v, m = step_values(self.model.cumulative(micro, micro.value_ref_logprobs), micro.step_ids)
             bce = ipvrm.balanced_value_bce(v / beta, micro.rewards.float(), shift[idx], weight[idx])
             loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0)
             loss.backward()
