@@ -163,6 +163,20 @@ def test_publication_and_sleep_keep_graphs_valid(family):
     assert [c.tokens for c in engine.generate(requests(8), sp)] == [c.tokens for c in after]
 
 
+def test_waking_does_not_reserve_the_cache_beside_the_trainers_freed_blocks():
+    """Blocks the trainer freed while the engine slept are released before the cache is allocated again."""
+    engine = NativeEngine(build("qwen2"), max_seq_len=1024, gpu_memory_fraction=0.02)
+    size = engine.capacity_report().bytes
+    engine.sleep()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_reserved()
+    activations = [torch.empty(size // 64 + 4096 * i, dtype=torch.uint8, device=CUDA) for i in range(64)]
+    del activations  # as the policy phase leaves them: cached by the allocator, in segments smaller than the cache
+    assert torch.cuda.memory_reserved() >= base + size
+    engine.wake()
+    assert torch.cuda.memory_reserved() < base + 1.5 * size
+
+
 def test_cache_sized_from_the_gpu_memory_fraction():
     engine = NativeEngine(build("qwen2"), max_seq_len=1024, gpu_memory_fraction=0.01)
     report = engine.capacity_report()

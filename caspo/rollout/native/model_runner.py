@@ -49,6 +49,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
+        if self.device.type == "cuda" and not self.cache.allocated:
+            # The trainer's freed blocks (activations of every size) sit in the caching allocator, too
+            # fragmented to hold the cache: released first, they are not reserved beside it.
+            torch.cuda.empty_cache()
         self.cache.allocate()
         if self.graph_batch_sizes is not None and self.graphs is None:
             self.graphs = self._capture()
