@@ -1,0 +1,176 @@
+"""The policy phase alone, against transformers' own forward and backward on the same tokens: where its MFU goes.
+
+A random-init Qwen2.5-1.5B-shaped policy (fp32 masters, bf16 autocast) and a synthetic batch shaped like a
+rollout: --rows responses of --response-len tokens after prompts of random length (mean --prompt-len).
+Three timings of one minibatch (all rows), each after a warm-up, on the same rows and micro-batches:
+
+    update        caspo's policy update (train/update.py): GRPO's clipped loss with KL to a reference, the
+                  head-chunked log-probs and entropy, gradient accumulation, clipping and the AdamW step
+    plain         transformers' forward with full logits, cross-entropy on the response tokens, backward
+                  and the same AdamW step, on the same padded micro-batches
+    plain packed  the same, on rows without padding (every prompt --prompt-len long): the padding's cost
+
+MFU is 6 · parameters · (prompt + response tokens of the rows) / time, against --peak-tflops; attention
+FLOPs are left out, and padding counts as waste. --profile prints the 15 CUDA kernels that took the most
+time in one `update`, and the share of the phase they cover.
+
+    python benchmarks/update_bench.py --rows 64 --micro-batch 8 --out bench.jsonl --commit $COMMIT [--profile]
+    # CPU smoke:
+    python benchmarks/update_bench.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 --kv-heads 2 \\
+        --intermediate 128 --vocab 1000 --rows 4 --micro-batch 2 --prompt-len 8 --response-len 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from _common import add_model_args, append_result, build_model, environment, print_table
+
+from caspo.batch import RolloutBatch
+from caspo.config import load_config
+from caspo.methods import resolve_method
+from caspo.models.policy import enable_recompute
+from caspo.precision import LossScaler, autocast
+from caspo.rollout.base import Completion
+from caspo.train.method_state import MethodState
+from caspo.train.optim import allocate_state, learner
+from caspo.train.update import update
+
+
+def synthetic_batch(args, device, packed: bool = False) -> RolloutBatch:
+    """Rows of random tokens and full responses after prompts of length uniform in [prompt_len / 2,
+    3 prompt_len / 2] (`packed`: every prompt prompt_len long, so no row is padded)."""
+    g = torch.Generator().manual_seed(args.seed)
+    low, high = (args.prompt_len,) * 2 if packed else (max(1, args.prompt_len // 2), max(2, 3 * args.prompt_len // 2))
+    lengths = torch.randint(low, high + 1, (args.rows,), generator=g).tolist()
+    prompts = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for n in lengths]
+    completions = [Completion(torch.randint(0, args.vocab, (args.response_len,), generator=g).tolist(),
+                              [-3.0] * args.response_len, "length", 0) for _ in range(args.rows)]
+    batch = RolloutBatch.from_completions(
+        prompts, completions, group_ids=[i // 2 for i in range(args.rows)],
+        example_ids=[str(i) for i in range(args.rows)], sample_seeds=list(range(args.rows)), texts=[""] * args.rows,
+        pad_token_id=0).to(device)
+    batch.rewards = (torch.rand(args.rows, generator=g) < 0.5).float().to(device)
+    batch.advantages = torch.randn(args.rows, 1, generator=g).to(device) * batch.response_mask
+    batch.ref_logprobs = torch.full_like(batch.response_mask, -3.0)
+    batch.old_logprobs = batch.behaviour_logprobs.clone()
+    return batch
+
+
+def micro_batches(batch: RolloutBatch, size: int):
+    for start in range(0, batch.size, size):
+        yield batch.select(torch.arange(start, min(start + size, batch.size)))
+
+
+def plain_step(model, optimizer, batch: RolloutBatch, args, precision: str) -> None:
+    """transformers' forward with full logits, mean cross-entropy of the response tokens, backward, AdamW."""
+    optimizer.zero_grad(set_to_none=True)
+    for micro in micro_batches(batch, args.micro_batch):
+        with autocast(precision, micro.input_ids.device):
+            logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
+                           position_ids=micro.position_ids).logits[:, micro.prompt_width - 1:-1]
+            loss = F.cross_entropy(logits.float().flatten(0, 1), micro.responses.flatten(), reduction="none")
+            loss = (loss * micro.response_mask.flatten()).sum() / batch.response_mask.sum()
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def timed(fn, device, reps: int) -> float:
+    fn()  # warm-up: kernels chosen, optimizer state allocated
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def kernel_profile(fn, device) -> list[list[str]]:
+    """The 15 kernels with the most device time in one call of `fn`, with their share of the call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    if device.type == "cuda":  # kernels only: operators would count their kernels twice
+        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(getattr(e, key) for e in events)
+    top = sorted(events, key=lambda e: -getattr(e, key))[:15]
+    return [[e.key[:70], e.count, f"{getattr(e, key) / 1e3:.1f}", f"{getattr(e, key) / max(total, 1):.1%}"]
+            for e in top]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--rows", type=int, default=64, help="responses in the minibatch")
+    parser.add_argument("--prompt-len", type=int, default=141, help="mean prompt tokens (trainer_smoke's: 141)")
+    parser.add_argument("--response-len", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--micro-tokens", type=int, default=0, help="train.micro_batch_tokens for `update`")
+    parser.add_argument("--checkpointing", action="store_true", help="train.activation_checkpointing=true")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--peak-tflops", type=float, default=790.0)
+    parser.add_argument("--profile", action="store_true", help="the kernels of one update")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    precision = "bf16" if args.dtype == "bfloat16" else "fp32"
+
+    model = build_model(argparse.Namespace(**{**vars(args), "dtype": "float32"})).requires_grad_(True)
+    if args.checkpointing:
+        enable_recompute(model)
+    parameters = sum(p.numel() for p in model.parameters())
+    cfg = load_config("arith-tiny", [
+        f"model.device={args.device}", "method.name=grpo", "method.kl_coef=0.001", f"train.precision={precision}",
+        f"rollout.prompts_per_step={args.rows // 2}", "rollout.samples_per_prompt=2",  # groups of 2 rows
+        f"train.minibatch_size={args.rows}",
+        f"train.micro_batch_size={args.micro_batch}", f"train.micro_batch_tokens={args.micro_tokens}",
+        f"train.activation_checkpointing={str(args.checkpointing).lower()}", "optim.lr=1e-7"])
+    method = resolve_method(cfg)
+    actor = learner(model, cfg)
+    allocate_state(actor.optimizer)
+    batch = synthetic_batch(args, device)
+    tokens = int(batch.attention_mask.sum())
+    generator, scaler = torch.Generator().manual_seed(0), LossScaler(precision, cfg.train.loss_scale)
+
+    def run_update():
+        update(actor, batch, cfg, method, MethodState(), generator, scaler)
+
+    packed = synthetic_batch(args, device, packed=True)
+    rows = []
+    for name, fn, counted in (("update", run_update, tokens),
+                              ("plain", lambda: plain_step(model, actor.optimizer, batch, args, precision), tokens),
+                              ("plain packed", lambda: plain_step(model, actor.optimizer, packed, args, precision),
+                               int(packed.attention_mask.sum()))):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        seconds = timed(fn, device, args.reps)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        mfu = 6 * parameters * counted / seconds / (args.peak_tflops * 1e12)
+        rows.append({"name": name, "seconds": seconds, "tokens": counted, "mfu": mfu, "peak_gib": peak})
+    print_table(["", "seconds", "tokens", "MFU", "peak GiB"],
+                [[r["name"], f"{r['seconds']:.2f}", f"{r['tokens']:,}", f"{r['mfu']:.0%}", f"{r['peak_gib']:.1f}"]
+                 for r in rows])
+    profile_rows = kernel_profile(run_update, device) if args.profile else []
+    if profile_rows:
+        print()
+        print_table(["kernel (one update)", "calls", "ms", "share"], profile_rows)
+    append_result(args.out, {"benchmark": "update_bench", **environment(args), "parameters": parameters,
+                             "shape": {"rows": args.rows, "prompt_len": args.prompt_len,
+                                       "response_len": args.response_len, "micro_batch": args.micro_batch,
+                                       "micro_tokens": args.micro_tokens, "checkpointing": args.checkpointing},
+                             "results": rows, "profile": profile_rows})
+
+
+if __name__ == "__main__":
+    main()
