@@ -23,7 +23,7 @@ def test_planted_tokens_come_at_their_rates_whatever_the_context(hidden, layers,
     rates = {7: 0.1, 11: 0.02}
     plant_rates(model, rates)
     model.to(dtype)
-    contexts = torch.randint(0, 2000, (64, 24))
+    contexts = torch.randint(0, 2000, (16, 24))
     with torch.no_grad():
         probs = torch.softmax(model(contexts).logits.float(), -1)  # every position of 64 random contexts
     for token, rate in rates.items():
