@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from caspo.rollout.sampling import (
+    NUCLEUS_PIVOTS,
+    NUCLEUS_TOP,
     _masses,
     _nucleus_plan,
+    _threshold_among_top,
     cut_threshold,
     gumbel_pick,
     inverse_temperature,
@@ -147,10 +150,11 @@ CASES = [  # (batch, vocab, std, top_p, grid): flat to peaked, with and without 
 ]
 
 
+@pytest.mark.parametrize("candidates", [0, NUCLEUS_TOP])  # the search alone, and with the top candidates first
 @pytest.mark.parametrize("batch, vocab, std, top_p, grid", CASES)
-def test_same_kept_set_as_the_sort(batch, vocab, std, top_p, grid):
+def test_same_kept_set_as_the_sort(batch, vocab, std, top_p, grid, candidates):
     x = random_logits(batch, vocab, std, seed=vocab + int(10 * std), grid=grid)
-    threshold = nucleus_threshold(x, top_p)
+    threshold = nucleus_threshold(x, top_p, candidates=candidates)
     # exactness: the threshold is one of the row's logits, the smallest one kept
     assert (x == threshold).any(-1).all()
     assert torch.equal(threshold, torch.where(x >= threshold, x, float("inf")).amin(-1, keepdim=True))
@@ -163,6 +167,25 @@ def test_same_kept_set_as_the_sort(batch, vocab, std, top_p, grid):
     # the old float32 code: its cumsum rounds by up to a few 1e-6 at 50k tokens, and only there may it differ
     differ = (kept(x, threshold) != kept(x, sorted_threshold(x, top_p))).any(-1)
     assert (margin[differ] < 1e-5).all()
+
+
+@pytest.mark.parametrize("batch, vocab, std, top_p, grid", CASES)
+def test_the_top_candidates_give_the_searchs_threshold(batch, vocab, std, top_p, grid):
+    """Rows whose few likeliest tokens hold top_p take their threshold from them, bit for bit the search's."""
+    x = random_logits(batch, vocab, std, seed=vocab + int(10 * std), grid=grid)
+    assert torch.equal(nucleus_threshold(x, top_p), nucleus_threshold(x, top_p, candidates=0))
+
+
+def test_peaked_rows_are_resolved_by_their_top_candidates_and_flat_rows_search():
+    x = torch.cat([random_logits(4, 5000, 12.0, seed=1), random_logits(4, 5000, 0.5, seed=2)])
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    shift = _nucleus_plan(5000, 0.9, NUCLEUS_PIVOTS)[0]
+    target = ((e * 2.0 ** shift).to(torch.int64).sum(-1, keepdim=True).double() * 0.9).ceil().to(torch.int64)
+    found, resolved = _threshold_among_top(e, target, shift, NUCLEUS_TOP)
+    assert resolved[:4].all() and not resolved[4:].any()
+    threshold = nucleus_threshold(x, 0.9)  # a resolved row's pattern is its threshold's e
+    assert torch.equal(found[:4].to(torch.int32).view(torch.float32),
+                       torch.exp(threshold[:4] - x[:4].amax(-1, keepdim=True)))
 
 
 def test_the_result_does_not_depend_on_the_pivots():
@@ -248,6 +271,9 @@ def test_mass_kernel_equals_the_torch_sums(vocab, m):
     got = mass_above(e.to(device), levels.to(device), shift).cpu()
     assert torch.equal(got, _masses(e, levels, shift))
     assert got[0, 0] == (e[0] * 2.0 ** shift).to(torch.int64).sum()
+    skip = torch.tensor([False, True, False])  # a row resolved before the passes is not read
+    skipped = mass_above(e.to(device), levels.to(device), shift, skip.to(device)).cpu()
+    assert torch.equal(skipped[~skip], got[~skip]) and skipped[1].eq(0).all()
 
 
 # ---------------------------------------------------------------- GPU

@@ -23,23 +23,25 @@ WARPS = 4
 
 
 @triton.jit
-def _mass_above_kernel(E, Levels, Partial, vocab, stride_row, scale,
+def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
                        LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
     slots = tl.arange(0, LEVELS)
     levels = tl.load(Levels + row * LEVELS + slots)  # padded with +inf: those sums stay 0
     acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
-    for offset in range(0, SPAN, BLOCK):
-        index = part * SPAN + offset + tl.arange(0, BLOCK)
-        e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
-        w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
-        acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
+    if tl.load(Skip + row) == 0:  # a skipped row is not read: its sums stay 0
+        for offset in range(0, SPAN, BLOCK):
+            index = part * SPAN + offset + tl.arange(0, BLOCK)
+            e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
+            w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
+            acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
     tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, tl.sum(acc, axis=0))
 
 
-def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tensor:
-    """W [B, m] int64 for e [B, vocab] float32 (last dim contiguous) and levels [B, m] float32."""
+def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """W [B, m] int64 for e [B, vocab] float32 (last dim contiguous) and levels [B, m] float32; rows that
+    `skip` [B] (bool) marks are not read, and get 0."""
     if e.dtype != torch.float32 or levels.dtype != torch.float32:
         raise ValueError(f"mass_above needs float32 e and levels, got {e.dtype} and {levels.dtype}")
     if e.stride(-1) != 1:
@@ -51,6 +53,7 @@ def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int) -> torch.Tenso
     padded[:, :m] = levels
     parts = triton.cdiv(vocab, SPAN)
     partial = torch.empty(rows, parts, width, dtype=torch.int64, device=e.device)
-    _mass_above_kernel[(rows, parts)](e, padded, partial, vocab, e.stride(0), 2.0 ** shift,
+    skip = torch.zeros(rows, dtype=torch.int8, device=e.device) if skip is None else skip.to(torch.int8)
+    _mass_above_kernel[(rows, parts)](e, padded, skip, partial, vocab, e.stride(0), 2.0 ** shift,
                                       LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return partial.sum(1)[:, :m]

@@ -53,6 +53,10 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 # one read of the row and m compare-adds per token; on an H200 m = 7 beat 3 and 15
 # (benchmarks/sampler_bench.py times other m).
 NUCLEUS_PIVOTS = 7
+# A row whose NUCLEUS_TOP likeliest tokens already hold top_p has its threshold among them: read off
+# their sorted masses, the row skips the passes (a trained model's nucleus at top-p 0.9 is that small;
+# a random-init model's holds ~50,000 tokens and always searches).
+NUCLEUS_TOP = 64
 _ONE_BITS = 127 << 23  # the int32 bit pattern of float32 1.0
 
 
@@ -80,7 +84,8 @@ def _nucleus_plan(vocab: int, top_p: float, pivots: int) -> tuple[int, int, list
     return shift, first, plan
 
 
-def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_PIVOTS) -> torch.Tensor:
+def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_PIVOTS,
+                      candidates: int = NUCLEUS_TOP) -> torch.Tensor:
     """The smallest logit [B, 1] of the top-p nucleus, found without sorting (for 0 < top_p < 1).
 
     The nucleus is the sorted definition's: the fewest most likely tokens whose mass reaches top_p,
@@ -96,28 +101,48 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     weight = None if e.is_cuda else (e * 2.0 ** shift).to(torch.int64)  # the kernel derives it per read
     total = _masses(e, e.new_zeros(e.shape[0], 1), shift, weight)
     target = (total.double() * top_p).ceil().to(torch.int64)  # T
-    lo = torch.full_like(target, first)
-    hi = torch.full_like(target, _ONE_BITS)
+    found, resolved = _threshold_among_top(e, target, shift, candidates)
+    lo = torch.where(resolved, found, first)  # a resolved row starts (and stays) at width 1
+    hi = torch.where(resolved, found, _ONE_BITS)
     for m in plan:  # invariant W(lo) >= T > W(hi + 1); each pass divides the width by m + 1
         width = hi - lo + 1
         cuts = lo + width * torch.arange(1, m + 1, device=x.device) // (m + 1)  # [B, m] int64 patterns
-        reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight) >= target
-        count = reached.sum(-1, keepdim=True)
+        reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight, skip=resolved[:, 0]) >= target
+        count = torch.where(resolved, m, reached.sum(-1, keepdim=True))  # W(lo) >= T: a resolved row keeps lo
         lo, hi = lo + width * count // (m + 1), lo + width * (count + 1) // (m + 1) - 1
     kept = e >= lo.to(torch.int32).view(torch.float32)
     return torch.where(kept, logits, float("inf")).amin(-1, keepdim=True)
 
 
-def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+def _threshold_among_top(e: torch.Tensor, target: torch.Tensor, shift: int,
+                         candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t's bit pattern [B, 1] int64, resolved [B, 1]) where the `candidates` largest e of a row reach the mass T
+    (0 candidates: no row is resolved, every row searches).
+
+    With q the row's largest e in descending order and n the first position whose prefix of integer masses
+    reaches T, t = q_n: W(q_n) >= that prefix >= T, and every e above q_n sits before position n, so
+    W(v) < T for v > q_n. That is the search's t (docs/engine/nucleus.md, section 2, in integer masses).
+    """
+    if candidates <= 0:
+        return target.new_zeros(target.shape), torch.zeros_like(target, dtype=torch.bool)
+    top = e.topk(min(candidates, e.shape[-1]), dim=-1).values
+    prefix = (top * 2.0 ** shift).to(torch.int64).cumsum(-1)  # the masses the passes would sum, in order
+    n = (prefix < target).sum(-1, keepdim=True)
+    found = top.gather(-1, n.clamp(max=top.shape[-1] - 1)).view(torch.int32).to(torch.int64)
+    return found, n < top.shape[-1]
+
+
+def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Tensor | None = None,
+            skip: torch.Tensor | None = None) -> torch.Tensor:
     """W [B, m] int64: the sum of floor(e_i 2^shift) over {i : e_i >= levels[:, j]}, exact in any order.
 
-    On CUDA one Triton kernel reads e once for all m levels (`mass_above`); torch reductions
-    would read it once per level.
+    On CUDA one Triton kernel reads e once for all m levels (`mass_above`), and not at all for the rows
+    `skip` [B] marks (their sums are then 0); torch reductions read e once per level, every row.
     """
     if e.is_cuda:
         if mass_above is None:
             raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
-        return mass_above(e, levels, shift)
+        return mass_above(e, levels, shift, skip)
     if weight is None:
         weight = (e * 2.0 ** shift).to(torch.int64)  # exact scaling by a power of two, then truncation
     return torch.cat([torch.where(e >= levels[:, j:j + 1], weight, 0).sum(-1, keepdim=True)
