@@ -30,6 +30,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="",
                         help="a trained policy (folder or embedded:NAME) instead of random init; "
                              "its shape replaces the shape flags")
+    parser.add_argument("--logit-scale", type=float, default=1.0,
+                        help="multiply a random model's logits (its final norm's weight): 8 makes its top-p 0.9 "
+                             "nucleus a few tokens, as a trained model's is, where 1 leaves ~50,000")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.3, help="KV cache share of the GPU (CUDA)")
     parser.add_argument("--commit", default="", help="the code's commit, recorded with the figures")
     parser.add_argument("--out", default="", help="append one JSON line of results to this file")
@@ -40,6 +43,9 @@ def build_model(args) -> torch.nn.Module:
 
     With a policy, `args.vocab` becomes its vocabulary size (random prompts are drawn from it).
     """
+    scale = getattr(args, "logit_scale", 1.0)
+    if args.policy and scale != 1.0:
+        raise ValueError("--logit-scale reshapes a random model's logits; a trained policy keeps its own")
     if args.policy:
         from caspo.models.policy import load_policy, resolve_model_path
 
@@ -53,6 +59,8 @@ def build_model(args) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype])
+    with torch.no_grad():
+        model.get_decoder().norm.weight.mul_(scale)  # logits = (g ⊙ normed h) · E: scaled by the same factor
     return model.eval().requires_grad_(False)
 
 

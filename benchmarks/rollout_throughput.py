@@ -2,7 +2,9 @@
 
 A random-init Qwen2.5-1.5B-shaped model (tied embeddings), 256 prompts of 128 tokens, 512
 new tokens each with EOS disabled, the full sampler (temperature, top-p, behaviour and
-untruncated log-probs). Prints a table and appends one JSON line to --out.
+untruncated log-probs). Prints a table and appends one JSON line to --out. A random model's
+top-p 0.9 nucleus holds ~50,000 tokens per row, the sampler's worst case; --logit-scale 8 makes it
+a few tokens, as a trained model's is.
 
     python benchmarks/rollout_throughput.py --out benchmarks/results.jsonl --commit $COMMIT
     python benchmarks/rollout_throughput.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 \
@@ -95,12 +97,13 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"T={args.temperature} top-p={args.top_p}, {args.dtype} on {args.device}")
+          f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, {args.dtype} on {args.device}")
     print_table(["engine", "tokens/s", "tokens", "seconds", "setup s", "warm-up s", "peak GiB"], rows)
     append_result(args.out, {"benchmark": "rollout_throughput", **environment(args),
                              "shape": {"prompts": args.prompts, "prompt_len": args.prompt_len,
                                        "new_tokens": args.new_tokens, "temperature": args.temperature,
-                                       "top_p": args.top_p, "top_logprobs": args.top_logprobs},
+                                       "top_p": args.top_p, "top_logprobs": args.top_logprobs,
+                                       "logit_scale": args.logit_scale},
                              "engines": results})
 
 

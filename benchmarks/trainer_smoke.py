@@ -78,6 +78,9 @@ def main() -> None:
     rates = {token: rate for token, rate in ((tokenizer.convert_tokens_to_ids("\n"), args.newline_rate),
                                               (tokenizer.eos_token_id, args.eos_rate)) if rate}
     if rates:
+        if args.logit_scale != 1.0:
+            raise SystemExit("--logit-scale and the planted rates (--newline-rate, --eos-rate) both set the logits' "
+                             "spread: give one")
         plant_rates(model, rates)
     model.save_pretrained(policy)
     save_tokenizer(tokenizer, policy)

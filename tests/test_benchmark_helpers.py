@@ -1,6 +1,7 @@
 """The benchmarks' planted policy (benchmarks/_common.plant_rates): a random model writes the planted tokens at
 the planted rates, which the step-level trainer smokes rely on for their step boundaries and lengths."""
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from _common import plant_rates  # noqa: E402
+from _common import build_model, plant_rates  # noqa: E402
 
 
 @pytest.mark.parametrize("hidden, layers, dtype", [(64, 4, torch.float32), (1536, 2, torch.bfloat16)])
@@ -39,3 +40,15 @@ def test_planting_needs_tied_embeddings():
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
     with pytest.raises(ValueError, match="tied embeddings"):
         plant_rates(AutoModelForCausalLM.from_config(config), {3: 0.1})
+
+
+def test_logit_scale_multiplies_a_random_models_logits():
+    shape = dict(device="cpu", dtype="float32", hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=300,
+                 seed=0, policy="")
+    plain = build_model(argparse.Namespace(**shape, logit_scale=1.0))
+    peaked = build_model(argparse.Namespace(**shape, logit_scale=8.0))
+    tokens = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(peaked(tokens).logits, 8 * plain(tokens).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="random model"):
+        build_model(argparse.Namespace(**{**shape, "policy": "embedded:tiny-arith"}, logit_scale=8.0))
