@@ -113,11 +113,14 @@ class RolloutBatch:
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
-    def select(self, index: torch.Tensor | Sequence[int]) -> "RolloutBatch":
-        """Rows `index` of every per-sample field, in a frame trimmed to their longest prompt and response."""
+    def select(self, index: torch.Tensor | Sequence[int], frame: tuple[int, int] | None = None) -> "RolloutBatch":
+        """Rows `index` of every per-sample field, in a frame trimmed to their longest prompt and response
+        (`frame`: those two widths, when the caller knows them; else read from the device)."""
         idx = torch.as_tensor(index, dtype=torch.long)
-        R = max(1, int(self.response_mask[idx].sum(-1).max()))
-        P = max(1, int(self.attention_mask[idx, :self.prompt_width].sum(-1).max()))
+        if frame is None:
+            frame = (int(self.attention_mask[idx, :self.prompt_width].sum(-1).max()),
+                     int(self.response_mask[idx].sum(-1).max()))
+        P, R = max(1, frame[0]), max(1, frame[1])
         columns = {**dict.fromkeys(SEQUENCE_FRAME, slice(self.prompt_width - P, self.prompt_width + R)),
                    **dict.fromkeys(RESPONSE_FRAME, slice(0, R))}
         out = {}
@@ -144,23 +147,26 @@ class RolloutBatch:
         longer than max_tokens goes alone.
         """
         rows = torch.arange(self.size) if rows is None else rows
+        # the lengths read once: no host sync between micro-batches, so the next one is queued while one runs
+        prompt_lengths = self.attention_mask[rows, :self.prompt_width].sum(-1).tolist()
+        response_lengths = self.response_mask[rows].sum(-1).tolist()
+
+        def frame(chunk: list[int]) -> tuple[int, int]:
+            return int(max(prompt_lengths[i] for i in chunk)), int(max(response_lengths[i] for i in chunk))
+
         if not max_tokens:
             for start in range(0, len(rows), size):
-                idx = rows[start:start + size]
-                yield idx, self.select(idx)
+                chunk = list(range(start, min(start + size, len(rows))))
+                yield rows[start:start + size], self.select(rows[start:start + size], frame(chunk))
             return
-        prompt_lengths = self.attention_mask[rows, :self.prompt_width].sum(-1)
-        response_lengths = self.response_mask[rows].sum(-1)
-        order = sorted(range(len(rows)), key=lambda i: -int(prompt_lengths[i] + response_lengths[i]))
+        order = sorted(range(len(rows)), key=lambda i: -(prompt_lengths[i] + response_lengths[i]))
         chunk, widest_prompt, widest_response = [], 0, 0
         for i in order:
-            p, r = max(widest_prompt, int(prompt_lengths[i])), max(widest_response, int(response_lengths[i]))
+            p, r = max(widest_prompt, prompt_lengths[i]), max(widest_response, response_lengths[i])
             if chunk and (len(chunk) == size or (len(chunk) + 1) * (p + r) > max_tokens):
-                idx = rows[chunk]
-                yield idx, self.select(idx)
-                chunk, p, r = [], int(prompt_lengths[i]), int(response_lengths[i])
+                yield rows[chunk], self.select(rows[chunk], frame(chunk))
+                chunk, p, r = [], prompt_lengths[i], response_lengths[i]
             chunk.append(i)
             widest_prompt, widest_response = p, r
         if chunk:
-            idx = rows[chunk]
-            yield idx, self.select(idx)
+            yield rows[chunk], self.select(rows[chunk], frame(chunk))

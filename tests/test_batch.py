@@ -1,5 +1,6 @@
 """RolloutBatch.select and micro_batches: every per-sample field follows its rows, frames are trimmed."""
 
+import pytest
 import torch
 
 from caspo.batch import RolloutBatch
@@ -65,3 +66,19 @@ def test_token_budget_packs_rows_by_length_within_the_budget():
     # the row cap still holds, and a row over the budget goes alone
     assert [len(idx) for idx, _ in batch.micro_batches(1, max_tokens=100)] == [1, 1, 1]
     assert [len(idx) for idx, _ in batch.micro_batches(8, max_tokens=3)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 10])
+def test_micro_batches_read_lengths_once_and_give_what_select_gives(max_tokens, monkeypatch):
+    """The frame each micro-batch gets from the lengths read up front is the one select reads itself."""
+    batch = make_batch()
+    chunks = list(batch.micro_batches(2, torch.tensor([2, 0, 1]), max_tokens))
+    for idx, micro in chunks:
+        alone = batch.select(idx)
+        assert micro.prompt_width == alone.prompt_width and torch.equal(micro.input_ids, alone.input_ids)
+        assert torch.equal(micro.responses, alone.responses)
+    reads = []  # int(tensor): a host read of a device value, which waits for the queued kernels
+    original = torch.Tensor.__int__
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: reads.append(1) or original(self))
+    list(batch.micro_batches(2, torch.tensor([2, 0, 1]), max_tokens))
+    assert reads == []  # select was given each frame: no per-micro-batch read of the lengths
