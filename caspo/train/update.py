@@ -108,7 +108,7 @@ def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Co
             batch.old_logprobs[idx, :micro.responses.shape[1]] = micro.old_logprobs
         if fill_old:  # this forward's ratios replace an earlier epoch's
             batch.update_ratios[idx, :micro.responses.shape[1]] = micro.update_ratios
-        out.append({"tokens": micro.response_mask.sum().item(), **metrics})
+        out.append({"tokens": micro.response_mask.sum(), **metrics})  # read after the minibatch: no sync here
     return out
 
 
@@ -149,7 +149,7 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
 
     def record(metrics_list):
         for metrics in metrics_list:
-            weight = metrics.pop("tokens")
+            weight = float(metrics.pop("tokens"))
             for k, v in metrics.items():
                 if k in ADDITIVE:
                     sums[k] += float(v)
