@@ -23,11 +23,10 @@ time in one `update`, and the share of the phase they cover.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
-from _common import add_model_args, append_result, build_model, environment, print_table
+from _common import add_model_args, append_result, build_model, environment, print_table, timed
 
 from caspo.batch import RolloutBatch
 from caspo.config import load_config
@@ -60,15 +59,10 @@ def synthetic_batch(args, device, packed: bool = False) -> RolloutBatch:
     return batch
 
 
-def micro_batches(batch: RolloutBatch, size: int):
-    for start in range(0, batch.size, size):
-        yield batch.select(torch.arange(start, min(start + size, batch.size)))
-
-
 def plain_step(model, optimizer, batch: RolloutBatch, args, precision: str) -> None:
     """transformers' forward with full logits, mean cross-entropy of the response tokens, backward, AdamW."""
     optimizer.zero_grad(set_to_none=True)
-    for micro in micro_batches(batch, args.micro_batch):
+    for _, micro in batch.micro_batches(args.micro_batch):
         with autocast(precision, micro.input_ids.device):
             logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
                            position_ids=micro.position_ids).logits[:, micro.prompt_width - 1:-1]
@@ -77,18 +71,6 @@ def plain_step(model, optimizer, batch: RolloutBatch, args, precision: str) -> N
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-
-
-def timed(fn, device, reps: int) -> float:
-    fn()  # warm-up: kernels chosen, optimizer state allocated
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps
 
 
 def kernel_profile(fn, device) -> list[list[str]]:
@@ -152,10 +134,9 @@ def main() -> None:
                               ("plain", lambda: plain_step(model, actor.optimizer, batch, args, precision), tokens),
                               ("plain packed", lambda: plain_step(model, actor.optimizer, packed, args, precision),
                                int(packed.attention_mask.sum()))):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        seconds = timed(fn, device, args.reps)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        fn()  # warm-up: kernels chosen, optimizer state allocated
+        _, seconds, peak = timed(args.device, lambda: [fn() for _ in range(args.reps)])
+        seconds, peak = seconds / args.reps, peak / 2**30 if peak is not None else float("nan")
         mfu = 6 * parameters * counted / seconds / (args.peak_tflops * 1e12)
         rows.append({"name": name, "seconds": seconds, "tokens": counted, "mfu": mfu, "peak_gib": peak})
     print_table(["", "seconds", "tokens", "MFU", "peak GiB"],

@@ -157,7 +157,7 @@ class RolloutBatch:
         if not max_tokens:
             for start in range(0, len(rows), size):
                 chunk = list(range(start, min(start + size, len(rows))))
-                yield rows[start:start + size], self.select(rows[start:start + size], frame(chunk))
+                yield rows[chunk], self.select(rows[chunk], frame(chunk))
             return
         order = sorted(range(len(rows)), key=lambda i: -(prompt_lengths[i] + response_lengths[i]))
         chunk, widest_prompt, widest_response = [], 0, 0

@@ -264,12 +264,13 @@ def per_seed_table(groups: dict[str, list[Run]], keys: list[str]) -> list[str]:
     if not keys or len(seeds) < 2:
         return []
     lines = ["", "## Per seed", "", "Each run's last evaluation.", ""]
+    numbers = {id(r): run_numbers(r) for members in groups.values() for r in members}
     rows = []
     for key in keys:
         for label, members in groups.items():
             by_seed: dict = {}  # a group pooled by method may hold two runs of one seed
             for r in members:
-                if (v := run_numbers(r).get(key)) is not None:
+                if (v := numbers[id(r)].get(key)) is not None:
                     by_seed.setdefault(r.seed, []).append(f"{v:.4f}")
             rows.append([key, label] + [" / ".join(by_seed.get(s, ["—"])) for s in seeds])
     return lines + table(["metric", "group", *(f"seed {s}" for s in seeds)], rows)

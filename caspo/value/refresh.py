@@ -163,8 +163,9 @@ def refresh(tr: Trainer, checkpoint: Path) -> dict:
                   f"val ρ {summary['val_spearman']:.3f} -> {folder / 'value'}"
                   + (f" (reused: {reused})" if reused != "none" else ""))
     stats = summary["collect_stats"]  # the tokens generated to label: base rollouts and their continuations
-    return {"step": step, "refresh_label_rows": summary["label_rows"],
-            "refresh_tokens": stats.get("base_tokens", 0) + stats["mc_tokens"],
+    # labels reused from before base rollouts were counted leave the figure out (the report: "not recorded")
+    tokens = {"refresh_tokens": stats["base_tokens"] + stats["mc_tokens"]} if "base_tokens" in stats else {}
+    return {"step": step, "refresh_label_rows": summary["label_rows"], **tokens,
             "refresh_val_spearman": summary["val_spearman"], "refresh_reused": reused,
             "refresh_value_model": str(folder / "value"), **timer.reset()}
 
