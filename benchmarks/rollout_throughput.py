@@ -29,6 +29,7 @@ from _common import (
     timed,
 )
 
+import caspo.rollout.sampling as sampling_module
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
@@ -59,7 +60,12 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--top-logprobs", type=int, default=0, help="top-K log-probs per position (native only)")
     parser.add_argument("--engines", default=",".join(ENGINES[:3]))
+    parser.add_argument("--nucleus-top", type=int, default=sampling_module.NUCLEUS_TOP,
+                        help="likeliest tokens tried before the nucleus search (0: every row searches)")
     args = parser.parse_args()
+    if args.nucleus_top < 0:
+        parser.error("--nucleus-top must be 0 or more")
+    sampling_module.NUCLEUS_TOP = args.nucleus_top  # read by every nucleus_threshold call, the captured ones too
 
     model = build_model(args)
     prompts = random_prompts(args.prompts, args.prompt_len, args.vocab, args.seed)
@@ -97,13 +103,14 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, {args.dtype} on {args.device}")
+          f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
+          f"{args.dtype} on {args.device}")
     print_table(["engine", "tokens/s", "tokens", "seconds", "setup s", "warm-up s", "peak GiB"], rows)
     append_result(args.out, {"benchmark": "rollout_throughput", **environment(args),
                              "shape": {"prompts": args.prompts, "prompt_len": args.prompt_len,
                                        "new_tokens": args.new_tokens, "temperature": args.temperature,
                                        "top_p": args.top_p, "top_logprobs": args.top_logprobs,
-                                       "logit_scale": args.logit_scale},
+                                       "logit_scale": args.logit_scale, "nucleus_top": args.nucleus_top},
                              "engines": results})
 
 

@@ -18,6 +18,7 @@ from caspo.rollout.sampling import (
     cut_threshold,
     gumbel_pick,
     inverse_temperature,
+    largest_values,
     nucleus_threshold,
     sample_next,
     truncate_logits,
@@ -186,6 +187,23 @@ def test_peaked_rows_are_resolved_by_their_top_candidates_and_flat_rows_search()
     threshold = nucleus_threshold(x, 0.9)  # a resolved row's pattern is its threshold's e
     assert torch.equal(found[:4].to(torch.int32).view(torch.float32),
                        torch.exp(threshold[:4] - x[:4].amax(-1, keepdim=True)))
+
+
+@pytest.mark.parametrize("vocab, chunk", [(16384, 128), (50000, 128), (1000, 8), (1003, 8)])
+def test_largest_values_from_chunks_equal_topk(vocab, chunk):
+    """The chunked search returns top-k's values, ties included: distinct floats, a coarse grid of ties,
+    bf16-rounded logits, rows of one value, -inf from a top-k mask, and a row whose top sits in one chunk."""
+    count = 64
+    distinct = random_logits(4, vocab, 2.0, seed=vocab)
+    rows = [distinct, (distinct / 0.5).round() * 0.5, distinct.bfloat16().float(), torch.zeros(2, vocab)]
+    masked = distinct.clone()
+    masked[:, vocab // 3:] = NEG_INF
+    crowded = torch.full((2, vocab), -5.0)
+    crowded[:, chunk:2 * chunk] = torch.linspace(0.0, 1.0, chunk)  # every large value in a single chunk
+    crowded[1, -1] = 3.0  # and the largest one in the padded last chunk
+    assert vocab > count * chunk  # the chunked path, not the plain top-k of a short row
+    for x in [*rows, masked, crowded]:
+        assert torch.equal(largest_values(x, count, chunk), x.topk(count, dim=-1).values)
 
 
 def test_the_result_does_not_depend_on_the_pivots():

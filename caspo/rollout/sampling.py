@@ -55,8 +55,10 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 NUCLEUS_PIVOTS = 7
 # A row whose NUCLEUS_TOP likeliest tokens already hold top_p has its threshold among them: read off
 # their sorted masses, the row skips the passes (a trained model's nucleus at top-p 0.9 is that small;
-# a random-init model's holds ~50,000 tokens and always searches).
+# a random-init model's holds ~50,000 tokens and always searches). They are found among the NUCLEUS_TOP
+# chunks of NUCLEUS_CHUNK tokens with the largest maxima (largest_values), not by a top-k over the row.
 NUCLEUS_TOP = 64
+NUCLEUS_CHUNK = 128
 _ONE_BITS = 127 << 23  # the int32 bit pattern of float32 1.0
 
 
@@ -85,7 +87,7 @@ def _nucleus_plan(vocab: int, top_p: float, pivots: int) -> tuple[int, int, list
 
 
 def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_PIVOTS,
-                      candidates: int = NUCLEUS_TOP) -> torch.Tensor:
+                      candidates: int | None = None) -> torch.Tensor:
     """The smallest logit [B, 1] of the top-p nucleus, found without sorting (for 0 < top_p < 1).
 
     The nucleus is the sorted definition's: the fewest most likely tokens whose mass reaches top_p,
@@ -93,8 +95,10 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     patterns, `pivots` levels per pass, with exact int64 masses (`_masses`; one Triton kernel a pass
     on CUDA): static shapes and no host sync, so a CUDA graph can capture it, and the same result on
     the CPU and CUDA given equal logits. The proof, the cost and how it can differ from a float32
-    sort: docs/engine/nucleus.md.
+    sort: docs/engine/nucleus.md. `candidates` (default NUCLEUS_TOP, read at the call; 0: every row
+    searches) is how many likeliest tokens are tried first.
     """
+    candidates = NUCLEUS_TOP if candidates is None else candidates
     x = logits.float()
     e = torch.exp(x - x.amax(-1, keepdim=True))
     shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
@@ -125,11 +129,30 @@ def _threshold_among_top(e: torch.Tensor, target: torch.Tensor, shift: int,
     """
     if candidates <= 0:
         return target.new_zeros(target.shape), torch.zeros_like(target, dtype=torch.bool)
-    top = e.topk(min(candidates, e.shape[-1]), dim=-1).values
+    top = largest_values(e, candidates)
     prefix = (top * 2.0 ** shift).to(torch.int64).cumsum(-1)  # the masses the passes would sum, in order
     n = (prefix < target).sum(-1, keepdim=True)
     found = top.gather(-1, n.clamp(max=top.shape[-1] - 1)).view(torch.int32).to(torch.int64)
     return found, n < top.shape[-1]
+
+
+def largest_values(x: torch.Tensor, count: int, chunk: int = NUCLEUS_CHUNK) -> torch.Tensor:
+    """The `count` largest values of each row of x [B, V], in descending order: torch.topk's values.
+
+    Taken from the `count` chunks of `chunk` entries with the largest maxima, a fraction of a top-k over
+    V on a GPU. Exact, ties included: those chunks' maxima are `count` entries >= M, the smallest of
+    them, and every entry outside those chunks is <= M, so the chunks hold every entry above M and at
+    least as many equal to it as the row's top `count` has (docs/engine/nucleus.md, 4b).
+    """
+    rows, vocab = x.shape
+    if vocab <= count * chunk:
+        return x.topk(min(count, vocab), dim=-1).values
+    if vocab % chunk:  # pad with the row's minimum: it never outranks a real entry
+        x = torch.cat([x, x.amin(-1, keepdim=True).expand(rows, chunk - vocab % chunk)], -1)
+    blocks = x.view(rows, -1, chunk)
+    best = blocks.amax(-1).topk(count, dim=-1).indices
+    picked = blocks.gather(1, best[..., None].expand(-1, -1, chunk))
+    return picked.flatten(1).topk(count, dim=-1).values
 
 
 def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Tensor | None = None,
