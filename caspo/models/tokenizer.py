@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Callable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -66,3 +67,19 @@ def load_tokenizer(path: str | Path):
             "set tokenizer_class in tokenizer_config.json to the class it was saved with"
         )
     return tok
+
+
+def batch_decoder(tokenizer) -> tuple[Callable[[list[list[int]]], list[str]], bool]:
+    """([tokenizer.decode(ids, skip_special_tokens=True) for ids in batch] in one call, whether that decode
+    concatenates the tokens' own texts where each is complete text: segment_responses's arguments).
+
+    A fast tokenizer that does not clean up spaces decodes with its Rust backend's decode_batch, which is what
+    its decode calls row by row (on every core, without decode's per-call Python work); any other tokenizer
+    with its own batch_decode. Byte-level BPE (Qwen2, Llama 3, GPT-2) and the character tokenizer's Fuse
+    concatenate; other decoders (a SentencePiece Metaspace drops the first token's space) are not assumed to.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return (lambda batch: tokenizer.batch_decode(batch, skip_special_tokens=True)), False
+    concatenative = type(backend.decoder).__name__ in ("ByteLevel", "Fuse")
+    return (lambda batch: backend.decode_batch(batch, skip_special_tokens=True)), concatenative

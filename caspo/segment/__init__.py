@@ -1,6 +1,6 @@
 """Step segmentation: text splitters -> character offsets -> token step ids."""
 
-from caspo.segment.factory import splitter_name, step_splitter
+from caspo.segment.factory import batch_step_splitter, splitter_name, step_splitter
 from caspo.segment.latex import latex_step_starts
 from caspo.segment.newline import newline_step_starts
 from caspo.segment.token_steps import (
@@ -11,12 +11,14 @@ from caspo.segment.token_steps import (
     merge_after_final_box,
     pad_step_ids,
     segment_response,
+    segment_responses,
     token_step_ids,
 )
 
 __all__ = [
     "SPLITTERS",
     "TokenSteps",
+    "batch_step_splitter",
     "char_offsets_from_tokens",
     "final_box_end",
     "latex_step_starts",
@@ -24,6 +26,7 @@ __all__ = [
     "newline_step_starts",
     "pad_step_ids",
     "segment_response",
+    "segment_responses",
     "splitter_name",
     "step_splitter",
     "token_step_ids",

@@ -15,12 +15,19 @@ the last step.
 ``segment_response`` also folds a step that no token starts in (one token
 spans its whole text) into the previous step, so step ids are contiguous and
 every step owns at least one token.
+
+``segment_responses`` does a batch of responses with one batch decode. Where the
+decode is a concatenation of the tokens' own texts (byte-level BPE, a vocabulary
+of characters) and every token's text is complete (no U+FFFD), the cumulative
+decode of a prefix is the concatenation of its tokens' texts, so the offsets are
+their running lengths: no decode per token.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Sequence
 
 import torch
@@ -29,6 +36,7 @@ from caspo.segment.latex import latex_step_starts
 from caspo.segment.newline import newline_step_starts
 
 Decode = Callable[[list[int]], str]
+DecodeMany = Callable[[list[list[int]]], list[str]]  # [decode(ids) for ids in batch], exactly
 SPLITTERS = {"latex": latex_step_starts, "newline": newline_step_starts}
 MAX_PENDING = 32  # tokens without visible text before the fast decode gives up
 
@@ -156,6 +164,8 @@ def segment_response(
     splitter: str = "latex",
     max_steps: int | None = None,
     after_final_box: str = "keep",
+    text: str | None = None,
+    offsets: list[int] | None = None,
 ) -> TokenSteps:
     """Split one response into steps and map every token to its step.
 
@@ -164,7 +174,8 @@ def segment_response(
     ``max_steps - 1`` boundaries and merges all the rest into the last allowed
     step, so the early steps keep their own values and only the tail is coarse.
     Order: split, merge after the box, fold token-less steps, cap. A
-    non-empty token list whose text is empty is one step.
+    non-empty token list whose text is empty is one step. ``text`` (the
+    decode) and ``offsets`` (``char_offsets_from_tokens``) may be given when known.
     """
     if splitter not in SPLITTERS:
         raise ValueError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
@@ -173,16 +184,41 @@ def segment_response(
     if max_steps is not None and max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     ids = list(token_ids)
-    text = decode(ids) if ids else ""
     if not ids:
-        return TokenSteps([], [], 0, text)
+        return TokenSteps([], [], 0, "")
+    text = decode(ids) if text is None else text
     starts = SPLITTERS[splitter](text) or [0]
     if after_final_box == "merge":
         starts = merge_after_final_box(text, starts)
-    offsets = char_offsets_from_tokens(decode, ids, text)
+    offsets = char_offsets_from_tokens(decode, ids, text) if offsets is None else offsets
     owned = sorted(set(token_step_ids(offsets, starts, len(ids))))
     starts = [starts[k] for k in owned][:max_steps]
     return TokenSteps(starts, token_step_ids(offsets, starts, len(ids)), len(starts), text)
+
+
+def segment_responses(decode: Decode, decode_many: DecodeMany, responses: Sequence[Sequence[int]],
+                      concatenative: bool = False, **options) -> list[TokenSteps]:
+    """``segment_response`` of every response, the texts decoded in one batch call.
+
+    ``concatenative``: decode(ids) is the concatenation of the tokens' own decodes wherever each of those is
+    complete text (true of byte-level BPE and of character vocabularies). Then a response whose tokens all
+    decode to complete text takes its offsets from their running lengths; any other response, or every one
+    without ``concatenative``, decodes token by token as ``char_offsets_from_tokens`` does.
+    """
+    rows = [list(r) for r in responses]
+    texts = decode_many(rows)
+    pieces: list[list[str] | None] = [None] * len(rows)
+    if concatenative:  # each distinct token decoded once
+        vocab = sorted({t for ids in rows for t in ids})
+        own_text = dict(zip(vocab, decode_many([[t] for t in vocab])))
+        pieces = [[own_text[t] for t in ids] for ids in rows]
+    out = []
+    for ids, text, own in zip(rows, texts, pieces):
+        offsets = None
+        if own is not None and "".join(own) == text and not any("\ufffd" in p for p in own):
+            offsets = list(accumulate((len(p) for p in own[:-1]), initial=0))
+        out.append(segment_response(decode, ids, text=text, offsets=offsets, **options))
+    return out
 
 
 def pad_step_ids(step_ids: Sequence[Sequence[int]], seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

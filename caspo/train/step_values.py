@@ -24,9 +24,10 @@ from caspo.config import Config
 from caspo.models.policy import load_policy
 from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_values, transform_values
 from caspo.models.provenance import label_provenance
+from caspo.models.tokenizer import batch_decoder
 from caspo.precision import autocast
 from caspo.runlog import console
-from caspo.segment import pad_step_ids, step_splitter
+from caspo.segment import batch_step_splitter, pad_step_ids
 from caspo.train.method_state import MethodState
 from caspo.train.monte_carlo import continuation_seed, mc_step_values, step_start_indices
 from caspo.train.optim import Learner, learner
@@ -42,9 +43,10 @@ def control_seed(cfg: Config, step: int) -> int:
 
 def segment(tr: "Trainer", batch: RolloutBatch) -> torch.Tensor:
     """[B, R] step id of every response token, −1 on padding."""
-    split = step_splitter(tr.cfg, partial(tr.tokenizer.decode, skip_special_tokens=True))
+    split = batch_step_splitter(tr.cfg, partial(tr.tokenizer.decode, skip_special_tokens=True),
+                                *batch_decoder(tr.tokenizer))
     lengths = batch.response_lengths.tolist()
-    rows = [split(batch.responses[b, :lengths[b]].tolist()) for b in range(batch.size)]
+    rows = split([batch.responses[b, :lengths[b]].tolist() for b in range(batch.size)])
     step_ids, _ = pad_step_ids(rows, seq_len=batch.responses.shape[1])
     return step_ids.to(batch.responses.device)
 
