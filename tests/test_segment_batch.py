@@ -12,7 +12,8 @@ from caspo.models.tokenizer import batch_decoder, build_char_tokenizer
 from caspo.segment import segment_response, segment_responses
 
 MATH500 = Path(__file__).resolve().parents[1] / "caspo" / "data" / "benchmarks" / "math500.jsonl"
-OPTIONS = [dict(splitter="latex"), dict(splitter="newline", max_steps=3), dict(splitter="latex", after_final_box="merge")]
+OPTIONS = [dict(splitter="latex"), dict(splitter="newline", max_steps=3),
+           dict(splitter="latex", after_final_box="merge")]
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +55,9 @@ def test_a_batch_equals_one_response_at_a_time(name, options, qwen):
     assert sum(s.num_steps for s in expected) > len(rows)  # the rows have steps to get wrong
 
 
-def test_complete_text_takes_no_decode_per_token(qwen):
-    """A response whose tokens all decode to complete text is segmented from their running lengths; one with
-    a partial UTF-8 character falls back to decoding token by token."""
+def test_only_tokens_that_split_a_character_are_decoded(qwen):
+    """Complete tokens take their offsets from running lengths; a run of tokens that splits a character is
+    decoded on its own, token by token."""
     calls = []
 
     def decode(ids):
@@ -67,10 +68,12 @@ def test_complete_text_takes_no_decode_per_token(qwen):
     clean = [qwen.encode(t) for t in solutions(4)]
     segment_responses(decode, decode_many, clean, concatenative)
     assert calls == []
-    partial_char = [qwen.encode("x = 4 数学 ∑")]
-    assert any("\ufffd" in qwen.decode([t]) for t in partial_char[0])
-    segment_responses(decode, decode_many, partial_char, concatenative)
-    assert len(calls) >= len(partial_char[0])
+    ids = qwen.encode("So $x = 4$, $\\sum$ is ∑ and 🜁 ꙮ 𓀀 too. " * 3 + solutions(1)[0])
+    split = sum("\ufffd" in qwen.decode([t]) for t in ids)
+    assert split > 0
+    got = segment_responses(decode, decode_many, [ids], concatenative)
+    assert 0 < max(calls) <= split and len(calls) < len(ids) / 2  # the split runs only, not every token
+    assert got[0].token_step_ids == segment_response(decode, ids).token_step_ids
 
 
 def test_batch_decoder_decodes_as_decode(qwen):

@@ -18,9 +18,9 @@ every step owns at least one token.
 
 ``segment_responses`` does a batch of responses with one batch decode. Where the
 decode is a concatenation of the tokens' own texts (byte-level BPE, a vocabulary
-of characters) and every token's text is complete (no U+FFFD), the cumulative
-decode of a prefix is the concatenation of its tokens' texts, so the offsets are
-their running lengths: no decode per token.
+of characters), the cumulative decode of a prefix of complete tokens (no U+FFFD)
+is the concatenation of their texts, so their offsets are running lengths; only a
+run of tokens that splits a character is decoded token by token.
 """
 
 from __future__ import annotations
@@ -201,9 +201,9 @@ def segment_responses(decode: Decode, decode_many: DecodeMany, responses: Sequen
     """``segment_response`` of every response, the texts decoded in one batch call.
 
     ``concatenative``: decode(ids) is the concatenation of the tokens' own decodes wherever each of those is
-    complete text (true of byte-level BPE and of character vocabularies). Then a response whose tokens all
-    decode to complete text takes its offsets from their running lengths; any other response, or every one
-    without ``concatenative``, decodes token by token as ``char_offsets_from_tokens`` does.
+    complete text (true of byte-level BPE and of character vocabularies). Then the offsets of complete tokens
+    are running lengths, and only the runs of tokens that split a character decode token by token
+    (``_offsets_from_pieces``); without it, every response decodes token by token.
     """
     rows = [list(r) for r in responses]
     texts = decode_many(rows)
@@ -214,11 +214,37 @@ def segment_responses(decode: Decode, decode_many: DecodeMany, responses: Sequen
         pieces = [[own_text[t] for t in ids] for ids in rows]
     out = []
     for ids, text, own in zip(rows, texts, pieces):
-        offsets = None
-        if own is not None and "".join(own) == text and not any("\ufffd" in p for p in own):
-            offsets = list(accumulate((len(p) for p in own[:-1]), initial=0))
+        offsets = None if own is None else _offsets_from_pieces(decode, ids, own, text)
         out.append(segment_response(decode, ids, text=text, offsets=offsets, **options))
     return out
+
+
+def _offsets_from_pieces(decode: Decode, ids: list[int], pieces: list[str], text: str) -> list[int] | None:
+    """char_offsets_from_tokens for a concatenative decode, from the tokens' own texts `pieces`.
+
+    A complete token's offset is the running length. A run of incomplete ones (a character split across
+    tokens; U+FFFD alone) is decoded as its own text, token by token: no character crosses its ends, since
+    the tokens around it are complete UTF-8. None if the parts do not rebuild `text`.
+    """
+    if not any("\ufffd" in piece for piece in pieces):  # the common case, at C speed
+        return list(accumulate(map(len, pieces[:-1]), initial=0)) if "".join(pieces) == text else None
+    offsets, parts, length, i = [], [], 0, 0
+    while i < len(ids):
+        if "\ufffd" not in pieces[i]:
+            offsets.append(length)
+            parts.append(pieces[i])
+            length += len(pieces[i])
+            i += 1
+            continue
+        end = i
+        while end < len(ids) and "\ufffd" in pieces[end]:
+            end += 1
+        span = decode(ids[i:end])
+        offsets += [length + o for o in char_offsets_from_tokens(decode, ids[i:end], span)]
+        parts.append(span)
+        length += len(span)
+        i = end
+    return offsets if "".join(parts) == text else None
 
 
 def pad_step_ids(step_ids: Sequence[Sequence[int]], seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
