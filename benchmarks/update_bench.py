@@ -11,8 +11,9 @@ Three timings of one minibatch (all rows), each after a warm-up, on the same row
     plain packed  the same, on rows without padding (every prompt --prompt-len long): the padding's cost
 
 MFU is 6 · parameters · (prompt + response tokens of the rows) / time, against --peak-tflops; attention
-FLOPs are left out, and padding counts as waste. --profile prints the 15 CUDA kernels that took the most
-time in one `update`, and the share of the phase they cover.
+FLOPs are left out, and padding counts as waste. --compile compiles every decoder block first
+(train.compile=true; the warm-up pays the compilation). --profile prints the 15 CUDA kernels that took
+the most time in one `update`, and the share of the phase they cover.
 
     python benchmarks/update_bench.py --rows 64 --micro-batch 8 --out bench.jsonl --commit $COMMIT [--profile]
     # CPU smoke:
@@ -31,7 +32,7 @@ from _common import add_model_args, append_result, build_model, environment, pri
 from caspo.batch import RolloutBatch
 from caspo.config import load_config
 from caspo.methods import resolve_method
-from caspo.models.policy import enable_recompute
+from caspo.models.policy import compile_blocks, enable_recompute
 from caspo.precision import LossScaler, autocast
 from caspo.rollout.base import Completion
 from caspo.train.method_state import MethodState
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--micro-tokens", type=int, default=0, help="train.micro_batch_tokens for `update`")
     parser.add_argument("--checkpointing", action="store_true", help="train.activation_checkpointing=true")
+    parser.add_argument("--compile", action="store_true", help="train.compile=true: torch.compile each block")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--profile", action="store_true", help="the kernels of one update")
@@ -111,13 +113,16 @@ def main() -> None:
     model = build_model(argparse.Namespace(**{**vars(args), "dtype": "float32"})).requires_grad_(True)
     if args.checkpointing:
         enable_recompute(model)
+    if args.compile:
+        compile_blocks(model)
     parameters = sum(p.numel() for p in model.parameters())
     cfg = load_config("arith-tiny", [
         f"model.device={args.device}", "method.name=grpo", "method.kl_coef=0.001", f"train.precision={precision}",
         f"rollout.prompts_per_step={args.rows // 2}", "rollout.samples_per_prompt=2",  # groups of 2 rows
         f"train.minibatch_size={args.rows}",
         f"train.micro_batch_size={args.micro_batch}", f"train.micro_batch_tokens={args.micro_tokens}",
-        f"train.activation_checkpointing={str(args.checkpointing).lower()}", "optim.lr=1e-7"])
+        f"train.activation_checkpointing={str(args.checkpointing).lower()}", "optim.lr=1e-7",
+        f"train.compile={str(args.compile).lower()}", "rollout.backend=native"])
     method = resolve_method(cfg)
     actor = learner(model, cfg)
     allocate_state(actor.optimizer)
@@ -149,7 +154,8 @@ def main() -> None:
     append_result(args.out, {"benchmark": "update_bench", **environment(args), "parameters": parameters,
                              "shape": {"rows": args.rows, "prompt_len": args.prompt_len,
                                        "response_len": args.response_len, "micro_batch": args.micro_batch,
-                                       "micro_tokens": args.micro_tokens, "checkpointing": args.checkpointing},
+                                       "micro_tokens": args.micro_tokens, "checkpointing": args.checkpointing,
+                                       "compile": args.compile},
                              "results": rows, "profile": profile_rows})
 
 

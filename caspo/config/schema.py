@@ -284,6 +284,9 @@ class TrainConfig:
     loss_scale: float = 128.0
     # Recompute activations in the backward: checkpoint each decoder block (in every loop of a looped model).
     activation_checkpointing: bool = False
+    # torch.compile each decoder block of the trained models (policy, reference, critic): the element-wise
+    # work between GEMMs is fused. The first step pays the compilation; needs a causal LM with a `layers` list.
+    compile: bool = False
     save_every: int = 0
     # false: no checkpoint after the run's last step (a measurement that needs none: at the seed's shape it is
     # ~24 GB and 46 s); a process stopped early by stop_after still writes its checkpoint to resume from

@@ -237,6 +237,9 @@ def validate(cfg: Config) -> None:
     validate_shapes(cfg)
     if r.cuda_graphs and r.backend != "native":
         raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
+    if t.compile and r.backend != "native":  # the hf engine would generate through the compiled blocks
+        raise ConfigError("train.compile=true needs rollout.backend=native: the hf engine generates with the "
+                          "policy's own blocks")
 
 
 def validate_shapes(cfg: Config) -> None:

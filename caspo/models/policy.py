@@ -118,6 +118,23 @@ def enable_recompute(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compile_blocks(model: torch.nn.Module, **options) -> None:
+    """torch.compile each decoder block in place (`options` go to `nn.Module.compile`), so the element-wise
+    work between its GEMMs (RMSNorm, SiLU · up, residual adds, autocast's casts) runs fused. Parameter
+    names and the state dict are unchanged; the blocks share one compiled graph per mode (train / no-grad)."""
+    from caspo.models.looped import LoopedPreTrainedModel
+
+    if isinstance(model, LoopedPreTrainedModel):  # a block's call takes its loop index: one graph per index
+        raise ConfigError(f"train.compile=true does not support looped models ({type(model).__name__}); set it "
+                          "to false")
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"{type(model).__name__} has no `layers` list of decoder blocks to compile; set "
+                          "train.compile=false")
+    for block in layers:
+        block.compile(**options)
+
+
 def tiny_looped_config(vocab_size: int, *, layout: str, depth: int, hidden: int = 128, layers: int = 2,
                        heads: int = 4, intermediate: int = 256, bos_token_id=None, eos_token_id=None,
                        pad_token_id=None):

@@ -1,0 +1,116 @@
+"""train.compile: each decoder block compiled in place gives the eager numbers, and the trainer wires it."""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from caspo.config import ConfigError, load_config
+from caspo.models.forward import response_logprobs
+from caspo.models.looped import LoopedForCausalLM
+from caspo.models.policy import compile_blocks, load_policy, tiny_looped_config
+from caspo.train import distributed, loop, trainer
+
+pytestmark = pytest.mark.timeout(240)
+
+EAGER_GRAPH = {"backend": "aot_eager"}  # dynamo's capture and autograd's split, without code generation
+
+
+def logprobs_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    logp = response_logprobs(model, batch)
+    (logp * batch.response_mask).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def tiny_batch():
+    from caspo.batch import RolloutBatch
+    from caspo.rollout.base import Completion
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    completions = [Completion(torch.randint(3, 20, (n,), generator=g).tolist(), [-1.0] * n, "length", 0)
+                   for n in (4, 6, 2)]
+    return RolloutBatch.from_completions(prompts, completions, group_ids=[0, 0, 1], example_ids=["a", "b", "c"],
+                                         sample_seeds=[0, 1, 2], texts=[""] * 3, pad_token_id=0)
+
+
+def compiled_copy(model, **options):
+    twin = copy.deepcopy(model)
+    compile_blocks(twin, **options)
+    return twin
+
+
+def check_matches_eager(model, options, atol):
+    batch = tiny_batch()
+    twin = compiled_copy(model, **options)
+    assert all(block._compiled_call_impl is not None for block in twin.base_model.layers)
+    assert list(twin.state_dict()) == list(model.state_dict())  # checkpoints and the engine's copy see one model
+    logp, grads = logprobs_and_grads(model, batch)
+    twin_logp, twin_grads = logprobs_and_grads(twin, batch)
+    torch.testing.assert_close(twin_logp, logp, atol=atol, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(twin_grads[name], grad, atol=atol, rtol=0, msg=name)
+
+
+def test_compiled_blocks_give_the_eager_logprobs_and_gradients():
+    check_matches_eager(load_policy("embedded:tiny-arith"), EAGER_GRAPH, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_inductor_blocks_give_the_eager_logprobs_and_gradients():
+    # the code torch.compile generates for the CPU (about a minute of compilation on 2 cores)
+    check_matches_eager(load_policy("embedded:tiny-arith"), {}, atol=1e-5)
+
+
+def test_looped_models_are_refused():
+    model = LoopedForCausalLM(tiny_looped_config(32, layout="ouro", depth=2, hidden=16, layers=1, heads=2))
+    with pytest.raises(ConfigError, match="looped"):
+        compile_blocks(model)
+
+
+def test_the_hf_engine_and_several_processes_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.backend=native"):
+        load_config("tests", [f"train.output_dir={tmp_path}", "train.compile=true", "rollout.backend=hf"])
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "train.compile=true", "rollout.backend=native"])
+    with pytest.raises(ConfigError, match="train.compile=true"):
+        distributed.check_config(cfg, 2)
+
+
+def test_a_step_with_compiled_blocks_is_the_eager_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "compile_blocks", functools.partial(compile_blocks, **EAGER_GRAPH))
+    overrides = ["train.minibatch_size=8", "train.micro_batch_size=2", "eval.before=false", "eval.after=false",
+                 "method.kl_coef=0.01", "rollout.backend=native"]
+    runs = {}
+    for flag in ("false", "true"):
+        tr = loop.build_trainer(load_config("tests", [f"train.output_dir={tmp_path / flag}", *overrides,
+                                                      f"train.compile={flag}"]))
+        with tr.pool:
+            batch, stats = loop.outer_step(tr)
+        runs[flag] = tr, batch, stats
+    (eager, eager_batch, eager_stats), (compiled, batch, stats) = runs["false"], runs["true"]
+    for model in (compiled.policy, compiled.ref):  # the policy and its reference: the update's two forwards
+        assert all(block._compiled_call_impl is not None for block in model.base_model.layers)
+    assert eager.policy.base_model.layers[0]._compiled_call_impl is None
+    assert torch.equal(batch.responses, eager_batch.responses)
+    torch.testing.assert_close(batch.ref_logprobs, eager_batch.ref_logprobs, atol=1e-6, rtol=0)
+    for p, q in zip(compiled.policy.parameters(), eager.policy.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    assert stats["kl"] == pytest.approx(eager_stats["kl"], abs=1e-7)
+
+
+@pytest.mark.gpu
+def test_inductor_blocks_on_cuda_under_bf16_autocast():
+    from caspo.precision import autocast
+
+    model = load_policy("embedded:tiny-arith", "cuda")
+    twin = compiled_copy(model)
+    batch = tiny_batch().to("cuda")
+    with autocast("bf16", torch.device("cuda")):
+        logp, grads = logprobs_and_grads(model, batch)
+        twin_logp, twin_grads = logprobs_and_grads(twin, batch)
+    torch.testing.assert_close(twin_logp, logp, atol=2e-2, rtol=0)  # bf16 rounding, fused in another order
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    twin_flat = torch.cat([twin_grads[n].flatten() for n in grads])
+    assert torch.nn.functional.cosine_similarity(flat, twin_flat, dim=0) > 0.999
