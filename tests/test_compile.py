@@ -110,7 +110,7 @@ def test_inductor_blocks_on_cuda_under_bf16_autocast():
     with autocast("bf16", torch.device("cuda")):
         logp, grads = logprobs_and_grads(model, batch)
         twin_logp, twin_grads = logprobs_and_grads(twin, batch)
-    torch.testing.assert_close(twin_logp, logp, atol=2e-2, rtol=0)  # bf16 rounding, fused in another order
+    torch.testing.assert_close(twin_logp, logp, atol=1e-2, rtol=1.6e-2)  # bf16 rounding, in another order
     flat = torch.cat([g.flatten() for g in grads.values()])
     twin_flat = torch.cat([twin_grads[n].flatten() for n in grads])
     assert torch.nn.functional.cosine_similarity(flat, twin_flat, dim=0) > 0.999
