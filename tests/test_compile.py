@@ -42,16 +42,16 @@ def compiled_copy(model, **options):
     return twin
 
 
-def check_matches_eager(model, options, atol):
+def check_matches_eager(model, options, atol, rtol=0.0):
     batch = tiny_batch()
     twin = compiled_copy(model, **options)
     assert all(block._compiled_call_impl is not None for block in twin.base_model.layers)
     assert list(twin.state_dict()) == list(model.state_dict())  # checkpoints and the engine's copy see one model
     logp, grads = logprobs_and_grads(model, batch)
     twin_logp, twin_grads = logprobs_and_grads(twin, batch)
-    torch.testing.assert_close(twin_logp, logp, atol=atol, rtol=0)
+    torch.testing.assert_close(twin_logp, logp, atol=atol, rtol=rtol)
     for name, grad in grads.items():
-        torch.testing.assert_close(twin_grads[name], grad, atol=atol, rtol=0, msg=name)
+        torch.testing.assert_close(twin_grads[name], grad, atol=atol, rtol=rtol, msg=name)
 
 
 def test_compiled_blocks_give_the_eager_logprobs_and_gradients():
@@ -61,7 +61,7 @@ def test_compiled_blocks_give_the_eager_logprobs_and_gradients():
 @pytest.mark.slow
 def test_inductor_blocks_give_the_eager_logprobs_and_gradients():
     # the code torch.compile generates for the CPU (about a minute of compilation on 2 cores)
-    check_matches_eager(load_policy("embedded:tiny-arith"), {}, atol=1e-5)
+    check_matches_eager(load_policy("embedded:tiny-arith"), {}, atol=1e-4, rtol=1e-5)  # fp32 sums in another order
 
 
 def test_looped_models_are_refused():
