@@ -127,6 +127,23 @@ def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_fol
 
 
 @pytest.mark.slow
+def test_compiled_blocks_under_fsdp2_train_as_the_eager_ones(tmp_path):
+    """train.compile on 2 ranks: the blocks are compiled before they are sharded, and FSDP2's hooks run
+    around the compiled code. aot_eager captures the same graphs without generating code, so the weights
+    are those of the eager run."""
+    runs = {flag: tmp_path / flag for flag in ("false", "true")}
+    for flag, run in runs.items():
+        result = caspo("train", "tests", *RUN, "rollout.backend=native", "method.kl_coef=0.01",
+                       f"train.compile={flag}", "train.compile_backend=aot_eager", f"train.output_dir={run}",
+                       "--nproc", "2")
+        assert result.returncode == 0, result.stderr[-3000:]
+    eager, compiled = exported(runs["false"])["policy"], exported(runs["true"])["policy"]
+    assert set(eager) == set(compiled)
+    assert max((eager[k] - compiled[k]).abs().max().item() for k in eager) <= 1e-6
+    assert [s["tokens_digest"] for s in samples(runs["false"])] == [s["tokens_digest"] for s in samples(runs["true"])]
+
+
+@pytest.mark.slow
 def test_verify_resume_with_two_processes_is_bit_identical(tmp_path):
     result = caspo("verify-resume", "tests", "model.threads=1", "--nproc", "2", "--workdir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

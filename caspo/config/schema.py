@@ -287,6 +287,10 @@ class TrainConfig:
     # torch.compile each decoder block of the trained models (policy, reference, critic): the element-wise
     # work between GEMMs is fused. The first step pays the compilation; needs a causal LM with a `layers` list.
     compile: bool = False
+    # torch.compile's backend for train.compile: "inductor" generates fused kernels; "aot_eager" (forward and
+    # backward graphs) and "eager" (forward graphs) capture the same code and run it unfused, to tell a
+    # compiler problem from a model problem
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     save_every: int = 0
     # false: no checkpoint after the run's last step (a measurement that needs none: at the seed's shape it is
     # ~24 GB and 46 s); a process stopped early by stop_after still writes its checkpoint to resume from

@@ -38,7 +38,7 @@ class Critic(MethodState):
         if cfg.train.activation_checkpointing:
             enable_recompute(model)
         if cfg.train.compile:
-            compile_blocks(model)
+            compile_blocks(model, backend=cfg.train.compile_backend)
         m = cfg.method
         self.learners = {"critic": learner(model, cfg, lr=m.critic_lr, weight_decay=m.critic_weight_decay,
                                            grad_clip=m.critic_grad_clip)}

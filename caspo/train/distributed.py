@@ -45,7 +45,6 @@ UNSUPPORTED = {
     "method.caspo.refresh_every > 0": "the refresh pipeline runs in one process; use method.caspo.online or one "
                                       "process",
     "a full-vocabulary loss (flow_dppo)": "its frozen old policy is not sharded yet; run it in one process",
-    "train.compile=true": "compiled blocks under FSDP2 are not wired up yet; use false",
 }
 
 
@@ -86,8 +85,6 @@ def check_config(cfg: Config, nproc: int) -> None:
         found.append("method.caspo.refresh_every > 0")
     if resolve_method(cfg).loss.full_vocab:
         found.append("a full-vocabulary loss (flow_dppo)")
-    if cfg.train.compile:
-        found.append("train.compile=true")
     if cfg.model.device.startswith("cuda:"):
         raise ConfigError(f"model.device={cfg.model.device} with {nproc} processes: each rank takes the device of "
                           "its local rank; use model.device=cuda (or auto)")

@@ -94,7 +94,7 @@ def build_trainer(cfg: Config) -> Trainer:
     ref = copy.deepcopy(policy).requires_grad_(False) if needs_ref else None
     if cfg.train.compile:
         for model in (policy, ref) if ref is not None else (policy,):
-            compile_blocks(model)
+            compile_blocks(model, backend=cfg.train.compile_backend)
     method_state = method.state.build(cfg, path, policy, tokenizer, device)
     engine = None
     if distributed.active():  # the engine copies the whole policy first; then the models are sharded
