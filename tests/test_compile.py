@@ -8,8 +8,10 @@ import torch
 from caspo.config import ConfigError, load_config
 from caspo.models.forward import response_logprobs
 from caspo.models.looped import LoopedForCausalLM
-from caspo.models.policy import compile_blocks, load_policy, tiny_looped_config
+from caspo.models.policy import compile_blocks, load_policy, resolve_model_path, tiny_looped_config
+from caspo.models.tokenizer import load_tokenizer
 from caspo.train import loop
+from caspo.train.step_values import ValueSource, load_value_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -74,6 +76,16 @@ def test_the_hf_engine_is_refused(tmp_path):
         load_config("tests", [f"train.output_dir={tmp_path}", "train.compile=true", "rollout.backend=hf"])
 
 
+def test_the_trainer_compiles_the_policy_and_its_reference(tmp_path):
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "method.kl_coef=0.01", "rollout.backend=native",
+                                "train.compile=true", "train.compile_backend=aot_eager"])
+    tr = loop.build_trainer(cfg)
+    with tr.pool:
+        for model in (tr.policy, tr.ref):
+            assert all(block._compiled_call_impl is not None for block in model.base_model.layers)
+
+
+@pytest.mark.slow
 def test_a_step_with_compiled_blocks_is_the_eager_step(tmp_path):
     overrides = ["train.minibatch_size=8", "train.micro_batch_size=2", "eval.before=false", "eval.after=false",
                  "method.kl_coef=0.01", "rollout.backend=native", "train.compile_backend=aot_eager"]
@@ -109,3 +121,49 @@ def test_inductor_blocks_on_cuda_under_bf16_autocast():
     flat = torch.cat([g.flatten() for g in grads.values()])
     twin_flat = torch.cat([twin_grads[n].flatten() for n in grads])
     assert torch.nn.functional.cosine_similarity(flat, twin_flat, dim=0) > 0.999
+
+
+def test_caspo_value_model_and_its_reference_are_compiled():
+    overrides = ["method.name=caspo", "method.caspo.value_model=embedded:tiny-arith-slips-value",
+                 "rollout.backend=native", "train.compile_backend=aot_eager"]
+    batch = tiny_batch()
+    values = {}
+    for flag in ("false", "true"):
+        cfg = load_config("arith-slips", [*overrides, f"train.compile={flag}"])
+        policy = load_policy(cfg.model.policy)
+        source = ValueSource(cfg.method.caspo.value_model, cfg.model.policy)
+        model = load_value_model(cfg, load_tokenizer(resolve_model_path(cfg.model.policy)), source, policy, "cpu")
+        compiled = [block._compiled_call_impl is not None
+                    for net in (model.policy, model.reference) for block in net.base_model.layers]
+        assert all(compiled) if flag == "true" else not any(compiled)
+        with torch.no_grad():
+            values[flag] = model.log_ratios(batch)
+    torch.testing.assert_close(values["true"], values["false"], atol=1e-6, rtol=0)
+    assert values["false"].abs().max() > 0  # φ is not its reference: the ratios compared are not all 0
+
+
+def test_the_blocks_share_their_graphs():
+    """Twelve blocks, more than dynamo's recompile limit of 8 per code object: were each block a graph of its
+    own, the later ones would run eager. Called as the trainer calls them (no KV cache, whose per-layer state
+    dynamo would guard on), they compile the graphs one block does: one per grad mode."""
+    from transformers import Qwen2ForCausalLM
+
+    from caspo.models.policy import tiny_qwen2_config
+
+    def graphs_of(layers):
+        torch._dynamo.reset()
+        graphs = []
+
+        def counting(graph_module, example_inputs):
+            graphs.append(graph_module)
+            return graph_module.forward
+
+        model = Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=32, layers=layers, heads=4))
+        compile_blocks(model, backend=counting)
+        ids = torch.randint(0, 64, (2, 9))
+        with torch.no_grad():
+            model.base_model(input_ids=ids, use_cache=False)
+        model.base_model(input_ids=ids, use_cache=False).last_hidden_state.sum().backward()
+        return len(graphs)
+
+    assert graphs_of(1) == graphs_of(12) == 2

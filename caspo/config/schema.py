@@ -284,8 +284,9 @@ class TrainConfig:
     loss_scale: float = 128.0
     # Recompute activations in the backward: checkpoint each decoder block (in every loop of a looped model).
     activation_checkpointing: bool = False
-    # torch.compile each decoder block of the trained models (policy, reference, critic): the element-wise
-    # work between GEMMs is fused. The first step pays the compilation; needs a causal LM with a `layers` list.
+    # torch.compile each decoder block of the models the trainer runs (policy, reference, critic, CASPO's φ and
+    # its reference): the element-wise work between GEMMs is fused. The first steps pay the compilation;
+    # needs causal LMs with a `layers` list (not looped models) and rollout.backend=native.
     compile: bool = False
     # torch.compile's backend for train.compile: "inductor" generates fused kernels; "aot_eager" (forward and
     # backward graphs) and "eager" (forward graphs) capture the same code and run it unfused, to tell a

@@ -121,7 +121,8 @@ def enable_recompute(model: torch.nn.Module) -> None:
 def compile_blocks(model: torch.nn.Module, **options) -> None:
     """torch.compile each decoder block in place (`options` go to `nn.Module.compile`), so the element-wise
     work between its GEMMs (RMSNorm, SiLU · up, residual adds, autocast's casts) runs fused. Parameter
-    names and the state dict are unchanged; the blocks share one compiled graph per mode (train / no-grad)."""
+    names and the state dict are unchanged. Called without a KV cache (as the trainer calls them), the blocks
+    share one compiled graph per grad mode; a cache's per-layer state would make a graph per block."""
     from caspo.models.looped import LoopedPreTrainedModel
 
     if isinstance(model, LoopedPreTrainedModel):  # a block's call takes its loop index: one graph per index
