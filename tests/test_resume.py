@@ -78,6 +78,13 @@ def test_verify_resume_is_identical_on_the_tests_preset(tmp_path):
     assert verify_resume("tests", [], tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_resume_is_identical_with_compiled_blocks(tmp_path):
+    # inductor's code for the CPU: each of the three processes compiles the blocks (or finds its disk cache)
+    assert verify_resume("tests", ["rollout.backend=native", "train.compile=true"], tmp_path)
+
+
 @pytest.fixture(scope="module")
 def one_step_checkpoint(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
