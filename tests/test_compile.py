@@ -5,11 +5,13 @@ import copy
 import pytest
 import torch
 
+from caspo.batch import RolloutBatch
 from caspo.config import ConfigError, load_config
 from caspo.models.forward import response_logprobs
 from caspo.models.looped import LoopedForCausalLM
 from caspo.models.policy import compile_blocks, load_policy, resolve_model_path, tiny_looped_config
 from caspo.models.tokenizer import load_tokenizer
+from caspo.rollout.base import Completion
 from caspo.train import loop
 from caspo.train.step_values import ValueSource, load_value_model
 
@@ -26,15 +28,16 @@ def logprobs_and_grads(model, batch):
 
 
 def tiny_batch():
-    from caspo.batch import RolloutBatch
-    from caspo.rollout.base import Completion
-
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (5, 3, 7)]
     completions = [Completion(torch.randint(3, 20, (n,), generator=g).tolist(), [-1.0] * n, "length", 0)
                    for n in (4, 6, 2)]
     return RolloutBatch.from_completions(prompts, completions, group_ids=[0, 0, 1], example_ids=["a", "b", "c"],
                                          sample_seeds=[0, 1, 2], texts=[""] * 3, pad_token_id=0)
+
+
+def blocks_compiled(model) -> list[bool]:
+    return [block._compiled_call_impl is not None for block in model.base_model.layers]
 
 
 def compiled_copy(model, **options):
@@ -46,7 +49,7 @@ def compiled_copy(model, **options):
 def check_matches_eager(model, options, atol, rtol=0.0):
     batch = tiny_batch()
     twin = compiled_copy(model, **options)
-    assert all(block._compiled_call_impl is not None for block in twin.base_model.layers)
+    assert all(blocks_compiled(twin))
     assert list(twin.state_dict()) == list(model.state_dict())  # checkpoints and the engine's copy see one model
     logp, grads = logprobs_and_grads(model, batch)
     twin_logp, twin_grads = logprobs_and_grads(twin, batch)
@@ -82,7 +85,7 @@ def test_the_trainer_compiles_the_policy_and_its_reference(tmp_path):
     tr = loop.build_trainer(cfg)
     with tr.pool:
         for model in (tr.policy, tr.ref):
-            assert all(block._compiled_call_impl is not None for block in model.base_model.layers)
+            assert all(blocks_compiled(model))
 
 
 @pytest.mark.slow
@@ -98,8 +101,8 @@ def test_a_step_with_compiled_blocks_is_the_eager_step(tmp_path):
         runs[flag] = tr, batch, stats
     (eager, eager_batch, eager_stats), (compiled, batch, stats) = runs["false"], runs["true"]
     for model in (compiled.policy, compiled.ref):  # the policy and its reference: the update's two forwards
-        assert all(block._compiled_call_impl is not None for block in model.base_model.layers)
-    assert eager.policy.base_model.layers[0]._compiled_call_impl is None
+        assert all(blocks_compiled(model))
+    assert not any(blocks_compiled(eager.policy))
     assert torch.equal(batch.responses, eager_batch.responses)
     torch.testing.assert_close(batch.ref_logprobs, eager_batch.ref_logprobs, atol=1e-6, rtol=0)
     for p, q in zip(compiled.policy.parameters(), eager.policy.parameters()):
@@ -133,8 +136,7 @@ def test_caspo_value_model_and_its_reference_are_compiled():
         policy = load_policy(cfg.model.policy)
         source = ValueSource(cfg.method.caspo.value_model, cfg.model.policy)
         model = load_value_model(cfg, load_tokenizer(resolve_model_path(cfg.model.policy)), source, policy, "cpu")
-        compiled = [block._compiled_call_impl is not None
-                    for net in (model.policy, model.reference) for block in net.base_model.layers]
+        compiled = blocks_compiled(model.policy) + blocks_compiled(model.reference)
         assert all(compiled) if flag == "true" else not any(compiled)
         with torch.no_grad():
             values[flag] = model.log_ratios(batch)
