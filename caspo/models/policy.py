@@ -136,6 +136,14 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
         block.compile(**options)
 
 
+def compile_if_asked(train_cfg, *models: torch.nn.Module | None) -> None:
+    """compile_blocks of each model given (None skipped) when train.compile is set, with train.compile_backend."""
+    if train_cfg.compile:
+        for model in models:
+            if model is not None:
+                compile_blocks(model, backend=train_cfg.compile_backend)
+
+
 def tiny_looped_config(vocab_size: int, *, layout: str, depth: int, hidden: int = 128, layers: int = 2,
                        heads: int = 4, intermediate: int = 256, bos_token_id=None, eos_token_id=None,
                        pad_token_id=None):

@@ -11,7 +11,7 @@ from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.models.critic import critic_values, load_critic
-from caspo.models.policy import compile_blocks, enable_recompute
+from caspo.models.policy import compile_if_asked, enable_recompute
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import learner
 from caspo.train.scoring import no_grad_pass
@@ -37,8 +37,7 @@ class Critic(MethodState):
         model = load_critic(policy_path, device).eval()
         if cfg.train.activation_checkpointing:
             enable_recompute(model)
-        if cfg.train.compile:
-            compile_blocks(model, backend=cfg.train.compile_backend)
+        compile_if_asked(cfg.train, model)
         m = cfg.method
         self.learners = {"critic": learner(model, cfg, lr=m.critic_lr, weight_decay=m.critic_weight_decay,
                                            grad_clip=m.critic_grad_clip)}

@@ -21,7 +21,7 @@ from caspo import algo
 from caspo.algo import ipvrm
 from caspo.batch import RolloutBatch
 from caspo.config import Config
-from caspo.models.policy import compile_blocks, load_policy
+from caspo.models.policy import compile_if_asked, load_policy
 from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_values, transform_values
 from caspo.models.provenance import label_provenance
 from caspo.models.tokenizer import batch_decoder
@@ -100,9 +100,7 @@ def load_value_model(cfg: Config, tokenizer, source: ValueSource, label_policy: 
     model = load_prefix_value(source.path, label_provenance(cfg, tokenizer, label_policy),
                               allow_mismatch=c.allow_provenance_mismatch, device=device)
     model.policy.requires_grad_(c.online).train(False)
-    if cfg.train.compile:
-        for net in (model.policy, model.reference):
-            compile_blocks(net, backend=cfg.train.compile_backend)
+    compile_if_asked(cfg.train, model.policy, model.reference)
     return model
 
 

@@ -16,7 +16,7 @@ from caspo.config import Config, ConfigError, to_dict, to_yaml
 from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
 from caspo.methods import Method, resolve_method
-from caspo.models.policy import compile_blocks, enable_recompute, load_policy, resolve_device, resolve_model_path
+from caspo.models.policy import compile_if_asked, enable_recompute, load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
 from caspo.precision import LossScaler, compute_dtype
 from caspo.reward.pool import RewardPool
@@ -92,9 +92,7 @@ def build_trainer(cfg: Config) -> Trainer:
     needs_ref = cfg.method.kl_coef > 0 or cfg.method.kl_reward_coef > 0
     actor = learner(policy, cfg)
     ref = copy.deepcopy(policy).requires_grad_(False) if needs_ref else None
-    if cfg.train.compile:
-        for model in (policy, ref) if ref is not None else (policy,):
-            compile_blocks(model, backend=cfg.train.compile_backend)
+    compile_if_asked(cfg.train, policy, ref)
     method_state = method.state.build(cfg, path, policy, tokenizer, device)
     engine = None
     if distributed.active():  # the engine copies the whole policy first; then the models are sharded
