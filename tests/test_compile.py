@@ -7,7 +7,7 @@ import torch
 
 from caspo.batch import RolloutBatch
 from caspo.config import ConfigError, load_config
-from caspo.models.forward import response_logprobs
+from caspo.models.forward import head_compile_backend, response_logprobs
 from caspo.models.looped import LoopedForCausalLM
 from caspo.models.policy import compile_blocks, load_policy, resolve_model_path, tiny_looped_config
 from caspo.models.tokenizer import load_tokenizer
@@ -86,6 +86,7 @@ def test_the_trainer_compiles_the_policy_and_its_reference(tmp_path):
     with tr.pool:
         for model in (tr.policy, tr.ref):
             assert all(blocks_compiled(model))
+            assert head_compile_backend(model) == "aot_eager"  # the chunked head's softmax math too
 
 
 @pytest.mark.slow
@@ -102,7 +103,7 @@ def test_a_step_with_compiled_blocks_is_the_eager_step(tmp_path):
     (eager, eager_batch, eager_stats), (compiled, batch, stats) = runs["false"], runs["true"]
     for model in (compiled.policy, compiled.ref):  # the policy and its reference: the update's two forwards
         assert all(blocks_compiled(model))
-    assert not any(blocks_compiled(eager.policy))
+    assert not any(blocks_compiled(eager.policy)) and head_compile_backend(eager.policy) is None
     assert torch.equal(batch.responses, eager_batch.responses)
     torch.testing.assert_close(batch.ref_logprobs, eager_batch.ref_logprobs, atol=1e-6, rtol=0)
     for p, q in zip(compiled.policy.parameters(), eager.policy.parameters()):

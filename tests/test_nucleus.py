@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from caspo.rollout.sampling import (
+    _ONE_BITS,
     NUCLEUS_PIVOTS,
     NUCLEUS_TOP,
     _masses,
@@ -19,6 +20,7 @@ from caspo.rollout.sampling import (
     gumbel_pick,
     inverse_temperature,
     largest_values,
+    narrow_by_torch,
     nucleus_threshold,
     sample_next,
     truncate_logits,
@@ -292,6 +294,31 @@ def test_mass_kernel_equals_the_torch_sums(vocab, m):
     skip = torch.tensor([False, True, False])  # a row resolved before the passes is not read
     skipped = mass_above(e.to(device), levels.to(device), shift, skip.to(device)).cpu()
     assert torch.equal(skipped[~skip], got[~skip]) and skipped[1].eq(0).all()
+
+
+@pytest.mark.parametrize("vocab, top_p", [(700, 0.5), (9000, 0.95)])  # one part; two, the last partial
+def test_narrowing_kernels_equal_the_torch_passes(vocab, top_p):
+    """mass_above.narrow (triton's interpreter on the CPU) narrows every row's interval as the torch pass does,
+    pass after pass, a resolved row left as it is."""
+    device = needs_triton()
+    from caspo.rollout.mass_above import narrow
+
+    x = random_logits(4, vocab, 2.0, seed=vocab).float()
+    x[3] = x[3] * 20  # peaked: resolved by its top candidates, so it skips the passes
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    shift, first, plan = _nucleus_plan(vocab, top_p, NUCLEUS_PIVOTS)
+    target = (_masses(e, e.new_zeros(4, 1), shift).double() * top_p).ceil().to(torch.int64)
+    found, resolved = _threshold_among_top(e, target, shift, 8)
+    assert resolved[:, 0].tolist() == [False, False, False, True]
+    lo, hi = torch.where(resolved, found, first), torch.where(resolved, found, _ONE_BITS)
+    k_lo, k_hi = lo[:, 0].clone().to(device), hi[:, 0].clone().to(device)
+    skip = resolved[:, 0].to(torch.int8).to(device)
+    for m in plan:
+        lo, hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m)
+        narrow(e.to(device), k_lo, k_hi, target[:, 0].to(device), skip, shift, m)
+        assert torch.equal(k_lo.cpu(), lo[:, 0]) and torch.equal(k_hi.cpu(), hi[:, 0])
+    assert torch.equal(lo, hi)  # one bit pattern: the threshold
+    assert torch.equal(lo[3], found[3])
 
 
 # ---------------------------------------------------------------- GPU

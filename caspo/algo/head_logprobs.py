@@ -13,6 +13,8 @@ fp64 inputs), so values equal `token_logprobs(hidden @ weight.T, ...)` to roundi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -42,7 +44,8 @@ class _HeadSelectiveLogSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, tokens, temperature, chunk_size, with_entropy, compile_backend):
+        stats, _ = _chunk_functions(compile_backend)
         dtype = _softmax_dtype(hidden.dtype)
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -50,15 +53,12 @@ class _HeadSelectiveLogSoftmax(torch.autograd.Function):
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            z = (hidden[rows] @ weight.T).to(dtype) / temperature
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            logp[rows] = z.gather(-1, tokens[rows, None]).squeeze(-1) - lse[rows]
+            logp[rows], lse[rows], chunk_entropy = stats(hidden[rows] @ weight.T, tokens[rows], temperature,
+                                                         with_entropy)
             if with_entropy:
-                p = torch.exp(z - lse[rows, None])
-                # p = 0 at -inf logits: 0·(−inf) would be nan
-                entropy[rows] = lse[rows] - torch.where(p > 0, p * z, torch.zeros_like(z)).sum(-1)
+                entropy[rows] = chunk_entropy
         ctx.save_for_backward(hidden, weight, tokens, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.compile_backend = temperature, chunk_size, compile_backend
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -67,20 +67,56 @@ class _HeadSelectiveLogSoftmax(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, tokens, lse = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        _, grad_logits = _chunk_functions(ctx.compile_backend)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            g = grad_logp[rows, None].to(lse.dtype)
-            probs = torch.exp((hidden[rows] @ weight.T).to(lse.dtype) / temperature - lse[rows, None])
-            grad_z = ((-probs * g).scatter_add_(-1, tokens[rows, None], g) / temperature).to(hidden.dtype)
+            grad_z = grad_logits(hidden[rows] @ weight.T, lse[rows], tokens[rows], grad_logp[rows], temperature)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight
             if grad_weight is not None:
                 grad_weight += (grad_z.T @ hidden[rows]).to(lse.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunk_stats(logits, tokens, temperature: float, with_entropy: bool):
+    """(logp, logsumexp, entropy or None) of a chunk's rows from its logits [n, V], in the softmax dtype."""
+    z = logits.to(_softmax_dtype(logits.dtype)) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, lse, None
+    p = torch.exp(z - lse[:, None])
+    # p = 0 at -inf logits: 0·(−inf) would be nan
+    return logp, lse, lse - torch.where(p > 0, p * z, torch.zeros_like(z)).sum(-1)
+
+
+def _chunk_grad_logits(logits, lse, tokens, grad_logp, temperature: float, one_hot_by_compare: bool = False):
+    """∂L/∂z of a chunk, g · (onehot(a) − p) / τ, in the logits' dtype. Eager, the one-hot part is a scatter
+    (n entries, not n × V); compiled, a comparison with the vocabulary's indices, which fuses with the rest.
+    Both add g to the same product, so the values are the same."""
+    g = grad_logp[:, None].to(lse.dtype)
+    probs = torch.exp(logits.to(lse.dtype) / temperature - lse[:, None])
+    scaled = -probs * g
+    if one_hot_by_compare:
+        chosen = torch.arange(logits.shape[-1], device=logits.device) == tokens[:, None]
+        grad_z = torch.where(chosen, scaled + g, scaled)
+    else:
+        grad_z = scaled.scatter_add_(-1, tokens[:, None], g)
+    return (grad_z / temperature).to(logits.dtype)
+
+
+@functools.cache
+def _chunk_functions(compile_backend: str | None):
+    """(stats, grad_logits) of a chunk: eager, or compiled with `compile_backend` so that each is a few fused
+    kernels reading the chunk's logits once or twice, not a dozen full-vocabulary passes over fp32 copies."""
+    if compile_backend is None:
+        return _chunk_stats, _chunk_grad_logits
+    return (torch.compile(_chunk_stats, backend=compile_backend),
+            torch.compile(functools.partial(_chunk_grad_logits, one_hot_by_compare=True), backend=compile_backend))
 
 
 def head_token_logprobs(
@@ -90,6 +126,7 @@ def head_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    compile_backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log π(tokens) under softmax(hidden · weightᵀ / τ), and optionally the entropy, never all logits at once.
 
@@ -98,14 +135,15 @@ def head_token_logprobs(
     ``hidden`` ``[..., H]``, ``weight`` ``[V, H]`` (an LM head without bias), ``tokens``
     ``[...]``. Returns (logp, entropy or None), fp32 (fp64 for fp64 inputs), shaped like
     ``tokens``. logp is differentiable with respect to ``hidden`` and ``weight``; the
-    entropy carries no gradient.
+    entropy carries no gradient. ``compile_backend`` (e.g. "inductor") runs each chunk's softmax math
+    through ``torch.compile``; the matmuls stay as they are.
     """
     _check(hidden, weight, temperature, chunk_size)
     if hidden.shape[:-1] != tokens.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and tokens {tuple(tokens.shape)} disagree on the leading dims")
     flat = hidden.reshape(-1, hidden.shape[-1])
     logp, entropy = _HeadSelectiveLogSoftmax.apply(flat, weight, tokens.reshape(-1).long(), float(temperature),
-                                                   int(chunk_size), bool(with_entropy))
+                                                   int(chunk_size), bool(with_entropy), compile_backend)
     return logp.view(tokens.shape), entropy.view(tokens.shape) if with_entropy else None
 
 

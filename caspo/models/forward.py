@@ -13,6 +13,17 @@ from caspo.algo import head_categorical_kl, head_token_logprobs
 from caspo.batch import RolloutBatch
 
 LOGIT_CHUNK_TOKENS = 1024  # rows of logits alive at once: 1024 × 151,936 × 4 B = 622 MB in fp32
+_HEAD_BACKEND = "_caspo_head_compile_backend"  # set on a model by `compile_head`
+
+
+def compile_head(model: torch.nn.Module, backend: str = "inductor") -> None:
+    """Run the softmax math of `model`'s chunked head (`hidden_logprobs`) through torch.compile with `backend`."""
+    setattr(model, _HEAD_BACKEND, backend)
+
+
+def head_compile_backend(model: torch.nn.Module) -> str | None:
+    """The backend `compile_head` set on `model`, None if its head's math runs eagerly."""
+    return getattr(model, _HEAD_BACKEND, None)
 
 
 def response_hidden(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
@@ -49,7 +60,8 @@ def hidden_logprobs(model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.
                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log π(tokens), entropy or None) from `hidden` [B, R, H] through `model`'s head, chunked."""
     hidden, weight = as_compute(hidden, head_weight(model))
-    return head_token_logprobs(hidden, weight, tokens, temperature, LOGIT_CHUNK_TOKENS, with_entropy)
+    return head_token_logprobs(hidden, weight, tokens, temperature, LOGIT_CHUNK_TOKENS, with_entropy,
+                               compile_backend=head_compile_backend(model))
 
 
 def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 import caspo.models.looped  # noqa: F401  registers the looped LM with the Auto classes
 from caspo.config import ConfigError
+from caspo.models.forward import compile_head
 from caspo.models.hub import check_revision, hub_errors, hub_snapshot, looks_like_folder
 from caspo.models.looped_upstream import load_upstream, upstream_config
 
@@ -120,7 +121,8 @@ def enable_recompute(model: torch.nn.Module) -> None:
 
 def compile_blocks(model: torch.nn.Module, **options) -> None:
     """torch.compile each decoder block in place (`options` go to `nn.Module.compile`), so the element-wise
-    work between its GEMMs (RMSNorm, SiLU · up, residual adds, autocast's casts) runs fused. Parameter
+    work between its GEMMs (RMSNorm, SiLU · up, residual adds, autocast's casts) runs fused, and the softmax
+    math of the chunked LM head (`caspo.models.forward.compile_head`) with the same backend. Parameter
     names and the state dict are unchanged. Called without a KV cache (as the trainer calls them), the blocks
     share one compiled graph per grad mode; a cache's per-layer state would make a graph per block."""
     from caspo.models.looped import LoopedPreTrainedModel
@@ -134,6 +136,7 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
                           "train.compile=false")
     for block in layers:
         block.compile(**options)
+    compile_head(model, options.get("backend", "inductor"))
 
 
 def compile_if_asked(train_cfg, *models: torch.nn.Module | None) -> None:

@@ -9,6 +9,11 @@ each program accumulating m int64 sums over its part, then a sum over parts. A p
 [BLOCK, m] tile of sums in registers and reduces it across threads once, at the end: reducing every
 iteration made the cross-thread shuffles, not the compare-adds, the cost of a pass. Integer sums
 are exact, so the result equals the torch computation bit for bit, whatever the order.
+
+`narrow` is a whole pass in two kernels: the levels cut from each row's interval [lo, hi] of bit
+patterns inside the sum kernel, then one program per row that adds the parts' sums, counts the
+levels reached and narrows the interval in place. As torch operations a pass was about twenty small
+kernels, most of a step's launches at top-p < 1.
 """
 
 from __future__ import annotations
@@ -37,6 +42,59 @@ def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
             w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
             acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
     tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _cut_mass_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row, scale,
+                     M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    slots = tl.arange(0, LEVELS)
+    lo = tl.load(Lo + row)
+    width = tl.load(Hi + row) - lo + 1
+    cuts = lo + width * (slots + 1).to(tl.int64) // (M + 1)  # the float32 bit patterns of the m levels
+    levels = tl.where(slots < M, cuts.to(tl.int32).to(tl.float32, bitcast=True), float("inf"))
+    acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
+    if tl.load(Skip + row) == 0:
+        for offset in range(0, SPAN, BLOCK):
+            index = part * SPAN + offset + tl.arange(0, BLOCK)
+            e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
+            w = (e * scale).to(tl.int64)
+            acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
+    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
+                   M: tl.constexpr, LEVELS: tl.constexpr, PARTS: tl.constexpr):
+    row = tl.program_id(0)
+    slots = tl.arange(0, LEVELS)
+    index = tl.arange(0, PARTS)
+    sums = tl.load(Partial + (row * parts + index[:, None]) * LEVELS + slots[None, :],
+                   mask=index[:, None] < parts, other=0)
+    reached = (tl.sum(sums, axis=0) >= tl.load(Target + row)) & (slots < M)
+    count = tl.sum(reached.to(tl.int64), axis=0)
+    count = tl.where(tl.load(Skip + row) != 0, M, count)  # a resolved row keeps its interval of width 1
+    lo = tl.load(Lo + row)
+    width = tl.load(Hi + row) - lo + 1
+    tl.store(Lo + row, lo + width * count // (M + 1))
+    tl.store(Hi + row, lo + width * (count + 1) // (M + 1) - 1)
+
+
+def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor, skip: torch.Tensor,
+           shift: int, m: int) -> None:
+    """One pass of the nucleus search, in place on lo, hi [B] (int64 bit patterns): with the m levels
+    cut_j = lo + (hi − lo + 1) · j // (m + 1), j = 1..m, and c the number whose mass W(cut_j) reaches
+    target [B], the interval becomes [lo + w c // (m + 1), lo + w (c + 1) // (m + 1) − 1]. Rows that
+    `skip` [B] (int8) marks are not read and keep their interval (of width 1)."""
+    rows, vocab = e.shape
+    width = max(2, triton.next_power_of_2(m))
+    parts = triton.cdiv(vocab, SPAN)
+    partial = torch.empty(rows, parts, width, dtype=torch.int64, device=e.device)
+    _cut_mass_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), 2.0 ** shift,
+                                    M=m, LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
+    _narrow_kernel[(rows,)](partial, lo, hi, target, skip, parts, M=m, LEVELS=width,
+                            PARTS=max(2, triton.next_power_of_2(parts)))
 
 
 def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int, skip: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,9 +14,9 @@ import torch
 
 try:
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
-    from caspo.rollout.mass_above import mass_above
+    from caspo.rollout.mass_above import mass_above, narrow
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
-    fused_gumbel_pick = mass_above = None
+    fused_gumbel_pick = mass_above = narrow = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -108,14 +108,29 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     found, resolved = _threshold_among_top(e, target, shift, candidates)
     lo = torch.where(resolved, found, first)  # a resolved row starts (and stays) at width 1
     hi = torch.where(resolved, found, _ONE_BITS)
-    for m in plan:  # invariant W(lo) >= T > W(hi + 1); each pass divides the width by m + 1
-        width = hi - lo + 1
-        cuts = lo + width * torch.arange(1, m + 1, device=x.device) // (m + 1)  # [B, m] int64 patterns
-        reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight, skip=resolved[:, 0]) >= target
-        count = torch.where(resolved, m, reached.sum(-1, keepdim=True))  # W(lo) >= T: a resolved row keeps lo
-        lo, hi = lo + width * count // (m + 1), lo + width * (count + 1) // (m + 1) - 1
+    if e.is_cuda:  # each pass two kernels (mass_above.narrow): the same integers as the torch passes
+        skip, flat_target = resolved[:, 0].to(torch.int8), target[:, 0].contiguous()
+        lo, hi = lo[:, 0].contiguous(), hi[:, 0].contiguous()
+        for m in plan:
+            narrow(e, lo, hi, flat_target, skip, shift, m)
+        lo = lo[:, None]
+    else:
+        for m in plan:  # invariant W(lo) >= T > W(hi + 1); each pass divides the width by m + 1
+            lo, hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m, weight)
     kept = e >= lo.to(torch.int32).view(torch.float32)
     return torch.where(kept, logits, float("inf")).amin(-1, keepdim=True)
+
+
+def narrow_by_torch(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor,
+                    resolved: torch.Tensor, shift: int, m: int, weight: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of the search as torch operations: (lo, hi) [B, 1] narrowed to the piece of m + 1 that holds
+    the threshold (what `mass_above.narrow` does in place on CUDA)."""
+    width = hi - lo + 1
+    cuts = lo + width * torch.arange(1, m + 1, device=e.device) // (m + 1)  # [B, m] int64 patterns
+    reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight, skip=resolved[:, 0]) >= target
+    count = torch.where(resolved, m, reached.sum(-1, keepdim=True))  # W(lo) >= T: a resolved row keeps lo
+    return lo + width * count // (m + 1), lo + width * (count + 1) // (m + 1) - 1
 
 
 def _threshold_among_top(e: torch.Tensor, target: torch.Tensor, shift: int,
