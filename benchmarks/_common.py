@@ -141,6 +141,25 @@ def plant_rates(model: torch.nn.Module, rates: dict[int, float]) -> None:
             embeddings[token, 0] = shift * (1 + math.log(p * vocab / rest))
 
 
+def planted_learning_rate(model: torch.nn.Module, change: float = 1e-3) -> float:
+    """A learning rate under which the planted rates survive training: Adam moves every parameter by about lr a
+    step, and the planted final-norm weight g_0 = 1 / (√d·s) is tiny (1.2e-6 at the 1.5B shape, where lr 1e-6
+    would change the logits' scale by ~80% in one step and collapse the responses). This keeps Adam's step on
+    g_0 at `change` of it; the compute of a step does not depend on the rate."""
+    return change * float(model.get_decoder().norm.weight[0].abs())
+
+
+def text_rates(tokenizer, total: float) -> dict[int, float]:
+    """`total` probability shared by the tokenizer's visible single-character tokens, so that planted lines hold
+    text: a random model over the 151,936-token Qwen vocabulary writes ids the small character tokenizer decodes
+    to nothing, and lines of nothing are blank (no step boundary)."""
+    special = set(tokenizer.all_special_ids)
+    visible = [i for i in range(len(tokenizer)) if i not in special and tokenizer.decode([i]).strip()]
+    if not visible:
+        raise ValueError("the tokenizer has no visible tokens to plant")
+    return {i: total / len(visible) for i in visible}
+
+
 def save_value_model(cfg, policy: Path, out: Path, device: str = "cpu") -> Path:
     """A fresh prefix value model of the policy's shape (φ = the policy, every V 0) whose labels would come from
     the run `cfg` describes (its template, verifier settings and splitter), as `caspo value train` records them."""

@@ -11,13 +11,15 @@ line to --out. Memory knobs: --micro-tokens (token-budget micro-batches), --chec
 --gpu-memory-fraction (the engine's KV share); --set passes any other config override.
 
 The step-level methods: --newline-rate / --eos-rate plant those next-token probabilities in the random
-policy (benchmarks/_common.plant_rates), so its responses have line steps and end; vineppo then runs K
+policy (benchmarks/_common.plant_rates), and --text-rate the tokenizer's visible characters so that lines
+hold text: its responses then have line steps and end. Planted runs train at a learning rate that leaves
+the rates in place (_common.planted_learning_rate; lr 1e-6 collapses them in one step). vineppo runs K
 continuations per step boundary (scored by the verifier: the synthetic reward scores training batches
 only) and caspo gets a prefix value model of the policy's shape (φ = the policy, every V 0). Their rows add
 the value phase, the Monte Carlo tokens and the share of continuation prefill that prefix sharing saved.
 
     python benchmarks/trainer_smoke.py --methods grpo,caspo,vineppo --prompts 64 --newline-rate 0.01 \
-        --eos-rate 0.002 --out benchmarks/results.jsonl   # ~10 steps per response, ~500 tokens
+        --eos-rate 0.002 --out benchmarks/results.jsonl   # ~5 steps per response of ~440 tokens
 
     python benchmarks/trainer_smoke.py --out benchmarks/results.jsonl --commit $COMMIT
     # smoke test:
@@ -39,8 +41,10 @@ from _common import (
     build_model,
     environment,
     plant_rates,
+    planted_learning_rate,
     print_table,
     save_value_model,
+    text_rates,
 )
 
 from caspo.config import load_config
@@ -68,6 +72,8 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true", help="eager decode (CPU smoke tests)")
     parser.add_argument("--newline-rate", type=float, default=0.0, help="P(newline) planted at every position")
     parser.add_argument("--eos-rate", type=float, default=0.0, help="P(EOS) planted at every position")
+    parser.add_argument("--text-rate", type=float, default=0.5,
+                        help="with --newline-rate: P(a visible character of the tokenizer), so lines hold text")
     parser.add_argument("--vineppo-k", type=int, default=9, help="vineppo's continuations per step boundary")
     args = parser.parse_args()
 
@@ -75,13 +81,17 @@ def main() -> None:
     policy = work / "policy"
     model = build_model(argparse.Namespace(**{**vars(args), "dtype": "float32"}))  # fp32 masters
     tokenizer = load_tokenizer(resolve_model_path("embedded:tiny-arith"))
-    rates = {token: rate for token, rate in ((tokenizer.convert_tokens_to_ids("\n"), args.newline_rate),
-                                              (tokenizer.eos_token_id, args.eos_rate)) if rate}
+    newline = tokenizer.convert_tokens_to_ids("\n")
+    rates = text_rates(tokenizer, args.text_rate) if args.newline_rate else {}
+    rates |= {token: rate for token, rate in ((newline, args.newline_rate), (tokenizer.eos_token_id, args.eos_rate))
+              if rate}
+    lr = 1e-6
     if rates:
         if args.logit_scale != 1.0:
             raise SystemExit("--logit-scale and the planted rates (--newline-rate, --eos-rate) both set the logits' "
                              "spread: give one")
         plant_rates(model, rates)
+        lr = min(lr, planted_learning_rate(model))
     model.save_pretrained(policy)
     save_tokenizer(tokenizer, policy)
     parameters = sum(p.numel() for p in model.parameters())  # tied head counted once: its matmul
@@ -95,7 +105,7 @@ def main() -> None:
             "train.precision=" + ("bf16" if args.dtype == "bfloat16" else "fp32"), "reward.synthetic=true",
             f"method.name={method}", f"train.steps={args.steps}", f"train.minibatch_size={args.prompts * args.samples}",
             f"train.micro_batch_size={args.micro_batch}", "eval.before=false", "eval.after=false",
-            "train.save_every=0", "train.save_last=false", "optim.lr=1e-6", f"train.output_dir={work / method}",
+            "train.save_every=0", "train.save_last=false", f"optim.lr={lr}", f"train.output_dir={work / method}",
             f"rollout.gpu_memory_fraction={args.gpu_memory_fraction}", f"train.micro_batch_tokens={args.micro_tokens}",
             f"train.activation_checkpointing={str(args.checkpointing).lower()}", *step_level(method, args),
             *args.set])
@@ -125,7 +135,8 @@ def main() -> None:
                                  "knobs": {"micro_tokens": args.micro_tokens, "checkpointing": args.checkpointing,
                                            "kv_share": args.gpu_memory_fraction, "micro_batch": args.micro_batch,
                                            "newline_rate": args.newline_rate, "eos_rate": args.eos_rate,
-                                           "vineppo_k": args.vineppo_k, "set": args.set},
+                                           "text_rate": args.text_rate if args.newline_rate else 0.0,
+                                           "vineppo_k": args.vineppo_k, "lr": lr, "set": args.set},
                                  "steps": steps, "peak_bytes": peak})
     shutil.rmtree(work / "policy", ignore_errors=True)
 

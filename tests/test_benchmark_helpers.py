@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from _common import build_model, plant_rates  # noqa: E402
+from _common import build_model, plant_rates, planted_learning_rate, text_rates  # noqa: E402
 
 
 @pytest.mark.parametrize("hidden, layers, dtype", [(64, 4, torch.float32), (1536, 2, torch.bfloat16)])
@@ -33,6 +33,63 @@ def test_planted_tokens_come_at_their_rates_whatever_the_context(hidden, layers,
     rest = probs.clone()
     rest[..., list(rates)] = 0
     assert rest.max().item() < 5 / 2000  # the other tokens stay near-uniform
+
+
+def planted_model(hidden, layers, vocab=2000, rates=None):
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    plant_rates(model, rates or {7: 0.1})
+    return model
+
+
+def rate_after_one_adam_step(lr):
+    model = planted_model(1536, 2)
+    contexts = torch.randint(0, 2000, (4, 12), generator=torch.Generator().manual_seed(1))
+
+    def rate():
+        with torch.no_grad():
+            return torch.softmax(model(contexts).logits.float(), -1)[..., 7].mean().item()
+
+    before = rate()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model(contexts, labels=contexts).loss.backward()
+    optimizer.step()
+    return before, rate()
+
+
+def test_the_planted_learning_rate_keeps_the_rates_where_the_usual_one_moves_them():
+    """Adam moves each parameter by about lr in its first step; the planted final-norm weight is ~1e-6 wide."""
+    model = planted_model(1536, 2)
+    assert planted_learning_rate(model) == pytest.approx(1e-3 * float(model.get_decoder().norm.weight[0]))
+    before, after = rate_after_one_adam_step(planted_learning_rate(model))
+    assert after == pytest.approx(before, rel=0.01)
+    before, after = rate_after_one_adam_step(1e-6)  # the smokes' usual rate: the planted rate is gone
+    assert abs(after / before - 1) > 0.1
+
+
+def test_planted_text_gives_the_newline_splitter_its_lines():
+    """Over the Qwen-sized vocabulary a random model writes ids the character tokenizer decodes to nothing: the
+    planted visible characters make lines of text, one step each."""
+    from caspo.models.policy import resolve_model_path
+    from caspo.models.tokenizer import load_tokenizer
+    from caspo.segment import newline_step_starts
+
+    tokenizer = load_tokenizer(resolve_model_path("embedded:tiny-arith"))
+    newline = tokenizer.convert_tokens_to_ids("\n")
+    text = text_rates(tokenizer, 0.5)
+    assert sum(text.values()) == pytest.approx(0.5)
+    assert newline not in text and tokenizer.eos_token_id not in text
+    assert all(tokenizer.decode([i]).strip() for i in text)
+    model = planted_model(64, 4, rates=text | {newline: 0.05}).eval()
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.randint(0, 2000, (1, 8))).logits[0, -1].float(), -1)
+    ids = torch.multinomial(probs, 2000, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
+    decoded = tokenizer.decode(ids)
+    lines = decoded.count("\n")
+    assert lines > 50  # ~100 planted newlines
+    assert len(newline_step_starts(decoded)) > 0.8 * lines  # lines hold text: nearly every one is a step
 
 
 def test_planting_needs_tied_embeddings():
