@@ -118,6 +118,25 @@ def print_table(header: list[str], rows: list[list]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def kernel_profile(fn, device, top: int = 15) -> list[list[str]]:
+    """The `top` kernels with the most device time in one call of `fn`: name, calls, ms, share of the call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    if device.type == "cuda":  # kernels only: operators would count their kernels twice
+        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(getattr(e, key) for e in events)
+    largest = sorted(events, key=lambda e: -getattr(e, key))[:top]
+    return [[e.key[:70], e.count, f"{getattr(e, key) / 1e3:.1f}", f"{getattr(e, key) / max(total, 1):.1%}"]
+            for e in largest]
+
+
 def plant_rates(model: torch.nn.Module, rates: dict[int, float]) -> None:
     """Make a random-init model with tied embeddings write token t with probability ~rates[t] at every position
     (newlines for step boundaries, EOS for ending), and otherwise as randomly as before.

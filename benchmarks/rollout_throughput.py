@@ -4,7 +4,8 @@ A random-init Qwen2.5-1.5B-shaped model (tied embeddings), 256 prompts of 128 to
 new tokens each with EOS disabled, the full sampler (temperature, top-p, behaviour and
 untruncated log-probs). Prints a table and appends one JSON line to --out. A random model's
 top-p 0.9 nucleus holds ~50,000 tokens per row, the sampler's worst case; --logit-scale 8 makes it
-a few tokens, as a trained model's is.
+a few tokens, as a trained model's is. --profile prints the 25 CUDA kernels with the most device time in one
+more run of the last engine (graph replays included), and the share of the run they cover.
 
     python benchmarks/rollout_throughput.py --out benchmarks/results.jsonl --commit $COMMIT
     python benchmarks/rollout_throughput.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 \
@@ -23,6 +24,7 @@ from _common import (
     append_result,
     build_model,
     environment,
+    kernel_profile,
     kv_sizing,
     print_table,
     random_prompts,
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--top-logprobs", type=int, default=0, help="top-K log-probs per position (native only)")
     parser.add_argument("--engines", default=",".join(ENGINES[:3]))
+    parser.add_argument("--profile", action="store_true", help="the kernels of one more run of the last engine")
     parser.add_argument("--nucleus-top", type=int, default=sampling_module.NUCLEUS_TOP,
                         help="likeliest tokens tried before the nucleus search (0: every row searches)")
     args = parser.parse_args()
@@ -97,6 +100,10 @@ def main() -> None:
                          "setup_s": round(setup_s, 2), "warm_up_s": round(warm_s, 2), "peak_bytes": peak}
         rows.append([name, f"{tokens / seconds:,.0f}", tokens, f"{seconds:.2f}", f"{setup_s:.1f}", f"{warm_s:.1f}",
                      f"{peak / 2**30:.1f}" if peak else "-"])
+        if args.profile and name == args.engines.split(",")[-1]:
+            profile_rows = kernel_profile(partial(engine.generate, requests, sampling, **extra),
+                                          torch.device(args.device), top=25)
+            results[name]["profile"] = profile_rows
         del engine, completions
         gc.collect()
         if cuda:
@@ -106,6 +113,9 @@ def main() -> None:
           f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
           f"{args.dtype} on {args.device}")
     print_table(["engine", "tokens/s", "tokens", "seconds", "setup s", "warm-up s", "peak GiB"], rows)
+    for name, result in results.items():
+        if "profile" in result:
+            print_table([f"kernel (one run of {name})", "calls", "ms", "share"], result["profile"])
     append_result(args.out, {"benchmark": "rollout_throughput", **environment(args),
                              "shape": {"prompts": args.prompts, "prompt_len": args.prompt_len,
                                        "new_tokens": args.new_tokens, "temperature": args.temperature,

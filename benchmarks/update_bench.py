@@ -27,7 +27,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from _common import add_model_args, append_result, build_model, environment, print_table, timed
+from _common import add_model_args, append_result, build_model, environment, kernel_profile, print_table, timed
 
 from caspo.batch import RolloutBatch
 from caspo.config import load_config
@@ -72,25 +72,6 @@ def plain_step(model, optimizer, batch: RolloutBatch, args, precision: str) -> N
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-
-
-def kernel_profile(fn, device) -> list[list[str]]:
-    """The 15 kernels with the most device time in one call of `fn`, with their share of the call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
-    if device.type == "cuda":  # kernels only: operators would count their kernels twice
-        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(getattr(e, key) for e in events)
-    top = sorted(events, key=lambda e: -getattr(e, key))[:15]
-    return [[e.key[:70], e.count, f"{getattr(e, key) / 1e3:.1f}", f"{getattr(e, key) / max(total, 1):.1%}"]
-            for e in top]
 
 
 def main() -> None:

@@ -28,12 +28,11 @@ WARPS = 4
 
 
 @triton.jit
-def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
-                       LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+def _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale,
+                     LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's part of the row: the m int64 sums of w over e >= each level, stored to Partial."""
     row = tl.program_id(0)
     part = tl.program_id(1)
-    slots = tl.arange(0, LEVELS)
-    levels = tl.load(Levels + row * LEVELS + slots)  # padded with +inf: those sums stay 0
     acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
     if tl.load(Skip + row) == 0:  # a skipped row is not read: its sums stay 0
         for offset in range(0, SPAN, BLOCK):
@@ -41,27 +40,26 @@ def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
             e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
             w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
             acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
-    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, tl.sum(acc, axis=0))
+    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
+                       LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+    levels = tl.load(Levels + tl.program_id(0) * LEVELS + tl.arange(0, LEVELS))  # padded with +inf: sums stay 0
+    _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK)
 
 
 @triton.jit
 def _cut_mass_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row, scale,
                      M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    part = tl.program_id(1)
     slots = tl.arange(0, LEVELS)
     lo = tl.load(Lo + row)
     width = tl.load(Hi + row) - lo + 1
     cuts = lo + width * (slots + 1).to(tl.int64) // (M + 1)  # the float32 bit patterns of the m levels
     levels = tl.where(slots < M, cuts.to(tl.int32).to(tl.float32, bitcast=True), float("inf"))
-    acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
-    if tl.load(Skip + row) == 0:
-        for offset in range(0, SPAN, BLOCK):
-            index = part * SPAN + offset + tl.arange(0, BLOCK)
-            e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
-            w = (e * scale).to(tl.int64)
-            acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
-    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + slots, tl.sum(acc, axis=0))
+    _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK)
 
 
 @triton.jit
