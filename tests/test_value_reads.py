@@ -71,6 +71,7 @@ def test_the_online_step_reuses_the_reads_reference_scores(value_model_folder):
     batch = ragged_batch()
     _, _, reference = reuse.read(batch, micro_batch_size=3)
     assert reference.shape == batch.responses.shape
+    assert reuse.read(batch, micro_batch_size=3, keep_reference=False)[2] is None  # a frozen φ keeps none
     plain = recompute.online_step(batch, micro_batch_size=3)
     batch.value_ref_logprobs = reference
     calls = forward_log(reuse.model.reference)

@@ -136,11 +136,12 @@ class PrefixValues(MethodState):
 
     @torch.no_grad()
     def read(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0,
-             ref_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """V(s_k) [B, S], the step mask and the reference scores used [B, R], micro-batch by micro-batch, in the
-        run's compute precision (φ and its reference in bf16 under train.precision=bf16, as the policy's own
-        passes). `ref_logprobs` [B, R]: the reference's scores of the batch at temperature 1, given in place of
-        a forward of φ's reference."""
+             ref_logprobs: Optional[torch.Tensor] = None, keep_reference: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """V(s_k) [B, S], the step mask and the reference scores used [B, R] (None unless `keep_reference`),
+        micro-batch by micro-batch, in the run's compute precision (φ and its reference in bf16 under
+        train.precision=bf16, as the policy's own passes). `ref_logprobs` [B, R]: the reference's scores of
+        the batch at temperature 1, given in place of a forward of φ's reference."""
         S = max(int(batch.step_ids.max()) + 1, 1)
         values = torch.zeros(batch.size, S, device=batch.step_ids.device)
         mask = torch.zeros_like(values)
@@ -151,18 +152,21 @@ class PrefixValues(MethodState):
                 ref = self.model.reference_logprobs(micro) if ref_logprobs is None else ref_logprobs[idx, :R]
                 v, m = step_values(self.model.cumulative(micro, ref), micro.step_ids)
             values[idx, :v.shape[1]], mask[idx, :m.shape[1]] = v, m
-            if reference is None:
-                reference = torch.zeros(batch.responses.shape, dtype=ref.dtype, device=ref.device)
-            reference[idx, :R] = ref
+            if keep_reference:
+                if reference is None:
+                    reference = torch.zeros(batch.responses.shape, dtype=ref.dtype, device=ref.device)
+                reference[idx, :R] = ref
         return values, mask, reference
 
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         c = tr.cfg.method.caspo
         batch.step_ids = segment(tr, batch)
         shared = batch.ref_logprobs if self.shares_reference and batch.ref_logprobs is not None else None
+        online = self.online is not None  # the reference is frozen: the online step reuses its scores
         values, batch.step_mask, reference = self.read(batch, tr.cfg.train.micro_batch_size,
-                                                       tr.cfg.train.micro_batch_tokens, ref_logprobs=shared)
-        if self.online is not None:  # the reference is frozen: the online step reuses its scores
+                                                       tr.cfg.train.micro_batch_tokens, ref_logprobs=shared,
+                                                       keep_reference=online)
+        if online:
             batch.value_ref_logprobs = reference
         if c.shuffle_values:
             values = shuffled_within_batch(values, batch.step_mask, seed=control_seed(tr.cfg, tr.step))
