@@ -17,6 +17,8 @@ the rates in place (_common.planted_learning_rate; lr 1e-6 collapses them in one
 continuations per step boundary (scored by the verifier: the synthetic reward scores training batches
 only) and caspo gets a prefix value model of the policy's shape (φ = the policy, every V 0). Their rows add
 the value phase, the Monte Carlo tokens and the share of continuation prefill that prefix sharing saved.
+With several methods a last table gives each one's last step against grpo's and caspo's (the compilation
+and graph capture of the first steps left out).
 
     python benchmarks/trainer_smoke.py --methods grpo,caspo,vineppo --prompts 64 --newline-rate 0.01 \
         --eos-rate 0.002 --out benchmarks/results.jsonl   # ~5 steps per response of ~440 tokens
@@ -53,6 +55,7 @@ from caspo.models.policy import resolve_model_path
 from caspo.models.tokenizer import load_tokenizer, save_tokenizer
 from caspo.train.loop import train
 
+RATIO_BASES = ("grpo", "caspo")  # issue 18's ratios: ppo_critic and caspo against grpo, vineppo against caspo
 PHASES = ("t_roll", "t_reward", "t_old", "t_ref", "t_value", "t_pol", "t_sync", "t_step")
 
 
@@ -97,6 +100,7 @@ def main() -> None:
     parameters = sum(p.numel() for p in model.parameters())  # tied head counted once: its matmul
     del model
 
+    last_steps = {}
     for method in args.methods.split(","):
         cfg = load_config("arith-tiny", [
             f"model.policy={policy}", f"model.device={args.device}", "rollout.backend=native",
@@ -138,7 +142,18 @@ def main() -> None:
                                            "text_rate": args.text_rate if args.newline_rate else 0.0,
                                            "vineppo_k": args.vineppo_k, "lr": lr, "set": args.set},
                                  "steps": steps, "peak_bytes": peak})
+        last_steps[method] = steps[-1]["t_step"]
+    if len(last_steps) > 1:
+        print_table(["method", "last step s", *(f"x {base}" for base in RATIO_BASES if base in last_steps)],
+                    step_ratios(last_steps))
     shutil.rmtree(work / "policy", ignore_errors=True)
+
+
+
+def step_ratios(last_steps: dict[str, float]) -> list[list[str]]:
+    """Rows of (method, its last step's time, that time over each base method's that ran)."""
+    bases = [b for b in RATIO_BASES if b in last_steps]
+    return [[method, f"{t:.1f}", *(f"{t / last_steps[b]:.2f}" for b in bases)] for method, t in last_steps.items()]
 
 
 def step_level(method: str, args) -> list[str]:

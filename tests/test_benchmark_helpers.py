@@ -109,3 +109,12 @@ def test_logit_scale_multiplies_a_random_models_logits():
         torch.testing.assert_close(peaked(tokens).logits, 8 * plain(tokens).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="random model"):
         build_model(argparse.Namespace(**{**shape, "policy": "embedded:tiny-arith"}, logit_scale=8.0))
+
+
+def test_step_ratios_divide_each_last_step_by_grpos_and_caspos():
+    from trainer_smoke import step_ratios
+
+    rows = step_ratios({"grpo": 10.0, "ppo_critic": 14.0, "caspo": 13.0, "vineppo": 26.0})
+    assert rows == [["grpo", "10.0", "1.00", "0.77"], ["ppo_critic", "14.0", "1.40", "1.08"],
+                    ["caspo", "13.0", "1.30", "1.00"], ["vineppo", "26.0", "2.60", "2.00"]]
+    assert step_ratios({"vineppo": 26.0, "caspo": 13.0}) == [["vineppo", "26.0", "2.00"], ["caspo", "13.0", "1.00"]]
