@@ -8,7 +8,8 @@ steps of each method; prints the per-phase timers, the peak memory, the policy p
 FLOP utilisation (6 · parameters · tokens / t_pol against --peak-tflops) and the post-publish
 parity (mean |behaviour − recomputed log-prob| of the sampled tokens), and appends one JSON
 line to --out. Memory knobs: --micro-tokens (token-budget micro-batches), --checkpointing,
---gpu-memory-fraction (the engine's KV share); --set passes any other config override.
+--gpu-memory-fraction (the engine's KV share); --set passes any other config override. --nproc N runs
+each method as N FSDP2 ranks (`caspo train --nproc N`, one device each): the phases and the peak are rank 0's.
 
 The step-level methods: --newline-rate / --eos-rate plant those next-token probabilities in the random
 policy (benchmarks/_common.plant_rates), and --text-rate the tokenizer's visible characters so that lines
@@ -34,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -78,6 +81,8 @@ def main() -> None:
     parser.add_argument("--text-rate", type=float, default=0.5,
                         help="with --newline-rate: P(a visible character of the tokenizer), so lines hold text")
     parser.add_argument("--vineppo-k", type=int, default=9, help="vineppo's continuations per step boundary")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="FSDP2 ranks on this host, one device each (`caspo train --nproc`); MFU over all of them")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="caspo-smoke-"))
@@ -102,7 +107,7 @@ def main() -> None:
 
     last_steps = {}
     for method in args.methods.split(","):
-        cfg = load_config("arith-tiny", [
+        overrides = [
             f"model.policy={policy}", f"model.device={args.device}", "rollout.backend=native",
             f"rollout.cuda_graphs={str(not args.no_graphs).lower()}", f"rollout.prompts_per_step={args.prompts}",
             f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
@@ -112,11 +117,18 @@ def main() -> None:
             "train.save_every=0", "train.save_last=false", f"optim.lr={lr}", f"train.output_dir={work / method}",
             f"rollout.gpu_memory_fraction={args.gpu_memory_fraction}", f"train.micro_batch_tokens={args.micro_tokens}",
             f"train.activation_checkpointing={str(args.checkpointing).lower()}", *step_level(method, args),
-            *args.set])
-        if method == "caspo":
-            cfg = with_value_model(cfg, policy, work / "value")
+            *args.set]
+        cfg = load_config("arith-tiny", overrides)
+        if method == "caspo":  # a value model labelled under this run's conditions
+            save_value_model(cfg, policy, work / "value")
+            overrides.append(f"method.caspo.value_model={work / 'value'}")
+            cfg = load_config("arith-tiny", overrides)
         prompt_len = mean_prompt_tokens(cfg, tokenizer)
-        train(cfg)
+        if args.nproc > 1:  # FSDP2 ranks, one per device, started by the CLI; the metrics are rank 0's
+            subprocess.run([sys.executable, "-m", "caspo.cli", "train", "arith-tiny", *overrides,
+                            "--nproc", str(args.nproc)], check=True)
+        else:
+            train(cfg)
         steps = [json.loads(line) for line in (work / method / "metrics.jsonl").read_text().splitlines()]
         steps = [s for s in steps if "t_step" in s]
         # each phase resets the CUDA peak counter: the run's peak is the largest step peak
@@ -124,7 +136,7 @@ def main() -> None:
         # One table and one JSON line per method, so a run stopped midway keeps what finished.
         for s in steps:  # forward + backward of every (prompt + response) token, attention FLOPs left out
             tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
-            s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.peak_tflops * 1e12)
+            s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.nproc * args.peak_tflops * 1e12)
         print_table(["method", "step", *PHASES, "resp len", "steps", "MC tokens", "MC shared", "|Δ logp|",
                      "policy MFU", "peak GiB"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
@@ -136,8 +148,9 @@ def main() -> None:
         append_result(args.out, {"benchmark": "trainer_smoke", "method": method, **environment(args),
                                  "shape": {"prompts": args.prompts, "samples": args.samples,
                                            "new_tokens": args.new_tokens, "prompt_tokens_mean": prompt_len},
-                                 "knobs": {"micro_tokens": args.micro_tokens, "checkpointing": args.checkpointing,
-                                           "kv_share": args.gpu_memory_fraction, "micro_batch": args.micro_batch,
+                                 "knobs": {"nproc": args.nproc, "micro_tokens": args.micro_tokens,
+                                           "checkpointing": args.checkpointing, "kv_share": args.gpu_memory_fraction,
+                                           "micro_batch": args.micro_batch,
                                            "newline_rate": args.newline_rate, "eos_rate": args.eos_rate,
                                            "text_rate": args.text_rate if args.newline_rate else 0.0,
                                            "vineppo_k": args.vineppo_k, "lr": lr, "set": args.set},
@@ -147,7 +160,6 @@ def main() -> None:
         print_table(["method", "last step s", *(f"x {base}" for base in RATIO_BASES if base in last_steps)],
                     step_ratios(last_steps))
     shutil.rmtree(work / "policy", ignore_errors=True)
-
 
 
 def step_ratios(last_steps: dict[str, float]) -> list[list[str]]:
@@ -161,16 +173,6 @@ def step_level(method: str, args) -> list[str]:
     if method == "vineppo":
         return ["reward.synthetic=false", f"method.vineppo_k={args.vineppo_k}"]
     return []
-
-
-def with_value_model(cfg, policy: Path, folder: Path):
-    """cfg with a prefix value model of the policy's shape (φ = the policy, V = 0 everywhere), labelled under this
-    run's conditions."""
-    import dataclasses
-
-    save_value_model(cfg, policy, folder)
-    caspo_cfg = dataclasses.replace(cfg.method.caspo, value_model=str(folder))
-    return dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, caspo=caspo_cfg))
 
 
 def mean_prompt_tokens(cfg, tokenizer) -> float:
