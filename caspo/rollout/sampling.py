@@ -92,7 +92,7 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
 
     The nucleus is the sorted definition's: the fewest most likely tokens whose mass reaches top_p,
     every token tied with the last one kept. It is found by narrowing an interval of float32 bit
-    patterns, `pivots` levels per pass, with exact int64 masses (`_masses`; one Triton kernel a pass
+    patterns, `pivots` levels per pass, with exact int64 masses (`narrow_by_torch`; two Triton kernels a pass
     on CUDA): static shapes and no host sync, so a CUDA graph can capture it, and the same result on
     the CPU and CUDA given equal logits. The proof, the cost and how it can differ from a float32
     sort: docs/engine/nucleus.md. `candidates` (default NUCLEUS_TOP, read at the call; 0: every row
