@@ -79,6 +79,13 @@ def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
     tl.store(Hi + row, lo + width * (count + 1) // (M + 1) - 1)
 
 
+def _part_sums_buffer(e: torch.Tensor, m: int) -> torch.Tensor:
+    """[B, parts, LEVELS] int64 for the programs' sums: a part per SPAN entries of the row, m levels padded
+    to a power of two (at least 2, triton's smallest block)."""
+    return torch.empty(e.shape[0], triton.cdiv(e.shape[1], SPAN), max(2, triton.next_power_of_2(m)),
+                       dtype=torch.int64, device=e.device)
+
+
 def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor, skip: torch.Tensor,
            shift: int, m: int) -> None:
     """One pass of the nucleus search, in place on lo, hi [B] (int64 bit patterns): with the m levels
@@ -86,9 +93,8 @@ def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Te
     target [B], the interval becomes [lo + w c // (m + 1), lo + w (c + 1) // (m + 1) − 1]. Rows that
     `skip` [B] (int8) marks are not read and keep their interval (of width 1)."""
     rows, vocab = e.shape
-    width = max(2, triton.next_power_of_2(m))
-    parts = triton.cdiv(vocab, SPAN)
-    partial = torch.empty(rows, parts, width, dtype=torch.int64, device=e.device)
+    partial = _part_sums_buffer(e, m)
+    width, parts = partial.shape[2], partial.shape[1]
     _cut_mass_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), 2.0 ** shift,
                                     M=m, LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     _narrow_kernel[(rows,)](partial, lo, hi, target, skip, parts, M=m, LEVELS=width,
@@ -104,11 +110,10 @@ def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int, skip: torch.Te
         raise ValueError("mass_above needs e with a contiguous last dimension")
     rows, vocab = e.shape
     m = levels.shape[1]
-    width = max(2, triton.next_power_of_2(m))
+    partial = _part_sums_buffer(e, m)
+    width, parts = partial.shape[2], partial.shape[1]
     padded = levels.new_full((rows, width), float("inf"))
     padded[:, :m] = levels
-    parts = triton.cdiv(vocab, SPAN)
-    partial = torch.empty(rows, parts, width, dtype=torch.int64, device=e.device)
     skip = torch.zeros(rows, dtype=torch.int8, device=e.device) if skip is None else skip.to(torch.int8)
     _mass_above_kernel[(rows, parts)](e, padded, skip, partial, vocab, e.stride(0), 2.0 ** shift,
                                       LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
