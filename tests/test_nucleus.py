@@ -259,24 +259,6 @@ def needs_triton():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 0, 0.9), (1.0, 40, 1.0), (0.7, 0, 1.0)])
-@pytest.mark.parametrize("vocab", [5000, 20000])  # one part, and three with a partial last one
-def test_fused_pick_equals_the_torch_pick(vocab, temperature, top_k, top_p):
-    """The one-kernel pick (triton's interpreter on the CPU) gives gumbel_pick's tokens and its log-probs."""
-    device = needs_triton()
-    logits = random_logits(6, vocab, 3.0, seed=vocab).float()
-    logits[5] = 0.0  # a flat row: the noise alone decides
-    seeds = torch.tensor([1, 2**40 + 3, 2**62 + 5, 7, 11, 13])
-    positions = torch.tensor([0, 1, 5, 100, 4095, 9])
-    fused = sample_next(logits.to(device), seeds.to(device), positions.to(device), temperature, top_k, top_p,
-                        fused=True)
-    scaled = logits * inverse_temperature(temperature)
-    expected = gumbel_pick(scaled, sorted_cut(scaled, top_k, top_p), seeds, positions)
-    assert torch.equal(fused[0].cpu(), expected[0])
-    for got, want in zip(fused[1:], expected[1:]):
-        assert torch.allclose(got.cpu(), want, atol=1e-5)
-
-
 @pytest.mark.parametrize("vocab, m", [(700, 15), (9000, 7), (17000, 3)])
 def test_mass_kernel_equals_the_torch_sums(vocab, m):
     """The Triton pass (triton's interpreter on the CPU) gives the torch path's integer sums, bit for bit."""

@@ -8,13 +8,18 @@ and the counter noise U:
     log-prob = s_token - logsumexp{s_i : s_i >= c},   untruncated = s_token - logsumexp_i s_i
 
 `sampling.gumbel_pick` computes the same with torch ops, which read and write [B, V] several
-times (scaling, noise, argmax and two log-sum-exps: about 0.6 ms per step at B = 256 and
-V = 151,936 on an H200). Here grid (rows, parts of the vocabulary): each program hashes the
-noise of its part, keeps per-lane running maxima and online sums in registers, reduces them
-across threads once at the end and writes one partial per (row, part); a few [B, parts] torch
-ops combine the parts. Tokens equal `gumbel_pick`'s: the keys are the same float64 numbers
-and ties go to the first index within a lane, a program and across parts. Log-probs agree to
-float32 rounding (the sums run in another order).
+times. Here grid (rows, parts of the vocabulary): each program hashes the noise of its part,
+keeps per-lane running maxima and online sums in registers, reduces them across threads once
+at the end and writes one partial per (row, part); a few [B, parts] torch ops combine the parts.
+
+The float64 keys are the definition, but two float64 logarithms per entry made the kernel
+compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
+float32 keys, whose error is far below MARGIN (`gumbel_noise32`), and computes the float64 key
+of its winner alone. When another entry's float32 key comes within MARGIN of the winner's, the
+order could differ, and the program ranks its part again in float64, as the definition does
+(about one program in 10^4). Tokens therefore equal `gumbel_pick`'s: the keys are the same
+float64 numbers and ties go to the first index within a lane, a program and across parts.
+Log-probs agree to float32 rounding (the sums run in another order).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ import triton.language as tl
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 1024  # entries per loop iteration
 WARPS = 8
+# A winner by float32 keys is taken when no other entry of its part comes within MARGIN · max(1, |key|)
+# of it. The float32 key's error is below 2e-6 + ulp(key) (gumbel_noise32; tests/test_native_gpu.py
+# checks every counter value on the device), and a difference of two keys needs twice that.
+MARGIN = 2.0**-14
 
 
 @triton.jit
@@ -35,6 +44,42 @@ def _fmix32(h):
     h ^= h >> 13
     h *= 0xC2B2AE35
     return h ^ (h >> 16)
+
+
+@triton.jit
+def _noise_hash(row_hash, index):
+    return _fmix32(row_hash ^ (index.to(tl.uint32) * 0x165667B1 + 0x61C88647))  # uint32 arithmetic wraps
+
+
+@triton.jit
+def _gumbel64(h):
+    """G = -log(-log U) in float64 for U = ((h >> 8) + 1/2) / 2^24: the definition."""
+    u = ((h >> 8).to(tl.float64) + 0.5) * (1.0 / (1 << 24))
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _gumbel32(h):
+    """G in float32, accurate to a few float32 ulps of -log U over every counter value.
+
+    Below U = 1/2, U is exact in float32. Above it -log U = -log(1 - m), m = 1 - U exact, is
+    2 atanh(z) = 2 (z + z³/3 + z⁵/5 + ...) with z = m / (2 - m) <= 1/3: eight terms leave
+    z^17 / 17 < 2e-9 of it, with the relative accuracy that the outer log needs as U -> 1.
+    """
+    k = h >> 8
+    u = (k.to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+    m = (((1 << 24) - k).to(tl.float32) - 0.5) * (1.0 / (1 << 24))
+    z = m / (2.0 - m)
+    z2 = z * z
+    series = 1.0 / 13.0 + z2 * (1.0 / 15.0)
+    series = 1.0 / 11.0 + z2 * series
+    series = 1.0 / 9.0 + z2 * series
+    series = 1.0 / 7.0 + z2 * series
+    series = 1.0 / 5.0 + z2 * series
+    series = 1.0 / 3.0 + z2 * series
+    series = 1.0 + z2 * series
+    minus_log_u = tl.where(k < (1 << 23), -tl.log(u), 2.0 * z * series)
+    return -tl.log(minus_log_u)
 
 
 @triton.jit
@@ -55,14 +100,34 @@ def _store_logsumexp(top, total, Top, Total):
 
 
 @triton.jit
-def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, stride_row,
+def _rank_in_float64(Logits, row_hash, cut, inverse_temperature, vocab, start,
+                     SPAN: tl.constexpr, BLOCK: tl.constexpr):
+    """(largest float64 key, its first index) over the part [start, start + SPAN): the definition."""
+    best_key = tl.full([BLOCK], float("-inf"), tl.float64)
+    best_index = tl.zeros([BLOCK], tl.int32)
+    for offset in range(0, SPAN, BLOCK):
+        index = start + offset + tl.arange(0, BLOCK)
+        x = tl.load(Logits + index, mask=index < vocab, other=float("-inf"))
+        s = x * inverse_temperature
+        key = tl.where(s >= cut, s, float("-inf")).to(tl.float64) + _gumbel64(_noise_hash(row_hash, index))
+        better = key > best_key  # strict: a lane keeps the first index of its maximum
+        best_key = tl.where(better, key, best_key)
+        best_index = tl.where(better, index, best_index)
+    top_key = tl.max(best_key, 0)
+    return top_key, tl.min(tl.where(best_key == top_key, best_index, vocab), 0)
+
+
+@triton.jit
+def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, stride_row, margin,
                         BestKey, BestIndex, KeptTop, KeptTotal, FullTop, FullTotal,
-                        SPAN: tl.constexpr, BLOCK: tl.constexpr):
+                        CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
+    row_logits = Logits + row * stride_row
     row_hash = tl.load(RowHash + row).to(tl.uint32)
-    cut = tl.load(Threshold + row)
-    best_key = tl.full([BLOCK], float("-inf"), tl.float64)
+    cut = tl.load(Threshold + row) if CUT else float("-inf")
+    best = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's largest float32 key
+    second = tl.full([BLOCK], float("-inf"), tl.float32)  # and the largest of its others (ties included)
     best_index = tl.zeros([BLOCK], tl.int32)
     kept_top = tl.full([BLOCK], float("-inf"), tl.float32)
     kept_total = tl.zeros([BLOCK], tl.float32)
@@ -70,23 +135,50 @@ def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, 
     full_total = tl.zeros([BLOCK], tl.float32)
     for offset in range(0, SPAN, BLOCK):
         index = part * SPAN + offset + tl.arange(0, BLOCK)
-        x = tl.load(Logits + row * stride_row + index, mask=index < vocab, other=float("-inf"))
+        x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf"))
         s = x * inverse_temperature
-        kept = tl.where(s >= cut, s, float("-inf"))
-        h = _fmix32(row_hash ^ (index.to(tl.uint32) * 0x165667B1 + 0x61C88647))  # uint32 arithmetic wraps
-        u = ((h >> 8).to(tl.float64) + 0.5) * (1.0 / (1 << 24))
-        key = kept.to(tl.float64) - tl.log(-tl.log(u))
-        better = key > best_key  # strict: a lane keeps the first index of its maximum
-        best_key = tl.where(better, key, best_key)
+        kept = tl.where(s >= cut, s, float("-inf")) if CUT else s
+        key = kept + _gumbel32(_noise_hash(row_hash, index))
+        better = key > best
+        second = tl.where(better, best, tl.maximum(second, key))
+        best = tl.where(better, key, best)
         best_index = tl.where(better, index, best_index)
-        kept_top, kept_total = _online_logsumexp(kept_top, kept_total, kept)
+        if CUT:
+            kept_top, kept_total = _online_logsumexp(kept_top, kept_total, kept)
         full_top, full_total = _online_logsumexp(full_top, full_total, s)
+    top = tl.max(best, 0)
+    near = top - margin * tl.maximum(tl.abs(top), 1.0)
+    contested = (tl.sum((best >= near).to(tl.int32), 0) > 1) | (tl.max(second, 0) >= near)
+    # the float32 winner and its float64 key, computed for that one entry
+    index = tl.min(tl.where(best == top, best_index, vocab), 0)
+    s = tl.load(row_logits + index, mask=top > float("-inf"), other=float("-inf")) * inverse_temperature
+    top_key = tl.where(top > float("-inf"), s.to(tl.float64) + _gumbel64(_noise_hash(row_hash, index)),
+                       float("-inf"))
+    index = tl.where(top > float("-inf"), index, 0)  # a part with nothing kept: -inf at index 0, as in float64
+    if contested & (top > float("-inf")):
+        top_key, index = _rank_in_float64(row_logits, row_hash, cut, inverse_temperature, vocab, part * SPAN,
+                                          SPAN, BLOCK)
     out = row * tl.num_programs(1) + part
-    top_key = tl.max(best_key, 0)
     tl.store(BestKey + out, top_key)
-    tl.store(BestIndex + out, tl.min(tl.where(best_key == top_key, best_index, vocab), 0))
-    _store_logsumexp(kept_top, kept_total, KeptTop + out, KeptTotal + out)
+    tl.store(BestIndex + out, index)
+    if CUT:
+        _store_logsumexp(kept_top, kept_total, KeptTop + out, KeptTotal + out)
     _store_logsumexp(full_top, full_total, FullTop + out, FullTotal + out)
+
+
+@triton.jit
+def _gumbel_noise32_kernel(Counters, Out, n, BLOCK: tl.constexpr):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    k = tl.load(Counters + index, mask=index < n, other=0).to(tl.uint32)
+    tl.store(Out + index, _gumbel32(k << 8), mask=index < n)
+
+
+def gumbel_noise32(counters: torch.Tensor) -> torch.Tensor:
+    """The pick's float32 G [n] of 24-bit counter values k [n] (int32), U = (k + 1/2) / 2^24: for checking
+    its error against the float64 definition, -log(-log U)."""
+    out = torch.empty(counters.shape, dtype=torch.float32, device=counters.device)
+    _gumbel_noise32_kernel[(triton.cdiv(counters.numel(), BLOCK),)](counters, out, counters.numel(), BLOCK=BLOCK)
+    return out
 
 
 def _combine_logsumexp(top: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -95,12 +187,15 @@ def _combine_logsumexp(top: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return (row_top + torch.log((total * torch.exp(top - row_top)).sum(-1, keepdim=True)))[:, 0]
 
 
-def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshold: torch.Tensor,
-                      row_hash: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshold: torch.Tensor | None,
+                      row_hash: torch.Tensor, margin: float = MARGIN
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B], log-probs [B], untruncated log-probs [B]) for float32 logits [B, V] (last dim contiguous).
 
     inverse_temperature: `sampling.inverse_temperature(T)`; threshold [B, 1] float32 applies to
-    logits · inverse_temperature; row_hash [B] int64 is `sampling.noise_row_hash(seeds, positions)`.
+    logits · inverse_temperature (None: nothing is cut, and both log-probs are the same numbers);
+    row_hash [B] int64 is `sampling.noise_row_hash(seeds, positions)`. margin: the float32 keys'
+    tie band (inf: every part ranks in float64; the tests use it to check both paths).
     """
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"fused_gumbel_pick needs float32 logits with a contiguous last dimension, got {logits.dtype}")
@@ -108,12 +203,16 @@ def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshol
     parts = triton.cdiv(vocab, SPAN)
     best_key = torch.empty(rows, parts, dtype=torch.float64, device=logits.device)
     best_index = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
-    tops_totals = [torch.empty(rows, parts, dtype=torch.float32, device=logits.device) for _ in range(4)]
-    _gumbel_pick_kernel[(rows, parts)](logits, row_hash, threshold.float().contiguous(), inverse_temperature, vocab,
-                                       logits.stride(0), best_key, best_index, *tops_totals,
-                                       SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
+    full_top, full_total = (torch.empty(rows, parts, dtype=torch.float32, device=logits.device) for _ in range(2))
+    kept_top, kept_total = full_top, full_total
+    cut = threshold is not None
+    if cut:
+        kept_top, kept_total = (torch.empty_like(full_top) for _ in range(2))
+        threshold = threshold.float().contiguous()
+    _gumbel_pick_kernel[(rows, parts)](logits, row_hash, threshold if cut else logits, inverse_temperature, vocab,
+                                       logits.stride(0), margin, best_key, best_index, kept_top, kept_total,
+                                       full_top, full_total, CUT=cut, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     tokens = best_index.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()  # first part on ties
     picked = logits.gather(-1, tokens[:, None])[:, 0] * inverse_temperature
-    kept_top, kept_total, full_top, full_total = tops_totals
-    return (tokens, picked - _combine_logsumexp(kept_top, kept_total),
-            picked - _combine_logsumexp(full_top, full_total))
+    full = picked - _combine_logsumexp(full_top, full_total)
+    return tokens, (picked - _combine_logsumexp(kept_top, kept_total) if cut else full), full

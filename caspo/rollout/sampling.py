@@ -237,7 +237,7 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
         return gumbel_pick(scaled, cut_threshold(scaled, top_k, top_p), seeds, positions)
     if fused_gumbel_pick is None:
         raise RuntimeError("the fused sampler needs triton (it comes with CUDA builds of torch); pass fused=False")
-    threshold = logits.new_full((logits.shape[0], 1), float("-inf"))
+    threshold = None
     if top_k > 0 or top_p < 1.0:  # the scaling is folded into the pick unless the cut needs it
         threshold = cut_threshold(logits * inverse, top_k, top_p)
     return fused_gumbel_pick(logits.contiguous(), inverse, threshold, noise_row_hash(seeds, positions))

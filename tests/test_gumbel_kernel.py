@@ -1,0 +1,122 @@
+"""The fused Gumbel pick (caspo/rollout/gumbel_kernel.py) against the torch pick, on both of its ranking paths.
+
+Without CUDA the kernels run in triton's interpreter (conftest.py sets TRITON_INTERPRET=1). The check of the
+float32 noise over every counter value runs on the device with `pytest -m gpu`.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_nucleus import random_logits, sorted_cut
+
+from caspo.rollout.sampling import gumbel_pick, inverse_temperature, noise_row_hash, sample_next, uniform_noise
+
+
+def device_for_triton() -> str:
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton kernels need a GPU or TRITON_INTERPRET=1")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gumbel64(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The definition's noise [B, V] in float64, as gumbel_pick draws it."""
+    return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab)))
+
+
+@pytest.mark.parametrize("margin", [None, float("inf")], ids=["float32-ranking", "float64-everywhere"])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 0, 0.9), (1.0, 40, 1.0), (0.7, 0, 1.0)])
+@pytest.mark.parametrize("vocab", [5000, 20000])  # one part, and three with a partial last one
+def test_fused_pick_equals_the_torch_pick(vocab, temperature, top_k, top_p, margin):
+    """The one-kernel pick gives gumbel_pick's tokens and its log-probs, whether a part ranks by float32 keys
+    (the default margin) or every part ranks again in float64 (margin inf)."""
+    from caspo.rollout.gumbel_kernel import MARGIN, fused_gumbel_pick
+
+    device = device_for_triton()
+    logits = random_logits(6, vocab, 3.0, seed=vocab).float()
+    logits[5] = 0.0  # a flat row: the noise alone decides
+    seeds = torch.tensor([1, 2**40 + 3, 2**62 + 5, 7, 11, 13])
+    positions = torch.tensor([0, 1, 5, 100, 4095, 9])
+    scaled = logits * inverse_temperature(temperature)
+    cut = sorted_cut(scaled, top_k, top_p)
+    threshold = None if top_k == 0 and top_p == 1.0 else cut
+    got = fused_gumbel_pick(logits.to(device), inverse_temperature(temperature),
+                            None if threshold is None else threshold.to(device),
+                            noise_row_hash(seeds, positions).to(device), MARGIN if margin is None else margin)
+    expected = gumbel_pick(scaled, cut, seeds, positions)
+    assert torch.equal(got[0].cpu(), expected[0])
+    for value, want in zip(got[1:], expected[1:]):
+        assert torch.allclose(value.cpu(), want, atol=1e-5)
+    via_sampler = sample_next(logits.to(device), seeds.to(device), positions.to(device), temperature, top_k, top_p,
+                              fused=True)
+    assert torch.equal(via_sampler[0].cpu(), expected[0])
+
+
+def float32_keys_invert(vocab: int, seeds: torch.Tensor, positions: torch.Tensor, device: str):
+    """Logits [1, vocab] whose entries i < j have float64 keys with j ahead by less than a float32 ulp and float32
+    keys with i strictly ahead; every other entry is far behind. Returns (logits, i, j)."""
+    from caspo.rollout.gumbel_kernel import gumbel_noise32
+
+    g64 = gumbel64(seeds, positions, vocab)[0]
+    counters = (torch.from_numpy(uniform_noise(seeds, positions, vocab)[0].numpy() * (1 << 24) - 0.5)
+                .round().to(torch.int32))
+    g32 = gumbel_noise32(counters.to(device)).cpu()
+    s_j = torch.tensor(4.0, dtype=torch.float32)
+    for i in range(0, vocab, 3):
+        for j in (i + 1, i + 2):  # neighbouring lanes of one part
+            # the largest float32 s_i whose float64 key is still behind j's
+            s_i = torch.tensor(float(s_j.double() + g64[j] - g64[i]), dtype=torch.float32)
+            while s_i.double() + g64[i] >= s_j.double() + g64[j]:
+                s_i = torch.nextafter(s_i, torch.tensor(float("-inf")))
+            key32_i, key32_j = np.float32(s_i) + np.float32(g32[i]), np.float32(s_j) + np.float32(g32[j])
+            if key32_i > key32_j:
+                logits = torch.full((1, vocab), -1e4)
+                logits[0, i], logits[0, j] = s_i, s_j
+                return logits, i, j
+    raise AssertionError("no pair of entries whose float32 keys invert their float64 order")
+
+
+def test_a_near_tie_is_ranked_in_float64():
+    """Where the float32 keys put i ahead of j but the float64 keys put j ahead, the pick returns j, as
+    gumbel_pick does; with a margin of 0 it would have kept i (so the margin is what decides)."""
+    from caspo.rollout.gumbel_kernel import fused_gumbel_pick
+
+    device = device_for_triton()
+    seeds, positions = torch.tensor([2**33 + 7]), torch.tensor([17])
+    logits, i, j = float32_keys_invert(3000, seeds, positions, device)
+    row_hash = noise_row_hash(seeds, positions).to(device)
+    assert gumbel_pick(logits, torch.tensor([[float("-inf")]]), seeds, positions)[0].item() == j
+    assert fused_gumbel_pick(logits.to(device), 1.0, None, row_hash)[0].item() == j
+    assert fused_gumbel_pick(logits.to(device), 1.0, None, row_hash, margin=0.0)[0].item() == i
+
+
+def check_noise32(counters: torch.Tensor, device: str) -> float:
+    """The largest |float32 G - float64 G| over the counter values k [n]."""
+    from caspo.rollout.gumbel_kernel import gumbel_noise32
+
+    exact = -torch.log(-torch.log((counters.double() + 0.5) / (1 << 24)))
+    return float((gumbel_noise32(counters.to(device)).cpu().double() - exact).abs().max())
+
+
+def test_float32_noise_is_far_inside_the_margin():
+    """G in float32 stays within 2e-6 of the float64 definition at sampled counters, the ends and the branch point
+    (U = 1/2), far inside MARGIN; the device check of every counter is test_float32_noise_on_the_device."""
+    from caspo.rollout.gumbel_kernel import MARGIN
+
+    device = device_for_triton()
+    edges = [0, 1, 2, (1 << 23) - 1, 1 << 23, (1 << 23) + 1, (1 << 24) - 2, (1 << 24) - 1]
+    counters = torch.cat([torch.arange(0, 1 << 24, 4093), torch.tensor(edges)]).to(torch.int32)
+    error = check_noise32(counters, device)
+    assert error < 2e-6 < MARGIN / 8
+
+
+@pytest.mark.gpu
+def test_float32_noise_on_the_device():
+    """Every one of the 2^24 counter values: the device's float32 logarithms keep G within 4e-6 of float64."""
+    from caspo.rollout.gumbel_kernel import MARGIN
+
+    assert torch.cuda.is_available()
+    error = check_noise32(torch.arange(1 << 24, dtype=torch.int32), "cuda")
+    assert error < 4e-6 < MARGIN / 4
