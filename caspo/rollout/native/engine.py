@@ -87,6 +87,8 @@ class NativeEngine(PublishedWeights):
         (false: launch its kernels one by one; the same tokens).
     decode_kernel: decode attention through the split-K Triton kernel instead of masked SDPA
         (default: on CUDA; it reads each sequence's K/V once, where SDPA reads them at ~1/3 of the bandwidth).
+    rope_kernel: RoPE and the K/V-cache write in one Triton kernel (`rope_store`) instead of eager
+        RoPE and two indexed writes (default: on CUDA; the same numbers, one launch a layer instead of several).
     dtype / device: compute dtype and device (default: those of the weights).
     decode: token ids -> text, needed only for stop strings.
     """
@@ -95,7 +97,7 @@ class NativeEngine(PublishedWeights):
                  gpu_memory_fraction: float | None = None, max_running: int | None = None,
                  max_prefill_tokens: int = 8192, prefix_sharing: bool = True, cuda_graphs: bool = False,
                  graph_batch_sizes: list[int] | None = None, sampler_graphs: bool = True,
-                 decode_kernel: bool | None = None, dtype: torch.dtype | None = None,
+                 decode_kernel: bool | None = None, rope_kernel: bool | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, decode: Callable[[list[int]], str] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -110,13 +112,15 @@ class NativeEngine(PublishedWeights):
         self.runner = build_runner(runner_class, self.spec, tensors, dtype=self.dtype, device=self.device,
                                    max_seq_len=max_seq_len)
         del tensors
-        self.runner.decode_kernel = self.device.type == "cuda" if decode_kernel is None else decode_kernel
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # triton's CPU interpreter (tests)
-        if self.runner.decode_kernel and (decode_attention is None
-                                          or not (self.device.type == "cuda" or interpreted)):
-            raise ValueError(f"decode_kernel=True needs triton and a CUDA device (device {self.device}, triton "
-                             f"{'missing' if decode_attention is None else 'present'}); "
-                             f"pass decode_kernel=False for masked SDPA")
+        for name, asked, fallback in (("decode_kernel", decode_kernel, "masked SDPA"),
+                                      ("rope_kernel", rope_kernel, "eager RoPE and indexed writes")):
+            on = self.device.type == "cuda" if asked is None else asked
+            if on and (decode_attention is None or not (self.device.type == "cuda" or interpreted)):
+                raise ValueError(f"{name}=True needs triton and a CUDA device (device {self.device}, triton "
+                                 f"{'missing' if decode_attention is None else 'present'}); "
+                                 f"pass {name}=False for {fallback}")
+            setattr(self.runner, name, on)
         # A looped model keeps one plane per loop: a token's K/V take `planes` times the bytes.
         per_token = KVCache.bytes_per_token(layers=self.spec.num_layers, kv_heads=self.spec.num_kv_heads,
                                             head_dim=self.spec.head_dim, dtype=self.dtype, planes=self.spec.planes)

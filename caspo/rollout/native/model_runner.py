@@ -88,7 +88,7 @@ class ModelRunner:
         positions = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=self.max_seq_len - 1)
         key_len = max(p.start + p.count for p in pieces)
         slots = torch.tensor([p.seq.slot for p in pieces], device=self.device)
-        batch = Batch.build(slots, positions, key_len, self.spec.kv_groups)
+        batch = Batch.build(slots, positions, key_len, self.spec.kv_groups, rope_kernel=self.runner.rope_kernel)
         hidden = self.runner(torch.tensor(tokens, device=self.device), batch, self.cache)
         done = [(i, p.seq.slot, p.count - 1) for i, p in enumerate(pieces) if p.start + p.count == len(p.seq.prompt)]
         if done:
@@ -154,7 +154,8 @@ class ModelRunner:
             tokens = torch.tensor([s + [0] * (width - len(s)) for s in group], device=self.device)
             positions = torch.arange(width, device=self.device).expand(len(group), width)
             slots = torch.arange(len(group), device=self.device)
-            hidden = self.runner(tokens, Batch.build(slots, positions, width, self.spec.kv_groups), self.cache)
+            batch = Batch.build(slots, positions, width, self.spec.kv_groups, rope_kernel=self.runner.rope_kernel)
+            hidden = self.runner(tokens, batch, self.cache)
             logits = self.runner.logits(hidden).float()
             out += [logits[i, :len(s)] for i, s in enumerate(group)]
         return out

@@ -7,11 +7,12 @@ float32 on the model's device and cast to the compute dtype. Logits are float32:
 bf16/fp16 runner keeps the output GEMM's float32 accumulator, where `transformers` rounds
 the logits to the compute dtype first.
 
-On CUDA three things differ from a plain eager forward, none in what is computed: q/k/v and
+On CUDA four things differ from a plain eager forward, none in what is computed: q/k/v and
 gate/up each run as one GEMM over a fused weight whose row blocks are the named parameters
 (`fuse_linears`); the element-wise work between GEMMs runs through `torch.compile`
-(`compiled_on_cuda`); and a decode step's attention runs in the split-K Triton kernel of
-`decode_attention.py` (`Runner.decode_kernel`, set by the engine).
+(`compiled_on_cuda`); RoPE and the K/V-cache write are one Triton kernel (`rope_store.py`,
+`Runner.rope_kernel`); and a decode step's attention runs in the split-K Triton kernel of
+`decode_attention.py` (`Runner.decode_kernel`). The engine sets both flags.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from caspo.rollout.native.spec import DecoderSpec
 
 try:
     from caspo.rollout.native.decode_attention import decode_attention
-except ImportError:  # CPU builds of torch come without triton; the engine refuses the kernel then
-    decode_attention = None
+    from caspo.rollout.native.rope_store import rope_store
+except ImportError:  # CPU builds of torch come without triton; the engine refuses the kernels then
+    decode_attention = rope_store = None
 
 
 @dataclass
@@ -46,21 +48,24 @@ class Batch:
     key_len: int  # keys [0, key_len) of each slot are read
     rows_are_slots: bool  # slots == arange(B): the keys are a view of the cache, no gather
     lengths: torch.Tensor | None = None  # [B] keys seen by each row: set for the split-K decode kernel
+    rope_kernel: bool = False  # RoPE and the K/V write through `rope_store`
 
     @classmethod
     def build(cls, slots: torch.Tensor, positions: torch.Tensor, key_len: int, groups: int,
-              rows_are_slots: bool = False) -> "Batch":
+              rows_are_slots: bool = False, rope_kernel: bool = False) -> "Batch":
         keys = torch.arange(key_len, device=positions.device)
         causal = keys[None, None, :] <= positions[:, :, None]  # [B, T, L]
-        return cls(slots, positions, causal.repeat(1, groups, 1)[:, None], key_len, rows_are_slots)
+        return cls(slots, positions, causal.repeat(1, groups, 1)[:, None], key_len, rows_are_slots,
+                   rope_kernel=rope_kernel)
 
     @classmethod
-    def decode(cls, positions: torch.Tensor, key_len: int, groups: int, kernel: bool) -> "Batch":
+    def decode(cls, positions: torch.Tensor, key_len: int, groups: int, kernel: bool,
+               rope_kernel: bool = False) -> "Batch":
         """One query token per row, row i in slot i; `kernel`: for decode_attention (no mask needed)."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         if kernel:
-            return cls(rows, positions[:, None], None, key_len, True, lengths=positions + 1)
-        return cls.build(rows, positions[:, None], key_len, groups, rows_are_slots=True)
+            return cls(rows, positions[:, None], None, key_len, True, lengths=positions + 1, rope_kernel=rope_kernel)
+        return cls.build(rows, positions[:, None], key_len, groups, rows_are_slots=True, rope_kernel=rope_kernel)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
         if self.rows_are_slots:
@@ -109,10 +114,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-@compiled_on_cuda
 def rotary_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split: tuple[int, int, int],
                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [B, T, heads, head_dim] of the fused projection [B, T, Σ split], RoPE applied to q and k."""
+    """q, k, v [B, T, heads, head_dim] of the fused projection [B, T, Σ split], RoPE applied to q and k
+    (the path without the Triton kernels; `rope_store` computes the same numbers)."""
     q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv.split(split, dim=-1))
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
@@ -190,12 +195,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: Batch,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """rope: the (cos, sin) tables of every cache position, [max_seq_len, head_dim]."""
         B, T, _ = x.shape
-        q, k, v = rotary_split(F.linear(x, self.qkv_weight, self.qkv_bias), *rope, self.split, self.head_dim)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         cache_k, cache_v = kv
         # Write first, then read: a token attends to itself and to every earlier position of its slot.
-        cache_k[batch.slots[:, None], :, batch.positions] = k
-        cache_v[batch.slots[:, None], :, batch.positions] = v
+        if batch.rope_kernel:
+            q = rope_store(qkv, *rope, batch.positions, batch.slots, cache_k, cache_v, self.split[0] // self.head_dim)
+        else:
+            cos, sin = (table[batch.positions][:, :, None] for table in rope)
+            q, k, v = rotary_split(qkv, cos, sin, self.split, self.head_dim)
+            cache_k[batch.slots[:, None], :, batch.positions] = k
+            cache_v[batch.slots[:, None], :, batch.positions] = v
         if batch.lengths is not None:
             out = decode_attention(q[:, 0], cache_k, cache_v, batch.lengths, batch.key_len)
             return self.o_proj(out.reshape(B, 1, -1))
@@ -254,6 +265,7 @@ class Runner(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.rope_cos = self.rope_sin = None
         self.decode_kernel = False  # decode attention through the split-K Triton kernel (set by the engine)
+        self.rope_kernel = False  # RoPE and the K/V write through rope_store (set by the engine)
 
     def init_rope(self, max_seq_len: int) -> None:
         """cos/sin of every cache position, computed the way transformers computes them per forward."""
@@ -265,7 +277,8 @@ class Runner(nn.Module):
         self.rope_sin = (angles.sin() * self.spec.rope_attention_scaling).to(dtype)
 
     def rope(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
+        """The (cos, sin) tables [max_seq_len, head_dim]; each attention reads its batch's positions."""
+        return self.rope_cos, self.rope_sin
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -273,7 +286,7 @@ class Runner(nn.Module):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, key_len: int) -> torch.Tensor:
         """One token for each of the first B slots (row i is slot i): hidden states [B, hidden]."""
-        batch = Batch.decode(positions, key_len, self.spec.kv_groups, self.decode_kernel)
+        batch = Batch.decode(positions, key_len, self.spec.kv_groups, self.decode_kernel, self.rope_kernel)
         return self(tokens[:, None], batch, cache)[:, 0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""RoPE and the KV-cache write in one Triton kernel: the fused q/k/v projection in, rotated q out, k and v
+stored straight into their cache slots.
+
+For a token at position p of slot s, with qkv = [q heads | k heads | v heads] (each head D wide, halves a, b):
+
+    rotated(a, b) = (a·cos_p[:D/2] − b·sin_p[:D/2],  b·cos_p[D/2:] + a·sin_p[D/2:])    (transformers' RoPE)
+    q_out[token, h] = rotated(q_h);   cache_k[s, h, p] = rotated(k_h);   cache_v[s, h, p] = v_h
+
+Every product and sum is rounded to the compute dtype as eager bf16 does (`runner.rotary_split` and
+two index_put writes), so the cache holds the same numbers. Eager, or compiled, those writes were
+the largest element-wise cost of a decode step (about 9 µs a layer at 256 rows on an H200: each
+advanced-index write is a few kernels); here a layer's RoPE and writes are one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x (float32) rounded to DTYPE, to nearest even, and held in float32."""
+    if DTYPE == tl.bfloat16:  # on the bits: triton's CPU interpreter truncates a bfloat16 cast
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rope_store_kernel(QKV, Cos, Sin, Positions, Slots, Q, CacheK, CacheV, tokens_per_row,
+                       stride_qkv, stride_q_token, stride_q_head, stride_slot, stride_head, stride_pos,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    dtype = QKV.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    inside = offs < HALF
+    position = tl.load(Positions + token)
+    src = QKV + token * stride_qkv + head * 2 * HALF + offs
+    a = tl.load(src, mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(src + HALF, mask=inside, other=0.0).to(tl.float32)
+    if head < HEADS + KV_HEADS:
+        cos_a = tl.load(Cos + position * 2 * HALF + offs, mask=inside, other=0.0).to(tl.float32)
+        cos_b = tl.load(Cos + position * 2 * HALF + HALF + offs, mask=inside, other=0.0).to(tl.float32)
+        sin_a = tl.load(Sin + position * 2 * HALF + offs, mask=inside, other=0.0).to(tl.float32)
+        sin_b = tl.load(Sin + position * 2 * HALF + HALF + offs, mask=inside, other=0.0).to(tl.float32)
+        a, b = (_rounded(_rounded(a * cos_a, dtype) - _rounded(b * sin_a, dtype), dtype),
+                _rounded(_rounded(b * cos_b, dtype) + _rounded(a * sin_b, dtype), dtype))
+    if head < HEADS:
+        dst = Q + token * stride_q_token + head * stride_q_head + offs
+    else:
+        slot = tl.load(Slots + token // tokens_per_row).to(tl.int64)
+        kv_head = (head - HEADS) % KV_HEADS
+        at = slot * stride_slot + kv_head * stride_head + position.to(tl.int64) * stride_pos + offs
+        if head < HEADS + KV_HEADS:
+            dst = CacheK + at
+        else:
+            dst = CacheV + at
+    tl.store(dst, a.to(dtype), mask=inside)
+    tl.store(dst + HALF, b.to(dtype), mask=inside)
+
+
+# Under TRITON_INTERPRET=1 (set before this module is imported) the kernel runs in numpy on CPU tensors.
+INTERPRETED = not isinstance(_rope_store_kernel, JITFunction)
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               cache_k: torch.Tensor, cache_v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotated q [B, T, heads, D] of qkv [B, T, (heads + 2·kv_heads)·D]; rotated k and v written to
+    cache_k, cache_v [slots, kv_heads, L, D] at (slots[b], :, positions[b, t]). cos, sin: [max positions, D]
+    tables in qkv's dtype; positions [B, T] and slots [B] integer tensors on qkv's device."""
+    B, T, width = qkv.shape
+    kv_heads, D = cache_k.shape[1], cache_k.shape[3]
+    if width != (heads + 2 * kv_heads) * D or cache_v.shape != cache_k.shape or D % 2:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not fit {heads} query heads and the cache "
+                         f"{tuple(cache_k.shape)} (even head_dim, k and v of one shape)")
+    if not qkv.dtype == cos.dtype == sin.dtype == cache_k.dtype == cache_v.dtype:
+        raise ValueError(f"rope_store needs one dtype for qkv, the tables and the caches; got {qkv.dtype}, "
+                         f"{cos.dtype}, {sin.dtype}, {cache_k.dtype}, {cache_v.dtype}")
+    if qkv.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride() != cache_k.stride():
+        raise ValueError("rope_store needs qkv and the caches contiguous in their last dimension, k and v alike")
+    if not INTERPRETED and qkv.device.type != "cuda":
+        raise ValueError("rope_store needs CUDA tensors (or TRITON_INTERPRET=1 set before importing it)")
+    q = torch.empty(B, T, heads, D, dtype=qkv.dtype, device=qkv.device)
+    tokens = qkv.reshape(B * T, width)
+    _rope_store_kernel[(B * T, heads + 2 * kv_heads)](
+        tokens, cos.contiguous(), sin.contiguous(), positions.reshape(-1).contiguous(), slots.contiguous(), q,
+        cache_k, cache_v, T, tokens.stride(0), q.stride(2) * heads, q.stride(2), cache_k.stride(0),
+        cache_k.stride(1), cache_k.stride(2), HEADS=heads, KV_HEADS=kv_heads, HALF=D // 2,
+        BLOCK=triton.next_power_of_2(D // 2), num_warps=1)
+    return q

@@ -1,0 +1,86 @@
+"""RoPE with the KV-cache write in one Triton kernel (caspo/rollout/native/rope_store.py) against the eager path.
+
+Without CUDA the kernel runs in triton's interpreter (conftest.py sets TRITON_INTERPRET=1).
+"""
+
+import os
+
+import pytest
+import torch
+from native_checks import engine, requests
+from test_native_engine import llama_tied, qwen2_untied
+
+from caspo.rollout.base import SamplingParams
+from caspo.rollout.native.runner import rotary_split
+
+
+def device_for_triton() -> str:
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton kernels need a GPU or TRITON_INTERPRET=1")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rope_tables(length: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(length).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens_per_row", [1, 5])  # a decode step; a prefill chunk
+def test_rope_store_writes_the_eager_numbers(dtype, tokens_per_row):
+    """q, and the cache after the write, equal eager RoPE and the two indexed writes bit for bit; nothing else in
+    the cache moves."""
+    from caspo.rollout.native.rope_store import rope_store
+
+    device = device_for_triton()
+    heads, kv_heads, head_dim, slots, length = 4, 2, 16, 6, 40
+    generator = torch.Generator().manual_seed(tokens_per_row)
+    qkv = torch.randn(3, tokens_per_row, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    cos, sin = rope_tables(length, head_dim, dtype)
+    row_slots = torch.tensor([4, 0, 2])
+    positions = torch.tensor([[7], [0], [33]]) + torch.arange(tokens_per_row)
+    cache = torch.randn(2, slots, kv_heads, length, head_dim, generator=generator).to(dtype)
+
+    expected_cache = cache.clone()
+    q, k, v = rotary_split(qkv, cos[positions][:, :, None], sin[positions][:, :, None],
+                           (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), head_dim)
+    expected_cache[0][row_slots[:, None], :, positions] = k
+    expected_cache[1][row_slots[:, None], :, positions] = v
+
+    got_cache = cache.clone().to(device)
+    got_q = rope_store(qkv.to(device), cos.to(device), sin.to(device), positions.to(device), row_slots.to(device),
+                       got_cache[0], got_cache[1], heads)
+    assert torch.equal(got_q.cpu(), q)
+    assert torch.equal(got_cache.cpu(), expected_cache)
+    assert not torch.equal(expected_cache, cache)  # the write happened
+
+
+def test_rope_store_refuses_a_projection_of_another_width():
+    from caspo.rollout.native.rope_store import rope_store
+
+    device = device_for_triton()
+    cache = torch.zeros(2, 3, 2, 8, 16, device=device)
+    cos = torch.zeros(8, 16, device=device)
+    with pytest.raises(ValueError, match="does not fit 4 query heads"):
+        rope_store(torch.zeros(1, 1, 100, device=device), cos, cos, torch.zeros(1, 1, dtype=torch.long, device=device),
+                   torch.zeros(1, dtype=torch.long, device=device), cache[0], cache[1], 4)
+
+
+@pytest.mark.parametrize("config", [qwen2_untied, llama_tied], ids=["qwen2_untied", "llama_tied"])
+def test_engine_with_the_rope_kernel_samples_the_same_tokens(config):
+    """The engine with rope_kernel=True (prefill and decode) samples the eager path's tokens and log-probs."""
+    device_for_triton()
+    from test_native_engine import build
+
+    model = build(config())
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    reqs = requests(5, max_new=8)
+    fused = engine(model, rope_kernel=True)
+    assert fused.runner.rope_kernel
+    got = fused.generate(reqs, sp)
+    expected = engine(model, rope_kernel=False).generate(reqs, sp)
+    assert [c.tokens for c in got] == [c.tokens for c in expected]
+    assert [c.logprobs for c in got] == [c.logprobs for c in expected]
