@@ -239,9 +239,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     def forward(self, x, rope, batch: Batch, kv) -> torch.Tensor:
+        x, delta = self.deferred(x, None, rope, batch, kv)
+        return x + delta
+
+    def deferred(self, x, delta, rope, batch: Batch, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its residual adds in the norms' kernels: (x, this layer's MLP output), for x + delta
+        to be taken by the next norm; `delta` is the previous layer's (None for the first)."""
+        norm = self.input_layernorm
+        if delta is None:
+            h = norm(x)
+        else:
+            x, h = add_rms_norm(x, delta, norm.weight, norm.eps)
         norm = self.post_attention_layernorm
-        x, h = add_rms_norm(x, self.self_attn(self.input_layernorm(x), rope, batch, kv), norm.weight, norm.eps)
-        return x + self.mlp(h)
+        x, h = add_rms_norm(x, self.self_attn(h, rope, batch, kv), norm.weight, norm.eps)
+        return x, self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -307,11 +318,12 @@ class CausalLM(Runner):
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache, plane: int = 0) -> torch.Tensor:
         """Final-norm hidden states [B, T, hidden] of `tokens` [B, T]; writes their K/V into `cache`."""
-        x = self.model.embed_tokens(tokens)
+        x, delta = self.model.embed_tokens(tokens), None
         rope = self.rope(batch)
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, rope, batch, cache.layer(plane, index))
-        return self.model.norm(x)
+            x, delta = layer.deferred(x, delta, rope, batch, cache.layer(plane, index))
+        norm = self.model.norm
+        return add_rms_norm(x, delta, norm.weight, norm.eps)[1]
 
 
 # ---------------------------------------------------------------- loading by name
