@@ -91,5 +91,5 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         tokens, cos.contiguous(), sin.contiguous(), positions.reshape(-1).contiguous(), slots.contiguous(), q,
         cache_k, cache_v, T, tokens.stride(0), q.stride(2) * heads, q.stride(2), cache_k.stride(0),
         cache_k.stride(1), cache_k.stride(2), HEADS=heads, KV_HEADS=kv_heads, HALF=D // 2,
-        BLOCK=triton.next_power_of_2(D // 2), num_warps=1)
+        BLOCK=triton.next_power_of_2(D // 2), num_warps=1, enable_fp_fusion=False)  # no FMA: eager rounds each product
     return q
