@@ -38,8 +38,10 @@ from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_seed
 
 # native-graphs-sdpa: decode attention by masked SDPA; native-graphs-eager-sampler: the sampler's kernels
-# launched one by one after the decode graph, instead of replayed as a graph of their own
-ENGINES = ("native", "native-graphs", "hf", "native-graphs-sdpa", "native-graphs-eager-sampler")
+# launched one by one after the decode graph, instead of replayed as a graph of their own;
+# native-graphs-rope-kernel: RoPE and the K/V write in one Triton kernel (the engine's rope_kernel=True)
+ENGINES = ("native", "native-graphs", "hf", "native-graphs-sdpa", "native-graphs-eager-sampler",
+           "native-graphs-rope-kernel")
 
 
 def make_engine(name: str, model, args, max_seq_len: int):
@@ -49,6 +51,7 @@ def make_engine(name: str, model, args, max_seq_len: int):
                         cuda_graphs=name.startswith("native-graphs"),
                         decode_kernel=False if name.endswith("-sdpa") else None,
                         sampler_graphs=not name.endswith("-eager-sampler"),
+                        rope_kernel=name.endswith("-rope-kernel"),
                         **kv_sizing(args, max_seq_len, args.prompts))
 
 

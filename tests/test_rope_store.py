@@ -84,3 +84,26 @@ def test_engine_with_the_rope_kernel_samples_the_same_tokens(config):
     expected = engine(model, rope_kernel=False).generate(reqs, sp)
     assert [c.tokens for c in got] == [c.tokens for c in expected]
     assert [c.logprobs for c in got] == [c.logprobs for c in expected]
+
+
+@pytest.mark.gpu
+def test_rope_store_on_the_device_at_the_qwen_shape():
+    """On CUDA, in bf16, at Qwen2.5-1.5B's heads (12 query, 2 KV, head_dim 128) and 256 decode rows: the kernel's q
+    and cache equal eager RoPE and the indexed writes, run on the device, bit for bit."""
+    from caspo.rollout.native.rope_store import rope_store
+
+    assert torch.cuda.is_available()
+    heads, kv_heads, head_dim, rows, length = 12, 2, 128, 256, 1024
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(rows, 1, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=generator).bfloat16()
+    cos, sin = (t.cuda() for t in rope_tables(length, head_dim, torch.bfloat16))
+    slots = torch.randperm(rows, device="cuda", generator=generator)
+    positions = torch.randint(0, length, (rows, 1), device="cuda", generator=generator)
+    cache = torch.zeros(2, rows, kv_heads, length, head_dim, device="cuda", dtype=torch.bfloat16)
+    expected = cache.clone()
+    q, k, v = rotary_split(qkv, cos[positions][:, :, None], sin[positions][:, :, None],
+                           (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), head_dim)
+    expected[0][slots[:, None], :, positions] = k
+    expected[1][slots[:, None], :, positions] = v
+    assert torch.equal(rope_store(qkv, cos, sin, positions, slots, cache[0], cache[1], heads), q)
+    assert torch.equal(cache, expected)

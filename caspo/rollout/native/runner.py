@@ -7,12 +7,14 @@ float32 on the model's device and cast to the compute dtype. Logits are float32:
 bf16/fp16 runner keeps the output GEMM's float32 accumulator, where `transformers` rounds
 the logits to the compute dtype first.
 
-On CUDA four things differ from a plain eager forward, none in what is computed: q/k/v and
+On CUDA three things differ from a plain eager forward, none in what is computed: q/k/v and
 gate/up each run as one GEMM over a fused weight whose row blocks are the named parameters
 (`fuse_linears`); the element-wise work between GEMMs runs through `torch.compile`
-(`compiled_on_cuda`); RoPE and the K/V-cache write are one Triton kernel (`rope_store.py`,
-`Runner.rope_kernel`); and a decode step's attention runs in the split-K Triton kernel of
-`decode_attention.py` (`Runner.decode_kernel`). The engine sets both flags.
+(`compiled_on_cuda`); and a decode step's attention runs in the split-K Triton kernel of
+`decode_attention.py` (`Runner.decode_kernel`, set by the engine). RoPE and the K/V-cache write
+can run as one Triton kernel too (`rope_store.py`, `Runner.rope_kernel`: the engine's opt-in
+`rope_kernel`). Each layer's residual add after its MLP runs in the next norm's kernel
+(`DecoderLayer.deferred`).
 """
 
 from __future__ import annotations
