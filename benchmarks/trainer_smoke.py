@@ -6,8 +6,9 @@ engine with CUDA graphs, bf16 compute with fp32 master weights, and the syntheti
 (`reward.synthetic`: the policy cannot see it, but advantages are non-zero). Two training
 steps of each method; prints the per-phase timers, the peak memory, the policy phase's model
 FLOP utilisation (6 · parameters · tokens / t_pol against --peak-tflops) and the post-publish
-parity (mean |behaviour − recomputed log-prob| of the sampled tokens), and appends one JSON
-line to --out. Memory knobs: --micro-tokens (token-budget micro-batches), --checkpointing,
+parity (mean |behaviour − recomputed log-prob| of the sampled tokens), the graphs torch.compile built
+in each step ("compiled": train.compile meeting new shapes) and the allocator's retries, and appends
+one JSON line to --out. Memory knobs: --micro-tokens (token-budget micro-batches), --checkpointing,
 --gpu-memory-fraction (the engine's KV share); --set passes any other config override. --nproc N runs
 each method as N FSDP2 ranks (`caspo train --nproc N`, one device each): the phases and the peak are rank 0's.
 
@@ -138,12 +139,13 @@ def main() -> None:
             tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
             s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.nproc * args.peak_tflops * 1e12)
         print_table(["method", "step", *PHASES, "resp len", "steps", "MC tokens", "MC shared", "|Δ logp|",
-                     "policy MFU", "peak GiB"],
+                     "policy MFU", "peak GiB", "compiled", "retries"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
                       f"{s.get('steps_per_response', 0):.1f}", s.get("mc_tokens", "-"),
                       f"{s['mc_prefill_shared_frac']:.0%}" if "mc_prefill_shared_frac" in s else "-",
                       f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{s['policy_mfu']:.0%}",
-                      f"{s['mem_peak_gb']:.1f}" if peak else "-"]
+                      f"{s['mem_peak_gb']:.1f}" if peak else "-", s.get("compiled_graphs", "-"),
+                      s.get("mem_alloc_retries", "-")]
                      for s in steps])
         append_result(args.out, {"benchmark": "trainer_smoke", "method": method, **environment(args),
                                  "shape": {"prompts": args.prompts, "samples": args.samples,

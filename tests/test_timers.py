@@ -12,7 +12,7 @@ class ScriptedCuda:
     """The allocator counters as one phase after another would move them."""
 
     def __init__(self):
-        self.peak, self.reserved, self.allocated, self.resets = 0, 0, 0, 0
+        self.peak, self.reserved, self.allocated, self.resets, self.retries = 0, 0, 0, 0, 0
 
     def use(self, peak_gb, reserved_gb, allocated_gb=1.0):
         self.peak = max(self.peak, int(peak_gb * GB))
@@ -29,6 +29,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: fake.peak)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: fake.reserved)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: fake.allocated)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": fake.retries})
     return fake
 
 
@@ -58,3 +59,24 @@ def test_on_the_cpu_only_times():
         pass
     assert list(timer.reset()) == ["t_roll"]
     assert health.memory_stats(torch.device("cpu"), {}) == {}
+
+
+def test_the_step_counts_its_allocator_retries(cuda):
+    timer = PhaseTimer(torch.device("cuda", 0))
+    cuda.retries = 5  # earlier steps' retries are not this step's
+    with timer("t_step"):
+        with timer("t_pol"):
+            cuda.retries += 2
+    assert timer.reset()["mem_alloc_retries"] == 2
+
+
+def test_the_step_counts_the_graphs_compiled_in_it():
+    """A new input shape makes torch.compile build a graph; the same shape again builds none."""
+    compiled = torch.compile(lambda x: (x * 2).sum(), backend="eager")
+    timer = PhaseTimer(torch.device("cpu"))
+    with timer("t_step"):
+        compiled(torch.ones(3))
+    assert timer.reset()["compiled_graphs"] == 1
+    with timer("t_step"):
+        compiled(torch.ones(3))
+    assert timer.reset()["compiled_graphs"] == 0

@@ -13,6 +13,8 @@ Per step (`step_health`):
     mem_allocated_gb, mem_reserved_gb, mem_peak_gb   CUDA only: at the step's end, and the peak over it
     mem_<phase>_peak_gb, mem_<phase>_reserved_gb     CUDA only: each phase's peak and what it left reserved
                                                      (caspo.train.timers.PhaseTimer)
+    mem_alloc_retries    CUDA only: allocations in the step that freed the allocator's cache and retried
+    compiled_graphs      graphs torch.compile built in the step (train.compile meeting new shapes)
 
 Detectors are pure functions of the step records so far, oldest first (each holds `step` and the
 metrics above), returning a message or None; `HealthWatch` runs those train.health enables.

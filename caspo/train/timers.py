@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import contextmanager
 
@@ -15,7 +16,12 @@ class PhaseTimer:
     """`with timer("t_roll"): ...` adds the phase's seconds to `t_roll`. With a CUDA `device`, a phase also
     records the peak memory allocated inside it and the memory reserved at its end (`mem_roll_peak_gb`,
     `mem_roll_reserved_gb`): the peak counter is reset when a phase starts, so the step's own peak is the
-    largest of its phases' (`step_peak_gb`)."""
+    largest of its phases' (`step_peak_gb`).
+
+    The outer phase (t_step) also counts what makes a step slow without showing in its phases:
+    `compiled_graphs`, the graphs torch.compile built during it (where train.compile met new shapes;
+    counted once torch._dynamo is loaded), and on CUDA `mem_alloc_retries`, the allocations that had to
+    free the allocator's cache and retry."""
 
     def __init__(self, device: torch.device | None = None):
         self.times: dict[str, float] = {}
@@ -27,17 +33,30 @@ class PhaseTimer:
         track = self.cuda is not None and phase != OUTER
         if track:
             torch.cuda.reset_peak_memory_stats(self.cuda)
+        before = self._counters() if phase == OUTER else None
         start = time.perf_counter()
         try:
             yield
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+            if before is not None:
+                for key, value in self._counters().items():
+                    self.memory[key] = self.memory.get(key, 0) + value - before.get(key, 0)
             if track:
                 name = phase.removeprefix("t_")
                 peak = round(torch.cuda.max_memory_allocated(self.cuda) / GB, 3)
                 key = f"mem_{name}_peak_gb"
                 self.memory[key] = max(self.memory.get(key, 0.0), peak)
                 self.memory[f"mem_{name}_reserved_gb"] = round(torch.cuda.memory_reserved(self.cuda) / GB, 3)
+
+    def _counters(self) -> dict[str, int]:
+        counts = {}
+        dynamo = sys.modules.get("torch._dynamo")  # not imported here: a run without compilation never loads it
+        if dynamo is not None:
+            counts["compiled_graphs"] = int(dynamo.utils.counters["stats"]["unique_graphs"])
+        if self.cuda is not None:
+            counts["mem_alloc_retries"] = int(torch.cuda.memory_stats(self.cuda).get("num_alloc_retries", 0))
+        return counts
 
     def step_peak_gb(self) -> float:
         return max((v for k, v in self.memory.items() if k.endswith("_peak_gb")), default=0.0)

@@ -62,13 +62,16 @@ def run_cli(args: list[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
 
 
+def _measured(key: str) -> bool:
+    return key.startswith(("t_", "mem_")) or key == "compiled_graphs"
+
+
 def traces(run_dir: Path) -> dict[str, str]:
-    """Per-run hashes of what the steps produced: tokens, rewards, and metrics without timers and memory
-    figures (which a process that resumed measures differently)."""
+    """Per-run hashes of what the steps produced: tokens, rewards, and metrics without timers, memory
+    figures and compilation counts (which a process that resumed measures differently)."""
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [{k: v for k, v in m.items() if not k.startswith(("t_", "mem_"))} for m in metrics
-             if "reward_mean" in m]
+    steps = [{k: v for k, v in m.items() if not _measured(k)} for m in metrics if "reward_mean" in m]
     return {
         "sampled tokens": digest([s["tokens_digest"] for s in samples]),
         "sample texts": digest([s["text"] for s in samples]),
