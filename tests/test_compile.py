@@ -170,3 +170,29 @@ def test_the_blocks_share_their_graphs():
         return len(graphs)
 
     assert graphs_of(1) == graphs_of(12) == 2
+
+
+def test_new_lengths_and_row_counts_compile_no_new_graph():
+    """After the first micro-batch, others of new lengths and row counts run through the same graphs; only a
+    micro-batch of one row (a size dynamo always specialises) builds its own."""
+    from torch._dynamo.utils import counters
+    from transformers import Qwen2ForCausalLM
+
+    from caspo.models.policy import tiny_qwen2_config
+
+    torch._dynamo.reset()
+    model = Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=32, layers=2, heads=4))
+    compile_blocks(model, **EAGER_GRAPH)
+
+    def graphs_built(rows, length):
+        before = counters["stats"]["unique_graphs"]
+        mask = torch.ones(rows, length, dtype=torch.long)
+        mask[0, :2] = 0  # left padding, as the trainer's batches have
+        ids = torch.randint(0, 64, (rows, length))
+        model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+        return counters["stats"]["unique_graphs"] - before
+
+    # the first sizes avoid the model's own (8 = head_dim): dynamo would take a row count equal to one as that size
+    assert graphs_built(6, 20) > 0
+    assert [graphs_built(rows, length) for rows, length in [(6, 31), (5, 17), (3, 40)]] == [0, 0, 0]
+    assert graphs_built(1, 12) > 0

@@ -124,7 +124,13 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
     work between its GEMMs (RMSNorm, SiLU · up, residual adds, autocast's casts) runs fused, and the softmax
     math of the chunked LM head (`caspo.models.forward.compile_head`) with the same backend. Parameter
     names and the state dict are unchanged. Called without a KV cache (as the trainer calls them), the blocks
-    share one compiled graph per grad mode; a cache's per-layer state would make a graph per block."""
+    share one compiled graph per grad mode; a cache's per-layer state would make a graph per block.
+
+    The blocks compile with dynamic shapes from their first call: micro-batches of other row counts and
+    lengths reuse the graph. (Left to dynamo's default, the first graph is specialised to its shapes and
+    the first new length, then the first new row count, each compile the block again, mid-run; a micro-batch
+    of one row still gets a graph of its own, as does a first micro-batch whose row count or length equals
+    one of the model's sizes, which dynamo's duck sizing then ties to it.)"""
     from caspo.models.looped import LoopedPreTrainedModel
 
     if isinstance(model, LoopedPreTrainedModel):  # a block's call takes its loop index: one graph per index
@@ -135,7 +141,7 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
         raise ConfigError(f"{type(model).__name__} has no `layers` list of decoder blocks to compile; set "
                           "train.compile=false")
     for block in layers:
-        block.compile(**options)
+        block.compile(**{"dynamic": True, **options})
     compile_head(model, options.get("backend", "inductor"))
 
 
