@@ -19,6 +19,13 @@ def requests(n, max_new=12, seed=0):
                     max_new_tokens=max_new - i % 4) for i in range(n)]
 
 
+def with_and_without(model, kernel: str, reqs, sp):
+    """(completions with the engine option `kernel` on, with it off) for the same requests."""
+    on = engine(model, **{kernel: True})
+    assert getattr(on.runner, kernel)
+    return on.generate(reqs, sp), engine(model, **{kernel: False}).generate(reqs, sp)
+
+
 def cast_weights(model, dtype):
     """The model with its parameters in `dtype`, as `from_pretrained(..., dtype=dtype)` loads it.
 

@@ -5,7 +5,7 @@ import weakref
 
 import pytest
 import torch
-from native_checks import assert_equal_up_to_near_tie, cast_weights, engine, hf_logits, requests
+from native_checks import assert_equal_up_to_near_tie, cast_weights, engine, hf_logits, requests, with_and_without
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -102,10 +102,7 @@ def test_decode_kernel_gives_the_tokens_and_logprobs_of_masked_sdpa(model):
         pytest.skip("triton kernels need a GPU or TRITON_INTERPRET=1")
     sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
     reqs = requests(6, max_new=10)
-    kernel = engine(model, decode_kernel=True)
-    assert kernel.runner.decode_kernel
-    got = kernel.generate(reqs, sp)
-    expected = engine(model, decode_kernel=False).generate(reqs, sp)
+    got, expected = with_and_without(model, "decode_kernel", reqs, sp)
     assert [c.tokens for c in got] == [c.tokens for c in expected]
     for a, b in zip(got, expected):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from native_checks import engine, requests
+from native_checks import requests, with_and_without
 from test_native_engine import llama_tied, qwen2_untied
 
 from caspo.rollout.base import SamplingParams
@@ -78,10 +78,7 @@ def test_engine_with_the_rope_kernel_samples_the_same_tokens(config):
     model = build(config())
     sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
     reqs = requests(5, max_new=8)
-    fused = engine(model, rope_kernel=True)
-    assert fused.runner.rope_kernel
-    got = fused.generate(reqs, sp)
-    expected = engine(model, rope_kernel=False).generate(reqs, sp)
+    got, expected = with_and_without(model, "rope_kernel", reqs, sp)
     assert [c.tokens for c in got] == [c.tokens for c in expected]
     assert [c.logprobs for c in got] == [c.logprobs for c in expected]
 
