@@ -116,6 +116,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@compiled_on_cuda
 def rotary_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split: tuple[int, int, int],
                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v [B, T, heads, head_dim] of the fused projection [B, T, Σ split], RoPE applied to q and k
@@ -197,7 +198,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: Batch,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """rope: the (cos, sin) tables of every cache position, [max_seq_len, head_dim]."""
+        """rope: `Runner.rope(batch)`, the (cos, sin) tables or their rows at the batch's positions."""
         B, T, _ = x.shape
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         cache_k, cache_v = kv
@@ -205,8 +206,7 @@ class Attention(nn.Module):
         if batch.rope_kernel:
             q = rope_store(qkv, *rope, batch.positions, batch.slots, cache_k, cache_v, self.split[0] // self.head_dim)
         else:
-            cos, sin = (table[batch.positions][:, :, None] for table in rope)
-            q, k, v = rotary_split(qkv, cos, sin, self.split, self.head_dim)
+            q, k, v = rotary_split(qkv, *rope, self.split, self.head_dim)
             cache_k[batch.slots[:, None], :, batch.positions] = k
             cache_v[batch.slots[:, None], :, batch.positions] = v
         if batch.lengths is not None:
@@ -290,8 +290,11 @@ class Runner(nn.Module):
         self.rope_sin = (angles.sin() * self.spec.rope_attention_scaling).to(dtype)
 
     def rope(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (cos, sin) tables [max_seq_len, head_dim]; each attention reads its batch's positions."""
-        return self.rope_cos, self.rope_sin
+        """(cos, sin) for every layer of a forward: the tables [max_seq_len, head_dim] for `rope_store`, which
+        reads the positions itself, else their rows at the batch's positions [B, T, 1, head_dim], gathered once."""
+        if batch.rope_kernel:
+            return self.rope_cos, self.rope_sin
+        return self.rope_cos[batch.positions][:, :, None], self.rope_sin[batch.positions][:, :, None]
 
     @property
     def output_weight(self) -> torch.Tensor:
