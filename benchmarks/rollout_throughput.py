@@ -39,9 +39,9 @@ from caspo.rollout.sampling import sample_seed
 
 # native-graphs-sdpa: decode attention by masked SDPA; native-graphs-eager-sampler: the sampler's kernels
 # launched one by one after the decode graph, instead of replayed as a graph of their own;
-# native-graphs-rope-kernel: RoPE and the K/V write in one Triton kernel (the engine's rope_kernel=True)
+# native-graphs-eager-rope: eager RoPE and indexed K/V writes instead of the rope_store kernel (rope_kernel=False)
 ENGINES = ("native", "native-graphs", "hf", "native-graphs-sdpa", "native-graphs-eager-sampler",
-           "native-graphs-rope-kernel")
+           "native-graphs-eager-rope")
 
 
 def make_engine(name: str, model, args, max_seq_len: int):
@@ -51,7 +51,7 @@ def make_engine(name: str, model, args, max_seq_len: int):
                         cuda_graphs=name.startswith("native-graphs"),
                         decode_kernel=False if name.endswith("-sdpa") else None,
                         sampler_graphs=not name.endswith("-eager-sampler"),
-                        rope_kernel=name.endswith("-rope-kernel"),
+                        rope_kernel=False if name.endswith("-eager-rope") else None,
                         **kv_sizing(args, max_seq_len, args.prompts))
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from native_checks import requests, with_and_without
-from test_native_engine import llama_tied, qwen2_untied
+from test_native_engine import build, llama_tied, qwen2_untied
 
 from caspo.rollout.base import SamplingParams
 from caspo.rollout.native.runner import rotary_split
@@ -69,13 +69,19 @@ def test_rope_store_refuses_a_projection_of_another_width():
                    torch.zeros(1, dtype=torch.long, device=device), cache[0], cache[1], 4)
 
 
-@pytest.mark.parametrize("config", [qwen2_untied, llama_tied], ids=["qwen2_untied", "llama_tied"])
-def test_engine_with_the_rope_kernel_samples_the_same_tokens(config):
-    """The engine with rope_kernel=True (prefill and decode) samples the eager path's tokens and log-probs."""
-    device_for_triton()
-    from test_native_engine import build
+def looped_ouro():
+    from test_native_looped import looped
 
-    model = build(config())
+    return looped("ouro", 2)
+
+
+@pytest.mark.parametrize("make", [lambda: build(qwen2_untied()), lambda: build(llama_tied()), looped_ouro],
+                         ids=["qwen2_untied", "llama_tied", "looped_ouro_depth2"])
+def test_engine_with_the_rope_kernel_samples_the_same_tokens(make):
+    """The engine with rope_kernel=True (prefill and decode) samples the eager path's tokens and log-probs; a looped
+    model writes each loop's plane of the cache through the kernel."""
+    device_for_triton()
+    model = make()
     sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
     reqs = requests(5, max_new=8)
     got, expected = with_and_without(model, "rope_kernel", reqs, sp)

@@ -12,7 +12,7 @@ gate/up each run as one GEMM over a fused weight whose row blocks are the named 
 (`fuse_linears`); the element-wise work between GEMMs runs through `torch.compile`
 (`compiled_on_cuda`); and a decode step's attention runs in the split-K Triton kernel of
 `decode_attention.py` (`Runner.decode_kernel`, set by the engine). RoPE and the K/V-cache write
-can run as one Triton kernel too (`rope_store.py`, `Runner.rope_kernel`: the engine's opt-in
+run as one Triton kernel on CUDA (`rope_store.py`, `Runner.rope_kernel`, set by the engine's
 `rope_kernel`). Each layer's residual add after its MLP runs in the next norm's kernel
 (`DecoderLayer.deferred`).
 """
