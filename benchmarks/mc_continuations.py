@@ -1,9 +1,16 @@
 """Monte Carlo continuations with and without prefix sharing (the VinePPO value phase).
 
 64 responses, each cut at 8 step boundaries (prefix lengths 128 + 64·j), K = 9 continuations
-of 128 tokens from every prefix: 4608 requests whose prompts share long prefixes. Reports
-the prompt tokens computed and the wall time of the native engine with and without prefix
-sharing, and appends one JSON line to --out.
+of up to 128 tokens from every prefix: 4608 requests whose prompts share long prefixes. Reports
+the prompt tokens computed, the prefill rounds and the wall time of the native engine in each
+of --modes, and appends one JSON line to --out:
+
+    shared    prefix sharing, the engine's default admission (once max_running // 16 slots are free)
+    admit-1   prefix sharing, a prefill round whenever a slot frees (admit_batch=1)
+    unshared  every prompt computed
+
+--eos-rate plants an end-of-sequence token in the random model (benchmarks/_common.plant_rates), so that
+continuations end one or two a step, as a policy's do, rather than all at their budget.
 
     python benchmarks/mc_continuations.py --out benchmarks/results.jsonl --commit $COMMIT
     python benchmarks/mc_continuations.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 \
@@ -14,6 +21,7 @@ sharing, and appends one JSON line to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 from functools import partial
 
@@ -24,6 +32,7 @@ from _common import (
     build_model,
     environment,
     kv_sizing,
+    plant_rates,
     print_table,
     random_prompts,
     timed,
@@ -32,6 +41,9 @@ from _common import (
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_seed
+
+MODES = ("shared", "admit-1", "unshared")
+EOS = 2  # the planted end-of-sequence token of --eos-rate
 
 
 def main() -> None:
@@ -47,55 +59,67 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--eos-rate", type=float, default=0.0, help="P(EOS) planted at every position (0: none)")
+    parser.add_argument("--modes", default="shared,admit-1,unshared", help=f"a subset of {','.join(MODES)}")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
 
     model = build_model(args)
+    if args.eos_rate:
+        plant_rates(model, {EOS: args.eos_rate})
     longest = args.first_prefix + args.stride * (args.boundaries - 1)
     responses = random_prompts(args.prompts, longest, args.vocab, args.seed)
     requests = [Request(response[:args.first_prefix + args.stride * j],
                         seed=sample_seed(args.seed, 0, p * args.boundaries + j, k), max_new_tokens=args.new_tokens)
                 for p, response in enumerate(responses) for j in range(args.boundaries) for k in range(args.k)]
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, stop_token_ids=[])
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                              stop_token_ids=[EOS] if args.eos_rate else [])
     max_seq_len = longest + args.new_tokens
     cuda = torch.device(args.device).type == "cuda"
 
     rows, results, outputs = [], {}, {}
-    for sharing in (True, False):
-        engine = NativeEngine(model, max_seq_len=max_seq_len, max_running=args.max_running, prefix_sharing=sharing,
+    for mode in modes:
+        engine = NativeEngine(model, max_seq_len=max_seq_len, max_running=args.max_running,
+                              prefix_sharing=mode != "unshared", admit_batch=1 if mode == "admit-1" else None,
                               cuda_graphs=args.cuda_graphs, **kv_sizing(args, max_seq_len, args.max_running))
         engine.generate([Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]], sampling)  # warm-up
-        before = engine.stats.prefill_tokens, engine.stats.shared_tokens
+        before = dataclasses.replace(engine.stats)
         completions, seconds, peak = timed(args.device, partial(engine.generate, requests, sampling))
-        computed = engine.stats.prefill_tokens - before[0]
-        shared = engine.stats.shared_tokens - before[1]
+        computed = engine.stats.prefill_tokens - before.prefill_tokens
+        shared = engine.stats.shared_tokens - before.shared_tokens
+        rounds = engine.stats.prefill_rounds - before.prefill_rounds
         generated = sum(len(c.tokens) for c in completions)
-        mode = "shared" if sharing else "unshared"
         outputs[mode] = [c.tokens for c in completions]
-        results[mode] = {"prefill_tokens": computed, "shared_tokens": shared, "seconds": round(seconds, 3),
+        results[mode] = {"prefill_tokens": computed, "shared_tokens": shared, "prefill_rounds": rounds,
+                         "admit_batch": engine.admit_batch, "seconds": round(seconds, 3),
                          "generated_tokens": generated, "peak_bytes": peak}
-        rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{seconds:.2f}",
+        rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{rounds:,}", f"{seconds:.2f}",
                      f"{generated / seconds:,.0f}", f"{peak / 2**30:.1f}" if peak else "-"])
         del engine, completions
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
 
-    same = sum(a == b for a, b in zip(outputs["shared"], outputs["unshared"]))
-    cut = 1 - results["shared"]["prefill_tokens"] / results["unshared"]["prefill_tokens"]
-    speedup = results["unshared"]["seconds"] / results["shared"]["seconds"]
     print(f"{args.prompts} responses x {args.boundaries} boundaries (prefixes {args.first_prefix}"
-          f" + {args.stride}·j) x K={args.k} continuations of {args.new_tokens} tokens, {args.dtype} on {args.device}")
-    print_table(["prefixes", "requests", "prefill computed", "prefill shared", "seconds", "tokens/s", "peak GiB"],
-                rows)
-    print(f"prefill tokens cut by {cut:.1%}; wall time x{speedup:.2f}; "
-          f"identical completions {same}/{len(requests)} (differences come only from summation order)")
+          f" + {args.stride}·j) x K={args.k} continuations of up to {args.new_tokens} tokens (EOS rate "
+          f"{args.eos_rate}), {args.dtype} on {args.device}")
+    print_table(["mode", "requests", "prefill computed", "prefill shared", "prefill rounds", "seconds", "tokens/s",
+                 "peak GiB"], rows)
+    comparison = {}
+    for mode in modes[1:]:  # each against the first
+        same = sum(a == b for a, b in zip(outputs[modes[0]], outputs[mode]))
+        speedup = results[mode]["seconds"] / results[modes[0]]["seconds"]
+        comparison[mode] = {"speedup_of_first": round(speedup, 3), "identical_completions": same}
+        print(f"{modes[0]} against {mode}: wall time /{speedup:.2f}, identical completions {same}/{len(requests)} "
+              "(differences come only from summation order)")
     append_result(args.out, {"benchmark": "mc_continuations", **environment(args),
                              "shape": {"prompts": args.prompts, "boundaries": args.boundaries,
                                        "first_prefix": args.first_prefix, "stride": args.stride, "k": args.k,
                                        "new_tokens": args.new_tokens, "max_running": args.max_running,
-                                       "cuda_graphs": args.cuda_graphs},
-                             "modes": results, "prefill_cut": round(cut, 4), "speedup": round(speedup, 3),
-                             "identical_completions": same})
+                                       "cuda_graphs": args.cuda_graphs, "eos_rate": args.eos_rate},
+                             "modes": results, "against_first": comparison})
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeCompletion, NativeEngine, UnsupportedModelError, decoder_spec
+from caspo.rollout.native.scheduler import Scheduler
 from caspo.rollout.sampling import sample_seed
 
 VOCAB = 100
@@ -202,6 +203,30 @@ def test_prefix_sharing_of_step_prefixes_under_continuous_batching(model):
         assert shared.stats.prefill_tokens + shared.stats.shared_tokens == alone.stats.prefill_tokens
         assert shared.stats.prefill_tokens < alone.stats.prefill_tokens  # donors must be resident: fewer with 2
     assert shared.stats.prefill_tokens == 80  # all admitted at once: each prompt computes what extends the last
+
+
+def test_batched_admission_waits_for_free_slots_and_changes_no_token(model):
+    """With admit_batch=4 a waiting request enters only once 4 slots are free (or the rest fit): fewer
+    prefill rounds than admitting whenever one slot frees, and the same tokens."""
+    sp = SamplingParams(temperature=1.0)
+    reqs = [Request([5 + i % 7, 9], seed=sample_seed(0, 0, i, 0), max_new_tokens=2 + i % 7) for i in range(20)]
+    eager, batched = engine(model, max_running=8, admit_batch=1), engine(model, max_running=8, admit_batch=4)
+    assert [c.tokens for c in batched.generate(reqs, sp)] == [c.tokens for c in eager.generate(reqs, sp)]
+    assert batched.stats.prefill_rounds < eager.stats.prefill_rounds
+    for stats in (batched.stats, eager.stats):  # every prompt position computed or copied once
+        assert stats.prefill_tokens + stats.shared_tokens == 2 * 20
+
+    scheduler = Scheduler(reqs[:7], slots=4, prefix_sharing=False, max_prefill_tokens=64, sampling=sp,
+                          decode=None, admit_batch=2)
+    assert [s.index for s in scheduler.admit()] == [0, 1, 2, 3]  # nothing runs: every free slot is taken
+    scheduler.free.append(scheduler.running.pop(0).slot)
+    assert scheduler.admit() == []  # one slot free, three waiting: wait for a second
+    scheduler.free.append(scheduler.running.pop(0).slot)
+    assert [s.index for s in scheduler.admit()] == [4, 5]
+    scheduler.free.append(scheduler.running.pop(0).slot)
+    assert [s.index for s in scheduler.admit()] == [6]  # the last waiting request fits: no reason to wait
+    with pytest.raises(ValueError, match="admit_batch=9 must be in"):
+        engine(model, max_running=8, admit_batch=9)
 
 
 def test_chunked_prefill_gives_the_same_tokens(model):

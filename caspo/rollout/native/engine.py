@@ -66,6 +66,7 @@ class NativeCompletion(Completion):
 class EngineStats:
     """Running totals since the engine was built; compare two readings to measure one call."""
 
+    prefill_rounds: int = 0  # admissions, each a prefill of the requests admitted together
     prefill_tokens: int = 0  # prompt positions computed
     shared_tokens: int = 0  # prompt positions copied from a resident slot instead of computed
     decode_steps: int = 0
@@ -81,6 +82,9 @@ class NativeEngine(PublishedWeights):
     capacity_tokens / gpu_memory_fraction: the most the KV cache may take (exactly one; the fraction on CUDA only).
     max_running: sequences decoded at once; the cache then holds exactly that many slots (default: as many as fit).
     max_prefill_tokens: padded prompt positions per prefill forward; longer prompts are prefilled in pieces.
+    admit_batch: waiting requests are admitted once this many slots are free (or all of them fit, or nothing
+        runs), so that sequences finishing one or two a step (Monte Carlo continuations) cost one prefill
+        round per batch of them rather than one per decode step (default: max_running // 16, at least 1).
     prefix_sharing: prompts sharing a prefix with a resident sequence copy its K/V instead of computing it.
     cuda_graphs: replay CUDA graphs of the decode step, captured per (rows, key length) on first use (CUDA only).
     sampler_graphs: with cuda_graphs, replay the sampler as graphs too, per (rows, sampling parameters)
@@ -96,7 +100,8 @@ class NativeEngine(PublishedWeights):
 
     def __init__(self, model: nn.Module | str | os.PathLike, *, max_seq_len: int, capacity_tokens: int | None = None,
                  gpu_memory_fraction: float | None = None, max_running: int | None = None,
-                 max_prefill_tokens: int = 8192, prefix_sharing: bool = True, cuda_graphs: bool = False,
+                 max_prefill_tokens: int = 8192, admit_batch: int | None = None, prefix_sharing: bool = True,
+                 cuda_graphs: bool = False,
                  graph_batch_sizes: list[int] | None = None, sampler_graphs: bool = True,
                  decode_kernel: bool | None = None, rope_kernel: bool | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, decode: Callable[[list[int]], str] | None = None):
@@ -137,6 +142,9 @@ class NativeEngine(PublishedWeights):
                              device=self.device, planes=self.spec.planes)
         self.max_running = self.cache.slots
         self.max_prefill_tokens = max_prefill_tokens
+        self.admit_batch = max(1, self.max_running // 16) if admit_batch is None else admit_batch
+        if not 1 <= self.admit_batch <= self.max_running:
+            raise ValueError(f"admit_batch={admit_batch} must be in [1, max_running={self.max_running}]")
         self.prefix_sharing = prefix_sharing
         self.graph_batch_sizes = None
         if cuda_graphs:
@@ -212,12 +220,14 @@ class NativeEngine(PublishedWeights):
     def _generate(self, requests: list[Request], sp: SamplingParams, top_logprobs: int) -> list[NativeCompletion]:
         results: list[NativeCompletion | None] = [None] * len(requests)
         scheduler = Scheduler(requests, slots=self.max_running, prefix_sharing=self.prefix_sharing,
-                              max_prefill_tokens=self.max_prefill_tokens, sampling=sp, decode=self.decode)
+                              max_prefill_tokens=self.max_prefill_tokens, sampling=sp, decode=self.decode,
+                              admit_batch=self.admit_batch)
         logits: torch.Tensor | None = None  # next-token logits of scheduler.running, row for row
         while not scheduler.done:
             admitted = scheduler.admit()
             if admitted:
                 plan = scheduler.plan_prefill(admitted)
+                self.stats.prefill_rounds += 1
                 self.stats.shared_tokens += sum(wave.shared_tokens for wave in plan)
                 self.stats.prefill_tokens += sum(wave.computed_tokens for wave in plan)
                 fresh = self.model_runner.prefill(plan, admitted)

@@ -3,7 +3,9 @@
 Pure Python over token ids, no tensors: the model runner (`model_runner.py`) turns its
 decisions into device work. One `Scheduler` lives for one `generate` call:
 
-    admit         waiting requests take free slots, strictly in request order, lowest slot first;
+    admit         waiting requests take free slots, strictly in request order, lowest slot first, once
+                  `admit_batch` slots are free (or every waiting request fits, or nothing runs): one prefill
+                  round then serves many finished sequences instead of one or two per decode step;
     plan_prefill  the admitted prompts' prefill: which K/V each copies from a resident slot (prefix
                   sharing), in waves, and the forwards of at most max_prefill_tokens padded positions
                   that compute the rest;
@@ -73,8 +75,11 @@ class PrefillWave:
 
 class Scheduler:
     def __init__(self, requests: list[Request], *, slots: int, prefix_sharing: bool, max_prefill_tokens: int,
-                 sampling: SamplingParams, decode: Callable[[list[int]], str] | None):
+                 sampling: SamplingParams, decode: Callable[[list[int]], str] | None, admit_batch: int = 1):
+        if not 1 <= admit_batch <= slots:
+            raise ValueError(f"admit_batch must be in [1, {slots}] (the cache's slots), got {admit_batch}")
         self.waiting = deque(enumerate(requests))
+        self.admit_batch = admit_batch
         self.free = list(range(slots))  # a heap: the lowest slots first keeps decode rows packed
         # Fresh per call: K/V left by an earlier call may predate a publication.
         self.prefixes = PrefixIndex() if prefix_sharing else None
@@ -89,8 +94,14 @@ class Scheduler:
         return not (self.waiting or self.running)
 
     def admit(self) -> list[SequenceState]:
-        """Give free slots to waiting requests in request order; the admitted join `running` at its end."""
+        """Give free slots to waiting requests in request order; the admitted join `running` at its end.
+
+        Nothing is admitted while fewer than `admit_batch` slots are free, unless every waiting request
+        fits or nothing is running.
+        """
         admitted = []
+        if self.running and len(self.free) < min(self.admit_batch, len(self.waiting)):
+            return admitted
         while self.waiting and self.free:
             index, request = self.waiting.popleft()
             admitted.append(SequenceState(index, request, heapq.heappop(self.free)))
