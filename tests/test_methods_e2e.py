@@ -107,6 +107,8 @@ def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     # the K continuations of a prefix share its prompt positions: the native engine computes them once
     assert all(0.3 < r["mc_prefill_shared_frac"] < 1 for r in rows)
     assert all(r["t_value"] > 0 for r in rows)
+    assert all(0 < r["t_mc_generate"] + r["t_mc_score"] <= r["t_value"] for r in rows)  # parts of the value phase
+    assert all(r["mc_prefill_rounds"] >= 1 for r in rows)
     assert all(r["steps_mean"] >= 1 for r in rows)
 
 

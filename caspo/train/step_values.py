@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Optional
@@ -66,7 +67,7 @@ class MonteCarloValues(MethodState):
         responses = [batch.responses[b, :lengths[b]].tolist() for b in range(batch.size)]
         starts = [step_start_indices(batch.step_ids[b, :lengths[b]].tolist()) for b in range(batch.size)]
         engine_stats = getattr(tr.engine, "stats", None)  # the native engine's prefill counters
-        before = (engine_stats.prefill_tokens, engine_stats.shared_tokens) if engine_stats else None
+        before = dataclasses.replace(engine_stats) if engine_stats else None
         mc = mc_step_values(
             tr.engine, batch.prompt_ids, responses, starts, batch.labels, k=cfg.method.vineppo_k,
             sampling=tr.sampling, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -77,10 +78,12 @@ class MonteCarloValues(MethodState):
         device = batch.responses.device
         batch.step_values, batch.step_mask = mc.values.to(device), mc.step_mask.to(device)
         out = {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes,
-               **step_stats(batch, batch.step_values)}
+               "t_mc_generate": mc.generate_s, "t_mc_score": mc.score_s, **step_stats(batch, batch.step_values)}
         if before is not None:  # the share of the continuations' prompt positions copied from a resident slot
-            computed, shared = engine_stats.prefill_tokens - before[0], engine_stats.shared_tokens - before[1]
+            computed = engine_stats.prefill_tokens - before.prefill_tokens
+            shared = engine_stats.shared_tokens - before.shared_tokens
             out["mc_prefill_shared_frac"] = shared / max(computed + shared, 1)
+            out["mc_prefill_rounds"] = engine_stats.prefill_rounds - before.prefill_rounds
         return out
 
 
