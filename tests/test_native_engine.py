@@ -229,6 +229,17 @@ def test_batched_admission_waits_for_free_slots_and_changes_no_token(model):
         engine(model, max_running=8, admit_batch=9)
 
 
+def test_prefill_forwards_group_pieces_of_similar_width():
+    """Pieces are packed longest first: two 100-token prompts share a forward and the 5-token ones another,
+    where packing in request order would pad a 5-token prompt to 100 in every forward."""
+    sp = SamplingParams(temperature=1.0)
+    reqs = [Request(list(range(3, 3 + n)), seed=i, max_new_tokens=2) for i, n in enumerate((100, 5, 100, 5))]
+    scheduler = Scheduler(reqs, slots=4, prefix_sharing=False, max_prefill_tokens=200, sampling=sp, decode=None)
+    (wave,) = scheduler.plan_prefill(scheduler.admit())
+    assert [[(p.seq.index, p.count) for p in pieces] for pieces in wave.forwards] == [[(0, 100), (2, 100)],
+                                                                                      [(1, 5), (3, 5)]]
+
+
 def test_chunked_prefill_gives_the_same_tokens(model):
     sp = SamplingParams(temperature=1.0)
     reqs = [Request(list(range(3, 3 + n)), seed=n, max_new_tokens=6) for n in (5, 23, 41)]

@@ -8,7 +8,7 @@ decisions into device work. One `Scheduler` lives for one `generate` call:
                   round then serves many finished sequences instead of one or two per decode step;
     plan_prefill  the admitted prompts' prefill: which K/V each copies from a resident slot (prefix
                   sharing), in waves, and the forwards of at most max_prefill_tokens padded positions
-                  that compute the rest;
+                  that compute the rest, longest pieces together;
     decoding      the sequences decoded ahead: all but those at their last token;
     postprocess   append each sampled token, retire finished sequences and free their slots.
 
@@ -133,6 +133,8 @@ class Scheduler:
             # copies the last prompt position's hidden state too and computes nothing.
             compute = [(seq, shared.length if shared is not None else 0) for seq, shared in members
                        if shared is None or not shared.exact]
+            # Longest first, so that a forward's pieces are of similar width: each is padded to the widest.
+            compute.sort(key=lambda item: len(item[0].prompt) - item[1], reverse=True)
             plan.append(PrefillWave(shares=[(seq, shared) for seq, shared in members if shared is not None],
                                     forwards=self._forwards(compute)))
         for seq in seqs:
