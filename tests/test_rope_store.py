@@ -69,14 +69,15 @@ def test_rope_store_refuses_a_projection_of_another_width():
                    torch.zeros(1, dtype=torch.long, device=device), cache[0], cache[1], 4)
 
 
-def looped_ouro():
+def looped(layout):
     from test_native_looped import looped
 
-    return looped("ouro", 2)
+    return looped(layout, 2)
 
 
-@pytest.mark.parametrize("make", [lambda: build(qwen2_untied()), lambda: build(llama_tied()), looped_ouro],
-                         ids=["qwen2_untied", "llama_tied", "looped_ouro_depth2"])
+@pytest.mark.parametrize("make", [lambda: build(qwen2_untied()), lambda: build(llama_tied()),
+                                  lambda: looped("ouro"), lambda: looped("nanbeige")],
+                         ids=["qwen2_untied", "llama_tied", "looped_ouro_depth2", "looped_nanbeige_depth2"])
 def test_engine_with_the_rope_kernel_samples_the_same_tokens(make):
     """The engine with rope_kernel=True (prefill and decode) samples the eager path's tokens and log-probs; a looped
     model writes each loop's plane of the cache through the kernel."""
