@@ -69,14 +69,14 @@ def test_rope_store_refuses_a_projection_of_another_width():
                    torch.zeros(1, dtype=torch.long, device=device), cache[0], cache[1], 4)
 
 
-def looped(layout):
+def looped_depth2(layout):
     from test_native_looped import looped
 
     return looped(layout, 2)
 
 
 @pytest.mark.parametrize("make", [lambda: build(qwen2_untied()), lambda: build(llama_tied()),
-                                  lambda: looped("ouro"), lambda: looped("nanbeige")],
+                                  lambda: looped_depth2("ouro"), lambda: looped_depth2("nanbeige")],
                          ids=["qwen2_untied", "llama_tied", "looped_ouro_depth2", "looped_nanbeige_depth2"])
 def test_engine_with_the_rope_kernel_samples_the_same_tokens(make):
     """The engine with rope_kernel=True (prefill and decode) samples the eager path's tokens and log-probs; a looped

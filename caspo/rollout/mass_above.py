@@ -36,19 +36,41 @@ ROW_WARPS = 8
 
 
 @triton.jit
+def _level_sums(E, start, stop, levels, vocab, scale, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+    """The m int64 sums of w over e >= each level, for the entries [start, stop) of a row E (a pointer)."""
+    acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
+    for offset in range(start, stop, BLOCK):
+        index = offset + tl.arange(0, BLOCK)
+        e = tl.load(E + index, mask=index < vocab, other=0.0)
+        w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
+        acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _cut_levels(lo, hi, slots, m):
+    """The m levels cut from the interval [lo, hi] of float32 bit patterns; the padding slots get +inf."""
+    cuts = lo + (hi - lo + 1) * (slots + 1).to(tl.int64) // (m + 1)
+    return tl.where(slots < m, cuts.to(tl.int32).to(tl.float32, bitcast=True), float("inf"))
+
+
+@triton.jit
+def _narrowed(lo, hi, count, m):
+    """The piece of [lo, hi] that holds the threshold, c of its m levels reached."""
+    width = hi - lo + 1
+    return lo + width * count // (m + 1), lo + width * (count + 1) // (m + 1) - 1
+
+
+@triton.jit
 def _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale,
                      LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     """This program's part of the row: the m int64 sums of w over e >= each level, stored to Partial."""
     row = tl.program_id(0)
     part = tl.program_id(1)
-    acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
+    sums = tl.zeros([LEVELS], dtype=tl.int64)
     if tl.load(Skip + row) == 0:  # a skipped row is not read: its sums stay 0
-        for offset in range(0, SPAN, BLOCK):
-            index = part * SPAN + offset + tl.arange(0, BLOCK)
-            e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
-            w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
-            acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
-    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS), tl.sum(acc, axis=0))
+        sums = _level_sums(E + row * stride_row, part * SPAN, part * SPAN + SPAN, levels, vocab, scale, LEVELS, BLOCK)
+    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS), sums)
 
 
 @triton.jit
@@ -62,11 +84,7 @@ def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
 def _cut_mass_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row, scale,
                      M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    slots = tl.arange(0, LEVELS)
-    lo = tl.load(Lo + row)
-    width = tl.load(Hi + row) - lo + 1
-    cuts = lo + width * (slots + 1).to(tl.int64) // (M + 1)  # the float32 bit patterns of the m levels
-    levels = tl.where(slots < M, cuts.to(tl.int32).to(tl.float32, bitcast=True), float("inf"))
+    levels = _cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
     _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK)
 
 
@@ -81,10 +99,9 @@ def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
     reached = (tl.sum(sums, axis=0) >= tl.load(Target + row)) & (slots < M)
     count = tl.sum(reached.to(tl.int64), axis=0)
     count = tl.where(tl.load(Skip + row) != 0, M, count)  # a resolved row keeps its interval of width 1
-    lo = tl.load(Lo + row)
-    width = tl.load(Hi + row) - lo + 1
-    tl.store(Lo + row, lo + width * count // (M + 1))
-    tl.store(Hi + row, lo + width * (count + 1) // (M + 1) - 1)
+    lo, hi = _narrowed(tl.load(Lo + row), tl.load(Hi + row), count, M)
+    tl.store(Lo + row, lo)
+    tl.store(Hi + row, hi)
 
 
 @triton.jit
@@ -99,19 +116,10 @@ def _search_rows_kernel(E, Lo, Hi, Target, Skip, vocab, stride_row, scale, PASSE
         target = tl.load(Target + row)
         for p in range(PASSES):
             m = tl.where(p == PASSES - 1, M_LAST, M).to(tl.int64)
-            width = hi - lo + 1
-            cuts = lo + width * (slots + 1).to(tl.int64) // (m + 1)
-            levels = tl.where(slots < m, cuts.to(tl.int32).to(tl.float32, bitcast=True), float("inf"))
-            acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
-            for offset in range(0, vocab, BLOCK):
-                index = offset + tl.arange(0, BLOCK)
-                e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
-                w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
-                acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
-            reached = (tl.sum(acc, axis=0) >= target) & (slots < m)
-            count = tl.sum(reached.to(tl.int64), axis=0)
-            hi = lo + width * (count + 1) // (m + 1) - 1
-            lo = lo + width * count // (m + 1)
+            sums = _level_sums(E + row * stride_row, 0, vocab, _cut_levels(lo, hi, slots, m), vocab, scale,
+                               LEVELS, BLOCK)
+            count = tl.sum(((sums >= target) & (slots < m)).to(tl.int64), axis=0)
+            lo, hi = _narrowed(lo, hi, count, m)
         tl.store(Lo + row, lo)
         tl.store(Hi + row, hi)
 

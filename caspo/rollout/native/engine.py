@@ -101,8 +101,7 @@ class NativeEngine(PublishedWeights):
     def __init__(self, model: nn.Module | str | os.PathLike, *, max_seq_len: int, capacity_tokens: int | None = None,
                  gpu_memory_fraction: float | None = None, max_running: int | None = None,
                  max_prefill_tokens: int = 8192, admit_batch: int | None = None, prefix_sharing: bool = True,
-                 cuda_graphs: bool = False,
-                 graph_batch_sizes: list[int] | None = None, sampler_graphs: bool = True,
+                 cuda_graphs: bool = False, graph_batch_sizes: list[int] | None = None, sampler_graphs: bool = True,
                  decode_kernel: bool | None = None, rope_kernel: bool | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, decode: Callable[[list[int]], str] | None = None):
         if max_prefill_tokens < 1:

@@ -76,8 +76,6 @@ class PrefillWave:
 class Scheduler:
     def __init__(self, requests: list[Request], *, slots: int, prefix_sharing: bool, max_prefill_tokens: int,
                  sampling: SamplingParams, decode: Callable[[list[int]], str] | None, admit_batch: int = 1):
-        if not 1 <= admit_batch <= slots:
-            raise ValueError(f"admit_batch must be in [1, {slots}] (the cache's slots), got {admit_batch}")
         self.waiting = deque(enumerate(requests))
         self.admit_batch = admit_batch
         self.free = list(range(slots))  # a heap: the lowest slots first keeps decode rows packed
