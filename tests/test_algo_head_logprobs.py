@@ -55,6 +55,18 @@ def test_compiled_chunk_math_gives_the_eager_values_and_gradients(backend):
     torch.testing.assert_close(runs[1][0], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_chunk_math_compiles_once_for_every_chunk_size():
+    # a micro-batch's last chunk has fewer rows than the others: it must reuse the graph, not compile again
+    torch._dynamo.reset()
+    hidden, weight, tokens = inputs(B=2, T=7, V=37)  # 14 rows: chunks of 4, 4, 4 and 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (14, 11, 7):  # last chunks of 2, 3 and 3 rows
+            h = hidden.reshape(-1, 6)[:rows].clone().requires_grad_()
+            logp, _ = head_token_logprobs(h, weight, tokens.reshape(-1)[:rows], 0.6, 4, compile_backend="aot_eager")
+            logp.sum().backward()
+            assert torch.isfinite(h.grad).all()
+
+
 def test_gradcheck_fp64():
     hidden, weight, tokens = inputs(torch.float64, B=2, T=3, H=4, V=5)
     hidden.requires_grad_(), weight.requires_grad_()

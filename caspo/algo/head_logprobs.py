@@ -115,8 +115,24 @@ def _chunk_functions(compile_backend: str | None):
     kernels reading the chunk's logits once or twice, not a dozen full-vocabulary passes over fp32 copies."""
     if compile_backend is None:
         return _chunk_stats, _chunk_grad_logits
-    return (torch.compile(_chunk_stats, backend=compile_backend),
-            torch.compile(functools.partial(_chunk_grad_logits, one_hot_by_compare=True), backend=compile_backend))
+    return (_rows_dynamic(torch.compile(_chunk_stats, backend=compile_backend)),
+            _rows_dynamic(torch.compile(functools.partial(_chunk_grad_logits, one_hot_by_compare=True),
+                                        backend=compile_backend)))
+
+
+def _rows_dynamic(compiled):
+    """`compiled` with the rows (dim 0) of its tensor arguments dynamic from the first call. Left to dynamo,
+    the first graph is specialised to the full chunk's rows and the first remainder compiles it again (for
+    the forward and the backward); the vocabulary stays static, so the kernels keep its size."""
+
+    @functools.wraps(compiled)
+    def run(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim():
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(*args)
+
+    return run
 
 
 def head_token_logprobs(
