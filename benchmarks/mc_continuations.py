@@ -6,7 +6,7 @@ the prompt tokens computed, the prefill rounds and the wall time of the native e
 of --modes, and appends one JSON line to --out:
 
     shared    prefix sharing, the engine's default admission (once max_running // 16 slots are free)
-    admit-1   prefix sharing, a prefill round whenever a slot frees (admit_batch=1)
+    admit-N   prefix sharing, a prefill round once N slots are free (admit_batch=N; admit-1: whenever one frees)
     unshared  every prompt computed
 
 --eos-rate plants an end-of-sequence token in the random model (benchmarks/_common.plant_rates), so that
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import re
 from functools import partial
 
 import torch
@@ -42,7 +43,7 @@ from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_seed
 
-MODES = ("shared", "admit-1", "unshared")
+MODES = ("shared", "admit-N", "unshared")
 EOS = 2  # the planted end-of-sequence token of --eos-rate
 
 
@@ -60,11 +61,11 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--eos-rate", type=float, default=0.0, help="P(EOS) planted at every position (0: none)")
-    parser.add_argument("--modes", default="shared,admit-1,unshared", help=f"a subset of {','.join(MODES)}")
+    parser.add_argument("--modes", default="shared,admit-1,unshared", help=f"some of {', '.join(MODES)}")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if unknown := set(modes) - set(MODES):
-        raise SystemExit(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
+    if unknown := [m for m in modes if m not in ("shared", "unshared") and not re.fullmatch(r"admit-[1-9]\d*", m)]:
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)} (N a positive integer)")
 
     model = build_model(args)
     if args.eos_rate:
@@ -82,7 +83,8 @@ def main() -> None:
     rows, results, outputs = [], {}, {}
     for mode in modes:
         engine = NativeEngine(model, max_seq_len=max_seq_len, max_running=args.max_running,
-                              prefix_sharing=mode != "unshared", admit_batch=1 if mode == "admit-1" else None,
+                              prefix_sharing=mode != "unshared",
+                              admit_batch=int(mode.removeprefix("admit-")) if mode.startswith("admit-") else None,
                               cuda_graphs=args.cuda_graphs, **kv_sizing(args, max_seq_len, args.max_running))
         engine.generate([Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]], sampling)  # warm-up
         before = dataclasses.replace(engine.stats)
@@ -90,12 +92,17 @@ def main() -> None:
         computed = engine.stats.prefill_tokens - before.prefill_tokens
         shared = engine.stats.shared_tokens - before.shared_tokens
         rounds = engine.stats.prefill_rounds - before.prefill_rounds
+        steps = engine.stats.decode_steps - before.decode_steps
+        captures = engine.stats.graph_captures - before.graph_captures
+        capture_s = engine.stats.capture_s - before.capture_s
         generated = sum(len(c.tokens) for c in completions)
         outputs[mode] = [c.tokens for c in completions]
         results[mode] = {"prefill_tokens": computed, "shared_tokens": shared, "prefill_rounds": rounds,
-                         "admit_batch": engine.admit_batch, "seconds": round(seconds, 3),
+                         "admit_batch": engine.admit_batch, "decode_steps": steps, "graph_captures": captures,
+                         "capture_s": round(capture_s, 3), "seconds": round(seconds, 3),
                          "generated_tokens": generated, "peak_bytes": peak}
-        rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{rounds:,}", f"{seconds:.2f}",
+        rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{rounds:,}", f"{steps:,}",
+                     f"{generated / max(steps, 1):.0f}", f"{captures} in {capture_s:.1f} s", f"{seconds:.2f}",
                      f"{generated / seconds:,.0f}", f"{peak / 2**30:.1f}" if peak else "-"])
         del engine, completions
         gc.collect()
@@ -105,8 +112,8 @@ def main() -> None:
     print(f"{args.prompts} responses x {args.boundaries} boundaries (prefixes {args.first_prefix}"
           f" + {args.stride}·j) x K={args.k} continuations of up to {args.new_tokens} tokens (EOS rate "
           f"{args.eos_rate}), {args.dtype} on {args.device}")
-    print_table(["mode", "requests", "prefill computed", "prefill shared", "prefill rounds", "seconds", "tokens/s",
-                 "peak GiB"], rows)
+    print_table(["mode", "requests", "prefill computed", "prefill shared", "prefill rounds", "decode steps",
+                 "rows/step", "graphs captured", "seconds", "tokens/s", "peak GiB"], rows)
     comparison = {}
     for mode in modes[1:]:  # each against the first
         same = sum(a == b for a, b in zip(outputs[modes[0]], outputs[mode]))

@@ -109,6 +109,8 @@ def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     assert all(r["t_value"] > 0 for r in rows)
     assert all(0 < r["t_mc_generate"] + r["t_mc_score"] <= r["t_value"] for r in rows)  # parts of the value phase
     assert all(r["mc_prefill_rounds"] >= 1 for r in rows)
+    assert all(0 < r["mc_decode_steps"] < r["mc_tokens"] for r in rows)  # many continuations decoded per step
+    assert all(r["mc_graph_captures"] == 0 for r in rows)  # eager on the CPU
     assert all(r["steps_mean"] >= 1 for r in rows)
 
 

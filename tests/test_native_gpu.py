@@ -156,11 +156,16 @@ def test_publication_and_sleep_keep_graphs_valid(family):
     publish(engine, updated, version=1)
     after = engine.generate(requests(8), sp)
     assert [c.tokens for c in after] == [c.tokens for c in native(updated, cuda_graphs=True).generate(requests(8), sp)]
+    captured = engine.stats.graph_captures
+    assert captured >= 1 and engine.stats.capture_s > 0
+    engine.generate(requests(8), sp)
+    assert engine.stats.graph_captures == captured  # the same shapes replay the graphs of the first call
     allocated = torch.cuda.memory_allocated()
     engine.sleep()
     assert torch.cuda.memory_allocated() <= allocated - engine.capacity_report().bytes
     engine.wake()
     assert [c.tokens for c in engine.generate(requests(8), sp)] == [c.tokens for c in after]
+    assert engine.stats.graph_captures == 2 * captured  # the cache moved: its graphs are captured again
 
 
 def test_waking_does_not_reserve_the_cache_beside_the_trainers_freed_blocks():

@@ -71,6 +71,8 @@ class EngineStats:
     shared_tokens: int = 0  # prompt positions copied from a resident slot instead of computed
     decode_steps: int = 0
     generated_tokens: int = 0
+    graph_captures: int = 0  # decode graphs captured (on first use of a shape, again after each wake)
+    capture_s: float = 0.0  # host seconds spent capturing them
 
 
 class NativeEngine(PublishedWeights):
@@ -156,7 +158,8 @@ class NativeEngine(PublishedWeights):
         self.stats = EngineStats()
         self._publication: Publication | None = None
         self.model_runner = ModelRunner(self.runner, self.cache, self.spec, max_seq_len=max_seq_len,
-                                        graph_batch_sizes=self.graph_batch_sizes, sampler_graphs=sampler_graphs)
+                                        graph_batch_sizes=self.graph_batch_sizes, sampler_graphs=sampler_graphs,
+                                        stats=self.stats)
 
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:

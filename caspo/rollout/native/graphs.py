@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 
 import torch
 
@@ -50,14 +51,14 @@ def smallest_holding(ladder: list[int], n: int, what: str) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: Runner, cache: KVCache, batch_sizes: list[int], key_lengths: list[int]):
+    def __init__(self, runner: Runner, cache: KVCache, batch_sizes: list[int], key_lengths: list[int], stats=None):
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the engine runs on {cache.device}")
         if max(batch_sizes) > cache.slots:
             raise ValueError(f"graph batch size {max(batch_sizes)} exceeds the cache's {cache.slots} slots")
         if max(key_lengths) != cache.max_seq_len:
             raise ValueError(f"graph key lengths must end at max_seq_len={cache.max_seq_len}, got {max(key_lengths)}")
-        self.runner, self.cache = runner, cache
+        self.runner, self.cache, self.stats = runner, cache, stats  # stats: an EngineStats, counting captures
         self.sizes, self.key_lengths = sorted(set(batch_sizes)), sorted(set(key_lengths))
         self.tokens = torch.zeros(self.sizes[-1], dtype=torch.long, device=cache.device)
         self.positions = torch.zeros(self.sizes[-1], dtype=torch.long, device=cache.device)
@@ -83,8 +84,12 @@ class DecodeGraphs:
         return self.runner.decode(self.tokens[:size], self.positions[:size], self.cache, keys)
 
     def _capture(self, size: int, keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        started = time.perf_counter()
         graph, output = capture(lambda: self._step(size, keys), self.cache.device, self.pool)
         self.pool = graph.pool()
+        if self.stats is not None:
+            self.stats.graph_captures += 1
+            self.stats.capture_s += time.perf_counter() - started
         return graph, output
 
 

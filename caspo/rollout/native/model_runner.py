@@ -28,8 +28,8 @@ from caspo.rollout.native.spec import DecoderSpec
 
 class ModelRunner:
     def __init__(self, runner: Runner, cache: KVCache, spec: DecoderSpec, *, max_seq_len: int,
-                 graph_batch_sizes: list[int] | None, sampler_graphs: bool = True):
-        self.runner, self.cache, self.spec = runner, cache, spec
+                 graph_batch_sizes: list[int] | None, sampler_graphs: bool = True, stats=None):
+        self.runner, self.cache, self.spec, self.stats = runner, cache, spec, stats
         self.device, self.max_seq_len = cache.device, max_seq_len
         self.graph_batch_sizes = graph_batch_sizes  # None: no CUDA graphs
         self.graph_sampler = graph_batch_sizes is not None and sampler_graphs
@@ -60,7 +60,8 @@ class ModelRunner:
             self.sampler_graphs = self._sampler_graphs()
 
     def _capture(self) -> DecodeGraphs:
-        return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes, default_key_lengths(self.max_seq_len))
+        return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes, default_key_lengths(self.max_seq_len),
+                            stats=self.stats)
 
     def _sampler_graphs(self) -> SamplerGraphs | None:
         return SamplerGraphs(self.graph_batch_sizes, self.spec.vocab_size, self.device) if self.graph_sampler else None
