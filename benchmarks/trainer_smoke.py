@@ -36,6 +36,7 @@ and graph capture of the first steps left out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import subprocess
@@ -59,6 +60,7 @@ from caspo.config import load_config
 from caspo.data.build import load_task_data
 from caspo.models.policy import resolve_model_path
 from caspo.models.tokenizer import load_tokenizer, save_tokenizer
+from caspo.train import loop
 from caspo.train.loop import train
 
 RATIO_BASES = ("grpo", "caspo")  # issue 18's ratios: ppo_critic and caspo against grpo, vineppo against caspo
@@ -84,6 +86,9 @@ def main() -> None:
     parser.add_argument("--text-rate", type=float, default=0.5,
                         help="with --newline-rate: P(a visible character of the tokenizer), so lines hold text")
     parser.add_argument("--vineppo-k", type=int, default=9, help="vineppo's continuations per step boundary")
+    parser.add_argument("--profile", default="",
+                        help="a folder: each method's last step runs under torch.profiler, and its kernels and "
+                             "phases (device time against wall time) are written there as profile_<method>.txt")
     parser.add_argument("--nproc", type=int, default=1,
                         help="FSDP2 ranks on this host, one device each (`caspo train --nproc`); MFU over all of them")
     args = parser.parse_args()
@@ -130,6 +135,9 @@ def main() -> None:
         if args.nproc > 1:  # FSDP2 ranks, one per device, started by the CLI; the metrics are rank 0's
             subprocess.run([sys.executable, "-m", "caspo.cli", "train", "arith-tiny", *overrides,
                             "--nproc", str(args.nproc)], check=True)
+        elif args.profile:
+            with profiled_last_step(args.steps, Path(args.profile) / f"profile_{method}.txt"):
+                train(cfg)
         else:
             train(cfg)
         steps = [json.loads(line) for line in (work / method / "metrics.jsonl").read_text().splitlines()]
@@ -142,7 +150,7 @@ def main() -> None:
             s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.nproc * args.peak_tflops * 1e12)
         print_table(["method", "step", *PHASES, "resp len", "steps", "MC tokens", "MC gen s", "MC score s",
                      "MC rounds", "MC rows/step", "MC graphs", "MC shared", "|Δ logp|",
-                     "policy MFU", "peak GiB", "compiled", "retries"],
+                     "policy MFU", "peak GiB", "reserved GiB", "compiled", "retries"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
                       f"{s.get('steps_per_response', 0):.1f}", s.get("mc_tokens", "-"),
                       *(f"{s[k]:.1f}" if k in s else "-" for k in ("t_mc_generate", "t_mc_score")),
@@ -151,7 +159,9 @@ def main() -> None:
                       f"{s['mc_graph_captures']} in {s['t_mc_capture']:.1f} s" if "mc_graph_captures" in s else "-",
                       f"{s['mc_prefill_shared_frac']:.0%}" if "mc_prefill_shared_frac" in s else "-",
                       f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{s['policy_mfu']:.0%}",
-                      f"{s['mem_peak_gb']:.1f}" if peak else "-", s.get("compiled_graphs", "-"),
+                      f"{s['mem_peak_gb']:.1f}" if peak else "-",
+                      f"{s['mem_peak_reserved_gb']:.1f}" if "mem_peak_reserved_gb" in s else "-",
+                      s.get("compiled_graphs", "-"),
                       s.get("mem_alloc_retries", "-")]
                      for s in steps])
         append_result(args.out, {"benchmark": "trainer_smoke", "method": method, **environment(args),
@@ -175,6 +185,45 @@ def step_ratios(last_steps: dict[str, float]) -> list[list[str]]:
     """Rows of (method, its last step's time, that time over each base method's that ran)."""
     bases = [b for b in RATIO_BASES if b in last_steps]
     return [[method, f"{t:.1f}", *(f"{t / last_steps[b]:.2f}" for b in bases)] for method, t in last_steps.items()]
+
+
+@contextlib.contextmanager
+def profiled_last_step(steps: int, out: Path):
+    """Run the outer step numbered `steps` (the last) under torch.profiler and write its top kernels, and each
+    phase's device time against its wall time, to `out`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    original, calls = loop.outer_step, []
+
+    def outer_step(tr):
+        calls.append(1)
+        if len(calls) < steps:
+            return original(tr)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            result = original(tr)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(profile_report(prof.key_averages(), "device" if tr.device.type == "cuda" else "cpu"))
+        return result
+
+    loop.outer_step = outer_step
+    try:
+        yield
+    finally:
+        loop.outer_step = original
+
+
+def profile_report(averages, clock: str) -> str:
+    """The phases (wall and device seconds) and the 40 kernels or ops that took the most `clock` time
+    ("device": the GPU's kernels, "cpu" on a CPU run)."""
+    total = f"{clock}_time_total"
+    lines = ["phase  wall s  device s"]
+    for event in averages:
+        if event.key in PHASES:
+            lines.append(f"{event.key}  {event.cpu_time_total / 1e6:.2f}  {getattr(event, total) / 1e6:.2f}")
+    lines.append("")
+    lines.append(averages.table(sort_by=f"self_{total}", row_limit=40, max_name_column_width=90))
+    return "\n".join(lines) + "\n"
 
 
 def step_level(method: str, args) -> list[str]:

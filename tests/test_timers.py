@@ -13,13 +13,15 @@ class ScriptedCuda:
 
     def __init__(self):
         self.peak, self.reserved, self.allocated, self.resets, self.retries = 0, 0, 0, 0, 0
+        self.peak_reserved = 0
 
-    def use(self, peak_gb, reserved_gb, allocated_gb=1.0):
+    def use(self, peak_gb, reserved_gb, allocated_gb=1.0, peak_reserved_gb=0.0):
         self.peak = max(self.peak, int(peak_gb * GB))
         self.reserved, self.allocated = int(reserved_gb * GB), int(allocated_gb * GB)
+        self.peak_reserved = max(self.peak_reserved, self.reserved, int(peak_reserved_gb * GB))
 
     def reset_peak_memory_stats(self, device):
-        self.peak, self.resets = self.allocated, self.resets + 1
+        self.peak, self.peak_reserved, self.resets = self.allocated, self.reserved, self.resets + 1
 
 
 @pytest.fixture
@@ -28,6 +30,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: fake.peak)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: fake.reserved)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: fake.peak_reserved)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: fake.allocated)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": fake.retries})
     return fake
@@ -38,8 +41,8 @@ def test_each_phase_keeps_its_own_peak_and_the_step_the_largest(cuda):
     with timer("t_step"):
         with timer("t_roll"):
             cuda.use(peak_gb=60.0, reserved_gb=70.0)
-        with timer("t_pol"):
-            cuda.use(peak_gb=45.0, reserved_gb=50.0)
+        with timer("t_pol"):  # reserved rises to 80 inside the phase, and the cache is emptied to 50
+            cuda.use(peak_gb=45.0, reserved_gb=50.0, peak_reserved_gb=80.0)
         with timer("t_pol"):  # a phase timed twice keeps its larger peak
             cuda.use(peak_gb=20.0, reserved_gb=30.0)
     assert cuda.resets == 3  # once per inner phase, never for the step itself
@@ -47,10 +50,12 @@ def test_each_phase_keeps_its_own_peak_and_the_step_the_largest(cuda):
     out = timer.reset()
     assert (out["mem_roll_peak_gb"], out["mem_roll_reserved_gb"]) == (60.0, 70.0)
     assert (out["mem_pol_peak_gb"], out["mem_pol_reserved_gb"]) == (45.0, 30.0)
+    assert (out["mem_roll_peak_reserved_gb"], out["mem_pol_peak_reserved_gb"]) == (70.0, 80.0)
     assert "mem_step_peak_gb" not in out and {"t_step", "t_roll", "t_pol"} <= set(out)
     # the step's row: the largest phase's peak, not the counter since the last phase's reset
     stats = health.memory_stats(torch.device("cuda", 0), out)
     assert stats["mem_peak_gb"] == 60.0 and stats["mem_reserved_gb"] == 30.0
+    assert stats["mem_peak_reserved_gb"] == 80.0  # t_pol's, not what the last phase left
 
 
 def test_on_the_cpu_only_times():

@@ -30,6 +30,10 @@ class ModelConfig:
     device: str = "cpu"
     # CPU threads for torch (0 = leave torch's default).
     threads: int = 2
+    # The most this process may allocate on its CUDA device, in GiB (0 = the whole card): the run then
+    # behaves as on a card of that size (the allocator frees its cache and retries at the cap, then fails),
+    # and rollout.gpu_memory_fraction is a share of the cap. E.g. 76 on a 141 GB card checks an 80 GB fit.
+    device_memory_gib: float = 0.0
 
 
 @dataclass
@@ -81,7 +85,7 @@ class RolloutConfig:
     # "hf": transformers models (any architecture); "native": caspo's engine (Qwen2/Llama families, looped LMs)
     backend: Literal["hf", "native"] = "hf"
     # native engine: KV cache size in tokens on any device, or (capacity_tokens 0) its share of
-    # device memory on CUDA / one step's requests on the CPU
+    # device memory on CUDA (of model.device_memory_gib where that caps it) / one step's requests on the CPU
     gpu_memory_fraction: float = 0.3
     capacity_tokens: int = 0
     cuda_graphs: bool = False

@@ -65,6 +65,7 @@ SEED = Range(0, 2**32 - 1, note="numpy's seed range")
 
 RANGES: dict[str, Range] = {
     "model.threads": at_least(0, "0 = torch's default"),
+    "model.device_memory_gib": above(0, zero="the whole card"),
     "data.heldout_fraction": Range(0, 1, low_open=True, high_open=True, zero="off"),
     "data.split_seed": SEED,
     "data.train_size": at_least(0, "0 = all"),

@@ -22,7 +22,7 @@ from caspo.eval.benchmarks import HELDOUT, Suite, load_suites
 from caspo.eval.report import FORMAT, group_table, plot_results, read_results, summary_table, write_markdown
 from caspo.eval.suite import eval_samplers, evaluate_suite
 from caspo.eval.targets import Target
-from caspo.models.policy import load_policy, resolve_device, resolve_model_path
+from caspo.models.policy import limit_device_memory, load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
 from caspo.reward import VERIFIER_VERSION, RewardPool
 from caspo.rollout.base import SamplingParams, publish
@@ -81,6 +81,7 @@ def evaluate_targets(cfg: Config, targets: list[Target], out_dir: str | Path) ->
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     device = resolve_device(cfg.model.device)
+    limit_device_memory(device, cfg.model.device_memory_gib)
     tokenizer = load_tokenizer(resolve_model_path(targets[0].policy))
     suites = load_suites(cfg, tokenizer, cfg.eval.benchmarks or [HELDOUT])
     engine, results = None, []

@@ -11,7 +11,9 @@ Per step (`step_health`):
                          (critic or prefix value model) read for the step's values
     t_roll_tokens_per_s  generated tokens / t_roll; t_step_tokens_per_s: generated tokens / t_step
     mem_allocated_gb, mem_reserved_gb, mem_peak_gb   CUDA only: at the step's end, and the peak over it
-    mem_<phase>_peak_gb, mem_<phase>_reserved_gb     CUDA only: each phase's peak and what it left reserved
+    mem_peak_reserved_gb                             CUDA only: the most the allocator reserved in the step
+    mem_<phase>_peak_gb, mem_<phase>_peak_reserved_gb, mem_<phase>_reserved_gb
+                                                     CUDA only: each phase's peaks and what it left reserved
                                                      (caspo.train.timers.PhaseTimer)
     mem_alloc_retries    CUDA only: allocations in the step that freed the allocator's cache and retried
     compiled_graphs      graphs torch.compile built in the step (train.compile meeting new shapes)
@@ -71,9 +73,11 @@ def memory_stats(device: torch.device, stats: dict) -> dict:
     if device.type != "cuda":
         return {}
     phases = [v for k, v in stats.items() if k.startswith("mem_") and k.endswith("_peak_gb")]
+    reserved = [v for k, v in stats.items() if k.startswith("mem_") and k.endswith("_peak_reserved_gb")]
     return {"mem_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 3),
             "mem_reserved_gb": round(torch.cuda.memory_reserved(device) / GB, 3),
-            "mem_peak_gb": max([round(torch.cuda.max_memory_allocated(device) / GB, 3), *phases])}
+            "mem_peak_gb": max([round(torch.cuda.max_memory_allocated(device) / GB, 3), *phases]),
+            "mem_peak_reserved_gb": max([round(torch.cuda.max_memory_reserved(device) / GB, 3), *reserved])}
 
 
 def step_health(tr: "Trainer", batch: RolloutBatch, stats: dict) -> dict:

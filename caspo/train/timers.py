@@ -14,14 +14,15 @@ OUTER = "t_step"  # holds the other phases: its memory is the step's (health.mem
 
 class PhaseTimer:
     """`with timer("t_roll"): ...` adds the phase's seconds to `t_roll`. With a CUDA `device`, a phase also
-    records the peak memory allocated inside it and the memory reserved at its end (`mem_roll_peak_gb`,
-    `mem_roll_reserved_gb`): the peak counter is reset when a phase starts, so the step's own peak is the
-    largest of its phases' (`step_peak_gb`).
+    records the peak memory allocated inside it, the peak the caching allocator reserved (what the card
+    must hold) and the memory reserved at its end (`mem_roll_peak_gb`, `mem_roll_peak_reserved_gb`,
+    `mem_roll_reserved_gb`): the peak counters are reset when a phase starts, so the step's own peaks are
+    the largest of its phases' (`step_peak_gb`).
 
     The outer phase (t_step) also counts what makes a step slow without showing in its phases:
     `compiled_graphs`, the graphs torch.compile built during it (where train.compile met new shapes;
     counted once torch._dynamo is loaded), and on CUDA `mem_alloc_retries`, the allocations that had to
-    free the allocator's cache and retry."""
+    free the allocator's cache and retry. Under `torch.profiler` each phase is a range named by its key."""
 
     def __init__(self, device: torch.device | None = None):
         self.times: dict[str, float] = {}
@@ -36,7 +37,8 @@ class PhaseTimer:
         before = self._counters() if phase == OUTER else None
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(phase):  # a named range when a profiler records the step
+                yield
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
             if before is not None:
@@ -46,6 +48,9 @@ class PhaseTimer:
                 name = phase.removeprefix("t_")
                 peak = round(torch.cuda.max_memory_allocated(self.cuda) / GB, 3)
                 key = f"mem_{name}_peak_gb"
+                self.memory[key] = max(self.memory.get(key, 0.0), peak)
+                key = f"mem_{name}_peak_reserved_gb"
+                peak = round(torch.cuda.max_memory_reserved(self.cuda) / GB, 3)
                 self.memory[key] = max(self.memory.get(key, 0.0), peak)
                 self.memory[f"mem_{name}_reserved_gb"] = round(torch.cuda.memory_reserved(self.cuda) / GB, 3)
 

@@ -16,7 +16,14 @@ from caspo.config import Config, ConfigError, to_dict, to_yaml
 from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
 from caspo.methods import Method, resolve_method
-from caspo.models.policy import compile_if_asked, enable_recompute, load_policy, resolve_device, resolve_model_path
+from caspo.models.policy import (
+    compile_if_asked,
+    enable_recompute,
+    limit_device_memory,
+    load_policy,
+    resolve_device,
+    resolve_model_path,
+)
 from caspo.models.tokenizer import load_tokenizer
 from caspo.precision import LossScaler, compute_dtype
 from caspo.reward.pool import RewardPool
@@ -83,6 +90,7 @@ def build_trainer(cfg: Config) -> Trainer:
         set_deterministic()
     seed_everything(cfg.train.seed)
     device = resolve_device(cfg.model.device)
+    limit_device_memory(device, cfg.model.device_memory_gib)  # before anything is allocated on it
     path = resolve_model_path(cfg.model.policy, cfg.model.revision)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, device).eval()

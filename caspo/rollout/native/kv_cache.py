@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from caspo.models.policy import device_memory_bytes
+
 
 @dataclass(frozen=True)
 class CapacityReport:
@@ -55,7 +57,8 @@ class KVCache:
     @staticmethod
     def slots_for(*, max_seq_len: int, bytes_per_token: int, device: torch.device,
                   capacity_tokens: int | None, gpu_memory_fraction: float | None, planes: int = 1) -> int:
-        """How many slots fit: `capacity_tokens` positions, or `gpu_memory_fraction` of the device's total memory.
+        """How many slots fit: `capacity_tokens` positions, or `gpu_memory_fraction` of the device's memory (the
+        card's, or the cap of model.device_memory_gib).
 
         The fraction is the KV cache's own share; weights and activations come on top of it. A
         token position holds the K/V of every plane (`bytes_per_token` counts them all), so a
@@ -69,7 +72,7 @@ class KVCache:
                 raise ValueError(f"gpu_memory_fraction sizes a CUDA cache; on {device.type} pass capacity_tokens")
             if not 0 < gpu_memory_fraction < 1:
                 raise ValueError(f"gpu_memory_fraction must be in (0, 1), got {gpu_memory_fraction}")
-            budget = int(torch.cuda.get_device_properties(device).total_memory * gpu_memory_fraction)
+            budget = int(device_memory_bytes(device) * gpu_memory_fraction)
             capacity_tokens = budget // bytes_per_token
             source = f"gpu_memory_fraction={gpu_memory_fraction}: {budget} bytes, {capacity_tokens} tokens"
         slots = capacity_tokens // max_seq_len
