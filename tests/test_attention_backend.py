@@ -1,0 +1,56 @@
+"""Models loaded for CUDA run attention without cuDNN (caspo.models.policy.attention_without_cudnn): a padded
+batch takes the memory-efficient kernel, forward and backward, never cuDNN's and never the math fallback."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from caspo.models.policy import attention_without_cudnn, load_policy
+
+
+@pytest.fixture
+def cudnn_flag():
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_the_switch_turns_cudnn_attention_off(cudnn_flag):
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    attention_without_cudnn()
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_cpu_load_leaves_the_backends_alone(cudnn_flag, tmp_path):
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    tiny().save_pretrained(tmp_path)
+    load_policy(str(tmp_path), "cpu")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def tiny():
+    config = Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_padded_batch_on_cuda_takes_the_memory_efficient_kernel(cudnn_flag, tmp_path):
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    tiny().save_pretrained(tmp_path)
+    model = load_policy(str(tmp_path), "cuda")
+    ids = torch.randint(0, 256, (4, 96), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0  # left padding, as prompts are
+    mask[2, 80:] = 0  # right padding, as responses are
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        logits.float().square().mean().backward()
+    ops = {event.key for event in prof.key_averages()}
+    attention = {op for op in ops if "attention" in op}
+    assert "aten::_scaled_dot_product_efficient_attention" in ops, attention
+    assert "aten::_efficient_attention_backward" in ops, attention
+    assert not any("cudnn" in op or "math" in op for op in attention), attention
