@@ -38,6 +38,13 @@ def test_the_cap_is_a_fraction_of_the_card(monkeypatch):
     assert device_memory_bytes(CUDA) == int(card.total * 76.0 / 140.0)
 
 
+def test_a_device_without_index_is_capped_as_the_current_one(monkeypatch):
+    card = Card(monkeypatch, total_gib=140.0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    limit_device_memory(torch.device("cuda"), 70.0)
+    assert card.calls == [(0.5, torch.device("cuda", 3))]
+
+
 def test_no_cap_leaves_the_card_whole(monkeypatch):
     card = Card(monkeypatch, total_gib=140.0)
     limit_device_memory(CUDA, 0.0)

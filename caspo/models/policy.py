@@ -197,6 +197,8 @@ def limit_device_memory(device: torch.device, gib: float) -> None:
     if device.type != "cuda":
         raise ConfigError(f"model.device_memory_gib={gib} caps a CUDA device's memory, and model.device is "
                           f"{device.type}: leave it 0")
+    if device.index is None:  # "cuda": the current device, which the allocator's calls need by index
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     if gib * GIB > total:
         raise ConfigError(f"model.device_memory_gib={gib} is more than {device}'s {total / GIB:.1f} GiB: "
