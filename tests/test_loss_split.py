@@ -45,3 +45,33 @@ def test_gradients_agree_across_micro_batch_splits(rollout, mode):
     assert grads[8, 0].abs().max() > 0
     for micro in ((4, 0), (1, 0), (8, 60), (8, 1)):
         assert torch.allclose(grads[micro], grads[8, 0], atol=1e-6, rtol=0), (mode, micro)
+
+
+def test_no_grad_passes_take_their_own_micro_batches(rollout):
+    """train.score_micro_batch_size / _tokens set the scoring forwards' micro-batches (0: the update's), and the
+    log-probs do not depend on them."""
+    tr, batch = rollout
+    decoder = tr.policy.get_decoder()
+    seen = []
+    hook = decoder.register_forward_hook(lambda module, args, kwargs, out: seen.append(kwargs["input_ids"].shape[0]),
+                                         with_kwargs=True)
+    scores = {}
+    try:
+        for knobs in (("2", "0", "0", "0"), ("2", "0", "8", "0"), ("2", "0", "0", "40"), ("8", "40", "1", "0")):
+            cfg = load_config("tests", ["train.minibatch_size=8", f"train.micro_batch_size={knobs[0]}",
+                                        f"train.micro_batch_tokens={knobs[1]}",
+                                        f"train.score_micro_batch_size={knobs[2]}",
+                                        f"train.score_micro_batch_tokens={knobs[3]}"])
+            seen.clear()
+            scores[knobs] = loop.score(tr.policy, batch, cfg)
+            scores[knobs, "rows"] = list(seen)
+    finally:
+        hook.remove()
+    assert scores[("2", "0", "0", "0"), "rows"] == [2, 2, 2, 2]  # the update's micro-batches
+    assert scores[("2", "0", "8", "0"), "rows"] == [8]  # its own rows
+    assert scores[("8", "40", "1", "0"), "rows"] == [1] * 8  # its own rows; the update's token budget kept
+    packed = [len(idx) for idx, _ in batch.micro_batches(2, max_tokens=40)]  # rows 2, its own token budget
+    assert scores[("2", "0", "0", "40"), "rows"] == packed != [2, 2, 2, 2]
+    mask = batch.response_mask.bool()
+    for knobs in (("2", "0", "8", "0"), ("2", "0", "0", "40"), ("8", "40", "1", "0")):
+        assert torch.allclose(scores[knobs][mask], scores["2", "0", "0", "0"][mask], atol=1e-5, rtol=0), knobs

@@ -279,6 +279,11 @@ class TrainConfig:
     # frame (rows × (longest prompt + longest response)) at most this many tokens and at most
     # micro_batch_size rows. The loss is still normalised over the whole minibatch.
     micro_batch_tokens: int = 0
+    # The no-grad passes' micro-batches (old and reference log-probs, critic values, CASPO's prefix values),
+    # rows and padded tokens as above; 0 = micro_batch_size / micro_batch_tokens. A forward without
+    # gradients keeps no activations, so it can take larger micro-batches than the update.
+    score_micro_batch_size: int = 0
+    score_micro_batch_tokens: int = 0
     epochs_per_rollout: int = 1
     # "auto": skip the old-log-prob pass when the update's first forward gives the same log-probs
     # (μ = 1, one minibatch per rollout, no staleness, no KL reward, no dropout); "recompute": always run it

@@ -131,6 +131,8 @@ RANGES: dict[str, Range] = {
     "train.minibatch_size": COUNT,
     "train.micro_batch_size": COUNT,
     "train.micro_batch_tokens": at_least(0, "0 = micro-batches of train.micro_batch_size rows"),
+    "train.score_micro_batch_size": at_least(0, "0 = train.micro_batch_size"),
+    "train.score_micro_batch_tokens": at_least(0, "0 = train.micro_batch_tokens"),
     "train.epochs_per_rollout": COUNT,
     "train.loss_scale": POSITIVE,
     "train.save_every": at_least(0, "0 = at the end only"),

@@ -34,6 +34,7 @@ from caspo.models.looped import LoopedPreTrainedModel
 from caspo.precision import autocast
 from caspo.train import distributed
 from caspo.train.optim import Learner
+from caspo.train.scoring import score_micro_batching
 
 _ROOTS: "weakref.WeakKeyDictionary[torch.nn.Module, Root]" = weakref.WeakKeyDictionary()
 
@@ -145,7 +146,7 @@ def score_rows(model: torch.nn.Module, batch: RolloutBatch, cfg, fn: Callable[..
     """`fn(model, micro, *args)` -> [b, R] over the batch, each rank on its block of rows, gathered on all."""
     rows = distributed.my_rows(torch.arange(batch.size))
     out = torch.zeros((len(rows), batch.behaviour_logprobs.shape[1]), device=batch.behaviour_logprobs.device)
-    for idx, micro, real in micro_batches(batch, rows, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens):
+    for idx, micro, real in micro_batches(batch, rows, *score_micro_batching(cfg)):
         with autocast(cfg.train.precision, micro.input_ids.device):
             values = call(model, fn, micro, *args).float()
         if real:

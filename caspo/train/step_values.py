@@ -32,6 +32,7 @@ from caspo.segment import batch_step_splitter, pad_step_ids
 from caspo.train.method_state import MethodState
 from caspo.train.monte_carlo import continuation_seed, mc_step_values, step_start_indices
 from caspo.train.optim import Learner, learner
+from caspo.train.scoring import score_micro_batching
 
 if TYPE_CHECKING:
     from caspo.train.trainer import Trainer
@@ -169,8 +170,7 @@ class PrefixValues(MethodState):
         batch.step_ids = segment(tr, batch)
         shared = batch.ref_logprobs if self.shares_reference and batch.ref_logprobs is not None else None
         online = self.online is not None  # the reference is frozen: the online step reuses its scores
-        values, batch.step_mask, reference = self.read(batch, tr.cfg.train.micro_batch_size,
-                                                       tr.cfg.train.micro_batch_tokens, ref_logprobs=shared,
+        values, batch.step_mask, reference = self.read(batch, *score_micro_batching(tr.cfg), ref_logprobs=shared,
                                                        keep_reference=online)
         if online:
             batch.value_ref_logprobs = reference
