@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from caspo.models.policy import attention_without_cudnn
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -57,6 +59,8 @@ def build_model(args) -> torch.nn.Module:
                          num_key_value_heads=args.kv_heads, tie_word_embeddings=True, rope_theta=1e6,
                          max_position_embeddings=32768)
     torch.manual_seed(args.seed)
+    if torch.device(args.device).type == "cuda":  # attention as in the trainer's models (load_policy)
+        attention_without_cudnn()
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype])
     with torch.no_grad():
