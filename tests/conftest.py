@@ -10,7 +10,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from caspo.models.policy import tiny_qwen2_config  # noqa: E402
+from caspo.models.policy import attention_without_cudnn, tiny_qwen2_config  # noqa: E402
+
+if torch.cuda.is_available():  # every GPU test runs attention as the trainer does, whatever loaded first
+    attention_without_cudnn()
 
 
 @pytest.fixture
