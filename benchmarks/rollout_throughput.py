@@ -68,13 +68,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="the kernels of one more run of the last engine")
     parser.add_argument("--nucleus-top", type=int, default=sampling_module.NUCLEUS_TOP,
                         help="likeliest tokens tried before the nucleus search (0: every row searches)")
-    parser.add_argument("--nucleus-search", default=sampling_module.NUCLEUS_SEARCH, choices=("passes", "rows"),
-                        help="the search on CUDA: two kernels a pass, or one for all (sampling.NUCLEUS_SEARCH)")
     args = parser.parse_args()
     if args.nucleus_top < 0:
         parser.error("--nucleus-top must be 0 or more")
     sampling_module.NUCLEUS_TOP = args.nucleus_top  # read by every nucleus_threshold call, the captured ones too
-    sampling_module.NUCLEUS_SEARCH = args.nucleus_search
 
     model = build_model(args)
     prompts = random_prompts(args.prompts, args.prompt_len, args.vocab, args.seed)

@@ -5,9 +5,8 @@ as a random-init model's: the 0.9 nucleus holds about half the vocabulary) and s
 at temperature 0.6. Timed with CUDA events after a warm-up, each figure the mean of --reps:
 
     sort threshold            the previous nucleus_threshold (sort, softmax, cumsum)
-    search passes / rows      nucleus_threshold for each --pivots, called and replayed from a CUDA graph, its
-                              passes two Triton kernels each or all in one kernel (sampling.NUCLEUS_SEARCH);
-                              and the whole sampler with each, from a graph
+    search                    nucleus_threshold for each --pivots, called and replayed from a CUDA graph, its
+                              passes two Triton kernels each; and the whole sampler with it, from a graph
     sample_next old / new     the whole sampler after the logits at top-p 0.9 and 1.0: the cut by
                               sorting and the Gumbel pick compiled / the cut by the search and
                               the fused Triton pick; called, and replayed from a CUDA graph
@@ -29,7 +28,6 @@ from datetime import datetime, timezone
 import torch
 from _common import append_result, print_table
 
-from caspo.rollout import sampling as sampling_module
 from caspo.rollout.sampling import NUCLEUS_PIVOTS, gumbel_pick, nucleus_threshold, sample_next
 
 
@@ -140,15 +138,10 @@ def main() -> None:
                 case[name] = None
 
         measure("sort threshold", lambda: sorted_threshold(scaled, top_p))
-        for search in ("passes", "rows"):  # sampling.NUCLEUS_SEARCH: two kernels a pass, or one kernel in all
-            sampling_module.NUCLEUS_SEARCH = search
-            for m in pivots:
-                measure(f"search {search} (m={m})", functools.partial(nucleus_threshold, scaled, top_p, m))
-                measure(f"search {search} (m={m}), CUDA graph", functools.partial(nucleus_threshold, scaled, top_p, m),
-                        capture=True)
-            step = functools.partial(sample_next, logits, seeds, positions, args.temperature, top_p=top_p)
-            measure(f"sample_next, search {search}, CUDA graph, top-p {top_p}", step, capture=True)
-        sampling_module.NUCLEUS_SEARCH = "passes"
+        for m in pivots:
+            measure(f"search (m={m})", functools.partial(nucleus_threshold, scaled, top_p, m))
+            measure(f"search (m={m}), CUDA graph", functools.partial(nucleus_threshold, scaled, top_p, m),
+                    capture=True)
         for p in (top_p, 1.0):
             for label, sampler in (("old", old_sample_next), ("new", sample_next)):
                 step = functools.partial(sampler, logits, seeds, positions, args.temperature, top_p=p)

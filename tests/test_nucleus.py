@@ -303,33 +303,6 @@ def test_narrowing_kernels_equal_the_torch_passes(vocab, top_p):
     assert torch.equal(lo[3], found[3])
 
 
-@pytest.mark.parametrize("vocab, top_p, pivots", [(700, 0.5, 7), (3000, 0.95, 15)])
-def test_one_kernel_search_leaves_the_torch_passes_intervals(vocab, top_p, pivots):
-    """mass_above.search_rows (triton's interpreter on the CPU), every pass in one program per row, ends
-    where the torch passes end: one bit pattern per row, the threshold; a resolved row is not touched."""
-    device = needs_triton()
-    from caspo.rollout.mass_above import search_rows
-
-    x = random_logits(4, vocab, 2.0, seed=vocab + 1).float()
-    x[3] = x[3] * 20
-    e = torch.exp(x - x.amax(-1, keepdim=True))
-    shift, first, plan = _nucleus_plan(vocab, top_p, pivots)
-    assert plan[-1] < pivots  # this plan's last pass has fewer pivots than the others
-    target = (_masses(e, e.new_zeros(4, 1), shift).double() * top_p).ceil().to(torch.int64)
-    found, resolved = _threshold_among_top(e, target, shift, 8)
-    lo, hi = torch.where(resolved, found, first), torch.where(resolved, found, _ONE_BITS)
-    k_lo, k_hi = lo[:, 0].clone().to(device), hi[:, 0].clone().to(device)
-    search_rows(e.to(device), k_lo, k_hi, target[:, 0].to(device), resolved[:, 0].to(torch.int8).to(device),
-                shift, plan)
-    for m in plan:
-        lo, hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m)
-    assert torch.equal(k_lo.cpu(), lo[:, 0]) and torch.equal(k_hi.cpu(), hi[:, 0])
-    assert torch.equal(lo, hi) and torch.equal(lo[3], found[3])
-    with pytest.raises(ValueError, match="the same pivots in every pass but the last"):
-        search_rows(e.to(device), k_lo, k_hi, target[:, 0].to(device), resolved[:, 0].to(torch.int8).to(device),
-                    shift, [7, 3, 7])
-
-
 # ---------------------------------------------------------------- GPU
 
 CUDA = torch.device("cuda")
@@ -388,24 +361,3 @@ def test_fused_sampler_replays_in_a_cuda_graph(top_k, top_p):
         assert torch.equal(out[0], eager[0])
         for got, expected in zip(out[1:], eager[1:]):
             assert torch.allclose(got, expected, atol=1e-5)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("std", [1.0, 8.0])
-def test_both_searches_give_one_threshold_on_the_gpu(std, monkeypatch):
-    """NUCLEUS_SEARCH "rows" (one kernel for every pass) and "passes" (two kernels a pass) give the same
-    thresholds at [256 × 151,936], called and replayed from a CUDA graph."""
-    from caspo.rollout import sampling
-
-    logits, _, _ = cuda_batch(256, std, seed=5)
-    scaled = logits / 0.6
-    monkeypatch.setattr(sampling, "NUCLEUS_SEARCH", "passes")
-    expected = nucleus_threshold(scaled, 0.9)
-    monkeypatch.setattr(sampling, "NUCLEUS_SEARCH", "rows")
-    assert torch.equal(nucleus_threshold(scaled, 0.9), expected)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = nucleus_threshold(scaled, 0.9)
-    graph.replay()
-    assert torch.equal(out, expected)

@@ -14,12 +14,6 @@ are exact, so the result equals the torch computation bit for bit, whatever the 
 patterns inside the sum kernel, then one program per row that adds the parts' sums, counts the
 levels reached and narrows the interval in place. As torch operations a pass was about twenty small
 kernels, most of a step's launches at top-p < 1.
-
-`search_rows` is the whole search in one kernel: one program per row runs every pass over its row,
-the interval in registers, so there is no launch or cross-program reduction between passes; a row
-is read once a pass by one program instead of by ~19. Its intervals equal those of `narrow` pass by
-pass (the same cuts, the same integer sums), so the two are interchangeable
-(`sampling.NUCLEUS_SEARCH`).
 """
 
 from __future__ import annotations
@@ -31,8 +25,6 @@ import triton.language as tl
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 256  # entries per loop iteration, each thread holding BLOCK / (32 WARPS) rows of the m sums
 WARPS = 4
-ROW_BLOCK = 1024  # search_rows: entries per iteration of a row's program
-ROW_WARPS = 8
 
 
 @triton.jit
@@ -104,26 +96,6 @@ def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
     tl.store(Hi + row, hi)
 
 
-@triton.jit
-def _search_rows_kernel(E, Lo, Hi, Target, Skip, vocab, stride_row, scale, PASSES: tl.constexpr, M: tl.constexpr,
-                        M_LAST: tl.constexpr, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
-    """Every pass of the search for one row: m = M levels in each pass but the last, which has M_LAST."""
-    row = tl.program_id(0)
-    if tl.load(Skip + row) == 0:  # a resolved row keeps its interval of width 1
-        slots = tl.arange(0, LEVELS)
-        lo = tl.load(Lo + row)
-        hi = tl.load(Hi + row)
-        target = tl.load(Target + row)
-        for p in range(PASSES):
-            m = tl.where(p == PASSES - 1, M_LAST, M).to(tl.int64)
-            sums = _level_sums(E + row * stride_row, 0, vocab, _cut_levels(lo, hi, slots, m), vocab, scale,
-                               LEVELS, BLOCK)
-            count = tl.sum(((sums >= target) & (slots < m)).to(tl.int64), axis=0)
-            lo, hi = _narrowed(lo, hi, count, m)
-        tl.store(Lo + row, lo)
-        tl.store(Hi + row, hi)
-
-
 def _part_sums_buffer(e: torch.Tensor, m: int) -> torch.Tensor:
     """[B, parts, LEVELS] int64 for the programs' sums: a part per SPAN entries of the row, m levels padded
     to a power of two (at least 2, triton's smallest block)."""
@@ -144,21 +116,6 @@ def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Te
                                     M=m, LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     _narrow_kernel[(rows,)](partial, lo, hi, target, skip, parts, M=m, LEVELS=width,
                             PARTS=max(2, triton.next_power_of_2(parts)))
-
-
-def search_rows(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor, skip: torch.Tensor,
-                shift: int, plan: list[int]) -> None:
-    """Every pass of the nucleus search in one kernel, in place on lo, hi [B]: the intervals that `narrow`
-    with m = plan[0], plan[1], … would leave. The search's plan has one pivot count in every pass but
-    the last (`sampling._nucleus_plan`)."""
-    if not plan:
-        return
-    if len(set(plan[:-1])) > 1:
-        raise ValueError(f"search_rows needs the same pivots in every pass but the last, got {plan}")
-    rows, vocab = e.shape
-    _search_rows_kernel[(rows,)](e, lo, hi, target, skip, vocab, e.stride(0), 2.0 ** shift, PASSES=len(plan),
-                                 M=plan[0], M_LAST=plan[-1], LEVELS=max(2, triton.next_power_of_2(max(plan))),
-                                 BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)
 
 
 def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int, skip: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,9 +14,9 @@ import torch
 
 try:
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
-    from caspo.rollout.mass_above import mass_above, narrow, search_rows
+    from caspo.rollout.mass_above import mass_above, narrow
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
-    fused_gumbel_pick = mass_above = narrow = search_rows = None
+    fused_gumbel_pick = mass_above = narrow = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -58,10 +58,6 @@ NUCLEUS_PIVOTS = 7
 # a random-init model's holds ~50,000 tokens and always searches). They are found among the NUCLEUS_TOP
 # chunks of NUCLEUS_CHUNK tokens with the largest maxima (largest_values), not by a top-k over the row.
 NUCLEUS_TOP = 64
-# How the passes run on CUDA: "passes", two kernels a pass over (rows × parts of the vocabulary) programs
-# (mass_above.narrow); "rows", every pass in one kernel of one program per row (mass_above.search_rows). The
-# same intervals either way; read at each call, like NUCLEUS_TOP.
-NUCLEUS_SEARCH = "passes"
 NUCLEUS_CHUNK = 128
 _ONE_BITS = 127 << 23  # the int32 bit pattern of float32 1.0
 
@@ -112,16 +108,11 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     found, resolved = _threshold_among_top(e, target, shift, candidates)
     lo = torch.where(resolved, found, first)  # a resolved row starts (and stays) at width 1
     hi = torch.where(resolved, found, _ONE_BITS)
-    if e.is_cuda:  # Triton kernels (NUCLEUS_SEARCH): the same integers as the torch passes
+    if e.is_cuda:  # two Triton kernels a pass: the same integers as the torch passes
         skip, flat_target = resolved[:, 0].to(torch.int8), target[:, 0].contiguous()
         lo, hi = lo[:, 0].contiguous(), hi[:, 0].contiguous()
-        if NUCLEUS_SEARCH == "rows":
-            search_rows(e, lo, hi, flat_target, skip, shift, plan)
-        elif NUCLEUS_SEARCH == "passes":
-            for m in plan:
-                narrow(e, lo, hi, flat_target, skip, shift, m)
-        else:
-            raise ValueError(f"NUCLEUS_SEARCH must be 'passes' or 'rows', got {NUCLEUS_SEARCH!r}")
+        for m in plan:
+            narrow(e, lo, hi, flat_target, skip, shift, m)
         lo = lo[:, None]
     else:
         for m in plan:  # invariant W(lo) >= T > W(hi + 1); each pass divides the width by m + 1
