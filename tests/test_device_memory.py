@@ -23,12 +23,16 @@ class Card:
         props = type("Props", (), {"total_memory": self.total})()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
-        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: self.fraction,
-                            raising=False)
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", self.get_fraction, raising=False)
 
     def set_fraction(self, fraction, device):
+        assert device.index is not None  # as torch.cuda insists
         self.fraction = fraction
         self.calls.append((fraction, device))
+
+    def get_fraction(self, device):
+        assert device.index is not None
+        return self.fraction
 
 
 def test_the_cap_is_a_fraction_of_the_card(monkeypatch):
@@ -43,6 +47,7 @@ def test_a_device_without_index_is_capped_as_the_current_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     limit_device_memory(torch.device("cuda"), 70.0)
     assert card.calls == [(0.5, torch.device("cuda", 3))]
+    assert device_memory_bytes(torch.device("cuda")) == card.total // 2
 
 
 def test_no_cap_leaves_the_card_whole(monkeypatch):

@@ -186,6 +186,11 @@ def resolve_device(device: str) -> torch.device:
 GIB = 2**30
 
 
+def indexed(device: torch.device) -> torch.device:
+    """A CUDA device with its index: "cuda" is the current device (the allocator's calls need the index)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+
 def limit_device_memory(device: torch.device, gib: float) -> None:
     """Cap what this process may allocate on `device` at `gib` GiB (model.device_memory_gib; 0 = no cap).
 
@@ -197,8 +202,7 @@ def limit_device_memory(device: torch.device, gib: float) -> None:
     if device.type != "cuda":
         raise ConfigError(f"model.device_memory_gib={gib} caps a CUDA device's memory, and model.device is "
                           f"{device.type}: leave it 0")
-    if device.index is None:  # "cuda": the current device, which the allocator's calls need by index
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed(device)
     total = torch.cuda.get_device_properties(device).total_memory
     if gib * GIB > total:
         raise ConfigError(f"model.device_memory_gib={gib} is more than {device}'s {total / GIB:.1f} GiB: "
@@ -208,6 +212,7 @@ def limit_device_memory(device: torch.device, gib: float) -> None:
 
 def device_memory_bytes(device: torch.device) -> int:
     """The memory this process may take on a CUDA `device`: the card's, or the cap `limit_device_memory` set."""
+    device = indexed(device)
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.9
     return int(total * fraction(device)) if fraction is not None else total
