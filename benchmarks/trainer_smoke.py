@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--vineppo-k", type=int, default=9, help="vineppo's continuations per step boundary")
     parser.add_argument("--profile", default="",
                         help="a folder: each method's last step runs under torch.profiler, and its kernels and "
-                             "phases (device time against wall time) are written there as profile_<method>.txt")
+                             "phases (wall time and GPU span) are written there as profile_<method>.txt")
     parser.add_argument("--nproc", type=int, default=1,
                         help="FSDP2 ranks on this host, one device each (`caspo train --nproc`); MFU over all of them")
     args = parser.parse_args()
@@ -190,7 +190,7 @@ def step_ratios(last_steps: dict[str, float]) -> list[list[str]]:
 @contextlib.contextmanager
 def profiled_last_step(steps: int, out: Path):
     """Run the outer step numbered `steps` (the last) under torch.profiler and write its top kernels, and each
-    phase's device time against its wall time, to `out`."""
+    phase's wall time and GPU span, to `out`."""
     from torch.profiler import ProfilerActivity, profile
 
     original, calls = loop.outer_step, []
@@ -214,15 +214,15 @@ def profiled_last_step(steps: int, out: Path):
 
 
 def profile_report(averages, clock: str) -> str:
-    """The phases (wall and device seconds) and the 40 kernels or ops that took the most `clock` time
-    ("device": the GPU's kernels, "cpu" on a CPU run)."""
-    total = f"{clock}_time_total"
-    lines = ["phase  wall s  device s"]
-    for event in averages:
+    """Each phase's wall seconds (its host range) and, on CUDA, the span of its range on the GPU, then the 40
+    kernels or ops that took the most `clock` time ("device": the GPU's kernels, "cpu" on a CPU run)."""
+    wall, span = {}, {}
+    for event in averages:  # a phase is two events on CUDA: the host range and its annotation on the GPU
         if event.key in PHASES:
-            lines.append(f"{event.key}  {event.cpu_time_total / 1e6:.2f}  {getattr(event, total) / 1e6:.2f}")
-    lines.append("")
-    lines.append(averages.table(sort_by=f"self_{total}", row_limit=40, max_name_column_width=90))
+            wall[event.key] = max(wall.get(event.key, 0.0), event.cpu_time_total / 1e6)
+            span[event.key] = max(span.get(event.key, 0.0), event.device_time_total / 1e6)
+    lines = ["phase  wall s  GPU span s"] + [f"{k}  {wall[k]:.2f}  {span[k]:.2f}" for k in PHASES if k in wall]
+    lines += ["", averages.table(sort_by=f"self_{clock}_time_total", row_limit=40, max_name_column_width=90)]
     return "\n".join(lines) + "\n"
 
 
