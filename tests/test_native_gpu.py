@@ -211,7 +211,7 @@ SAMPLERS = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
 @pytest.mark.parametrize("sp", SAMPLERS, ids=["greedy", "t1", "top-p", "top-k-top-p"])
 def test_sampler_graphs_pick_the_eager_samplers_tokens(sp):
     """Replayed at a padded batch size, the sampler's graph picks each row's token as eagerly."""
-    from caspo.rollout.native.sampler_graphs import SamplerGraphs, pick
+    from caspo.rollout.native.graphs import SamplerGraphs, pick
 
     torch.manual_seed(0)
     logits = torch.randn(13, 5000, device=CUDA) * 3
@@ -233,7 +233,10 @@ def test_engine_with_sampler_graphs_samples_as_without(family, sp):
     eager = native(model, cuda_graphs=True, sampler_graphs=False).generate(reqs, sp)
     engine = native(model, cuda_graphs=True)
     graphed = engine.generate(reqs, sp)
-    assert len(engine.model_runner.sampler_graphs.graphs) >= 2
+    sampling_decodes = [key for key in engine.model_runner.graphs.graphs if len(key) > 2]
+    assert len({key[0] for key in sampling_decodes}) >= 2  # decode graphs that sample, at two row counts
+    assert all(len(key) > 2 for key in engine.model_runner.graphs.graphs)
+    assert len(engine.model_runner.sampler_graphs.graphs) >= 1  # the prefilled prompts' first tokens
     assert [c.tokens for c in graphed] == [c.tokens for c in eager]
     for a, b in zip(graphed, eager):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

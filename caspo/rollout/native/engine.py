@@ -4,10 +4,11 @@ One `generate` call repeats, until every request has finished:
 
     admit    waiting requests take free slots, strictly in request order;
     prefill  their prompts, computing only what no resident slot already holds (prefix sharing);
-    sample   one token for every sequence with fresh logits (just prefilled or just decoded),
-             with the counter-based noise of (sample seed, token index);
+    sample   one token for each just-prefilled sequence, with the counter-based noise of
+             (sample seed, token index);
     decode   one step, launched on the device with the sampled tokens still there, for every
-             sequence not at its last token;
+             sequence not at its last token, ending with each one's next token sampled the same way
+             (in the decode step's CUDA graph, when graphs are on);
     retire   meanwhile the host reads the tokens: finished sequences leave and free their slots
              (one that stopped on a token leaves a wasted row in the step already launched).
 
@@ -89,8 +90,9 @@ class NativeEngine(PublishedWeights):
         round per batch of them rather than one per decode step (default: max_running // 16, at least 1).
     prefix_sharing: prompts sharing a prefix with a resident sequence copy its K/V instead of computing it.
     cuda_graphs: replay CUDA graphs of the decode step, captured per (rows, key length) on first use (CUDA only).
-    sampler_graphs: with cuda_graphs, replay the sampler as graphs too, per (rows, sampling parameters)
-        (false: launch its kernels one by one; the same tokens).
+    sampler_graphs: with cuda_graphs, sample inside the decode step's graph (keyed by the sampling parameters
+        too) and replay the sampler of freshly prefilled prompts as graphs of its own (false: launch the LM
+        head and the sampler's kernels one by one after each graph; the same tokens).
     decode_kernel: decode attention through the split-K Triton kernel instead of masked SDPA
         (default: on CUDA; it reads each sequence's K/V once, where SDPA reads them at ~1/3 of the bandwidth).
     rope_kernel: RoPE and the K/V-cache write in one Triton kernel (`rope_store`) instead of eager
@@ -224,28 +226,29 @@ class NativeEngine(PublishedWeights):
         scheduler = Scheduler(requests, slots=self.max_running, prefix_sharing=self.prefix_sharing,
                               max_prefill_tokens=self.max_prefill_tokens, sampling=sp, decode=self.decode,
                               admit_batch=self.admit_batch)
-        logits: torch.Tensor | None = None  # next-token logits of scheduler.running, row for row
+        upcoming = None  # the next tokens of scheduler.running, sampled by the last decode step
         while not scheduler.done:
             admitted = scheduler.admit()
+            picked = upcoming
             if admitted:
                 plan = scheduler.plan_prefill(admitted)
                 self.stats.prefill_rounds += 1
                 self.stats.shared_tokens += sum(wave.shared_tokens for wave in plan)
                 self.stats.prefill_tokens += sum(wave.computed_tokens for wave in plan)
-                fresh = self.model_runner.prefill(plan, admitted)
-                logits = fresh if logits is None else torch.cat([logits, fresh])
-            picked = self.model_runner.sample(scheduler.running, logits, sp, top_logprobs)
-            # Decode ahead: the next step runs on the device while the host reads this step's tokens.
-            # Sequences at their last token are left out; one that stops on a token wastes a row.
-            ahead, hidden = scheduler.decoding(), None
+                fresh = self.model_runner.sample(admitted, self.model_runner.prefill(plan, admitted), sp, top_logprobs)
+                picked = fresh if picked is None else picked.join(fresh)
+            # Decode ahead: the next step runs (and samples) on the device while the host reads this step's
+            # tokens. Sequences at their last token are left out; one that stops on a token wastes a row.
+            ahead, decoded = scheduler.decoding(), None
             if ahead:
-                hidden = self.model_runner.decode(ahead, picked.tokens)
+                decoded = self.model_runner.decode(ahead, picked.tokens, scheduler.running, sp)
                 self.stats.decode_steps += 1
             self.stats.generated_tokens += len(scheduler.running)
             for seq in scheduler.postprocess(picked.read()):
                 results[seq.index] = self._completion(seq, top_logprobs)
+            # Whoever still runs was decoded ahead: a sequence left out was at its last token and finished.
             slots = [s.slot for s in scheduler.running]
-            logits = self.model_runner.logits(hidden, slots) if slots else None
+            upcoming = decoded.picked(slots, top_logprobs) if slots else None
         return results
 
     def _completion(self, seq: SequenceState, top_logprobs: int) -> NativeCompletion:

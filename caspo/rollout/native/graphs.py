@@ -1,11 +1,18 @@
-"""CUDA graphs of the decode step, replayed instead of ~15 kernel launches per layer.
+"""CUDA graphs of the decode step and of the sampler, replayed instead of ~15 kernel launches per layer.
 
-A graph is keyed by (rows, key length): it decodes the first `rows` slots and attends over
-the first `key length` positions of each. Both come from short ladders (`default_batch_sizes`,
-`default_key_lengths`) and a step runs in the smallest graph that holds it, so attention
-reads about the positions in use rather than whole slots. Graphs are captured on first use,
-with the step's real inputs already in the static buffers: the warm-up run that precedes a
-capture writes the same K/V the replay writes again.
+A decode graph is keyed by (rows, key length) and, when it samples, by the sampling parameters:
+it decodes the first `rows` slots, attends over the first `key length` positions of each, and
+with sampling parameters goes on to the LM head and the sampler (`pick`), so that one replay
+turns the step's input tokens into its sampled next tokens. Rows and key lengths come from
+short ladders (`default_batch_sizes`, `default_key_lengths`) and a step runs in the smallest
+graph that holds it, so attention reads about the positions in use rather than whole slots.
+Graphs are captured on first use, with the step's real inputs already in the static buffers:
+the warm-up run that precedes a capture writes the same K/V the replay writes again.
+
+The sampler alone (`SamplerGraphs`) samples the logits of freshly prefilled prompts: the nucleus
+search at top-p < 1 is about a hundred kernels, which launched one by one cost the host more than
+the device runs them. Every kernel of the sampler works row by row, so the rows a graph pads with
+(zero logits, or the free slots of a decode step) change nothing in the others.
 
 Rows beyond the running sequences carry token 0 at position 0: they write garbage K/V into
 position 0 of free slots, which admission overwrites before anything reads it. The graphs
@@ -21,8 +28,10 @@ import time
 
 import torch
 
+from caspo.rollout.base import SamplingParams
 from caspo.rollout.native.kv_cache import KVCache
 from caspo.rollout.native.runner import Runner
+from caspo.rollout.sampling import sample_next
 
 KEY_LENGTH_QUANTUM = 64
 
@@ -43,6 +52,18 @@ def default_key_lengths(max_seq_len: int, count: int = 8) -> list[int]:
     return sorted(set(range(step, max_seq_len, step)) | {max_seq_len})
 
 
+def pick(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, sp: SamplingParams
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], packed [B, 3] float64: token, log-prob sampled from, untruncated log-prob)."""
+    tokens, logprobs, full = sample_next(logits, seeds, positions, sp.temperature, sp.top_k, sp.top_p)
+    return tokens, torch.stack([tokens.double(), logprobs.double(), full.double()], dim=-1)
+
+
+def sampling_key(sp: SamplingParams) -> tuple[float, int, float]:
+    """What a captured sampler depends on (stop conditions and lengths are the host's)."""
+    return sp.temperature, sp.top_k, sp.top_p
+
+
 def smallest_holding(ladder: list[int], n: int, what: str) -> int:
     index = bisect.bisect_left(ladder, n)
     if index == len(ladder):
@@ -60,13 +81,30 @@ class DecodeGraphs:
             raise ValueError(f"graph key lengths must end at max_seq_len={cache.max_seq_len}, got {max(key_lengths)}")
         self.runner, self.cache, self.stats = runner, cache, stats  # stats: an EngineStats, counting captures
         self.sizes, self.key_lengths = sorted(set(batch_sizes)), sorted(set(key_lengths))
-        self.tokens = torch.zeros(self.sizes[-1], dtype=torch.long, device=cache.device)
-        self.positions = torch.zeros(self.sizes[-1], dtype=torch.long, device=cache.device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        rows = self.sizes[-1]
+        self.tokens, self.positions, self.seeds, self.steps = (
+            torch.zeros(rows, dtype=torch.long, device=cache.device) for _ in range(4))
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None  # one memory pool for all graphs: they never run concurrently
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int):
         """Hidden states [n, hidden] for rows 0..n-1, attending over keys [0, key_len); valid until the next call."""
+        size, keys = self._load(tokens, positions, key_len)
+        return self._replay((size, keys))[: tokens.shape[0]]
+
+    def run_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int, seeds: torch.Tensor,
+                       steps: torch.Tensor, sp: SamplingParams
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`run`, then each row's next token sampled with the noise of (seeds, steps): (logits, tokens, packed)
+        of rows 0..n-1 as `pick` returns them, valid until the next call."""
+        n = tokens.shape[0]
+        size, keys = self._load(tokens, positions, key_len)
+        self.seeds[:n].copy_(seeds)
+        self.steps[:n].copy_(steps)
+        logits, picked, packed = self._replay((size, keys, *sampling_key(sp)), sp)
+        return logits[:n], picked[:n], packed[:n]
+
+    def _load(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> tuple[int, int]:
         n = tokens.shape[0]
         size = smallest_holding(self.sizes, n, "rows")
         keys = smallest_holding(self.key_lengths, key_len, "key positions")
@@ -74,23 +112,65 @@ class DecodeGraphs:
         self.tokens[n:size].zero_()
         self.positions[:n].copy_(positions)
         self.positions[n:size].zero_()
-        if (size, keys) not in self.graphs:
-            self.graphs[size, keys] = self._capture(size, keys)
-        graph, output = self.graphs[size, keys]
+        return size, keys
+
+    def _replay(self, key: tuple, sp: SamplingParams | None = None):
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key[0], key[1], sp)
+        graph, output = self.graphs[key]
         graph.replay()
-        return output[:n]
+        return output
 
-    def _step(self, size: int, keys: int) -> torch.Tensor:
-        return self.runner.decode(self.tokens[:size], self.positions[:size], self.cache, keys)
+    def _step(self, size: int, keys: int, sp: SamplingParams | None):
+        hidden = self.runner.decode(self.tokens[:size], self.positions[:size], self.cache, keys)
+        if sp is None:
+            return hidden
+        logits = self.runner.logits(hidden)
+        return (logits, *pick(logits, self.seeds[:size], self.steps[:size], sp))
 
-    def _capture(self, size: int, keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, keys: int, sp: SamplingParams | None) -> tuple[torch.cuda.CUDAGraph, object]:
         started = time.perf_counter()
-        graph, output = capture(lambda: self._step(size, keys), self.cache.device, self.pool)
+        graph, output = capture(lambda: self._step(size, keys, sp), self.cache.device, self.pool)
         self.pool = graph.pool()
         if self.stats is not None:
             self.stats.graph_captures += 1
             self.stats.capture_s += time.perf_counter() - started
         return graph, output
+
+
+class SamplerGraphs:
+    """The sampler alone as graphs keyed by (rows, sampling parameters), with static logits, seeds and positions.
+
+    It has a memory pool of its own, apart from the decode graphs', and the engine's sleep drops it too.
+    """
+
+    def __init__(self, batch_sizes: list[int], vocab_size: int, device: torch.device):
+        self.sizes = sorted(set(batch_sizes))
+        rows = self.sizes[-1]
+        self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pool = None
+
+    def run(self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, sp: SamplingParams
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pick` of rows 0..n-1, as views valid until the next call."""
+        n = logits.shape[0]
+        size = smallest_holding(self.sizes, n, "rows")
+        self.logits[:n].copy_(logits)
+        self.logits[n:size].zero_()
+        self.seeds[:n].copy_(seeds)
+        self.positions[:n].copy_(positions)
+        key = (size, *sampling_key(sp))
+        if key not in self.graphs:
+            step = lambda: pick(self.logits[:size], self.seeds[:size], self.positions[:size], sp)  # noqa: E731
+            graph, outputs = capture(step, self.logits.device, self.pool)
+            self.pool = graph.pool()
+            self.graphs[key] = graph, outputs
+        graph, (tokens, packed) = self.graphs[key]
+        graph.replay()
+        return tokens[:n], packed[:n]
 
 
 def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:

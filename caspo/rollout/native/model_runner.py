@@ -2,9 +2,10 @@
 
 `ModelRunner` (nano-vllm's name for this half) turns the scheduler's decisions into forwards of
 the decoder (`runner.py` or `looped_runner.py`) over the KV cache, and owns what points into
-that cache: the CUDA graphs of the decode step and each slot's last prompt hidden state; with the
-decode graphs it also replays the sampler as graphs (`sampler_graphs.py`). It
-reads the scheduler's sequences (slots, prompts, seeds, tokens) but never changes them.
+that cache: the CUDA graphs of the decode step and each slot's last prompt hidden state. A decode step
+ends with the next token of each of its sequences sampled (inside its graph, with sampler graphs on);
+freshly prefilled prompts are sampled on their own (as graphs of the sampler alone). It reads the
+scheduler's sequences (slots, prompts, seeds, tokens) but never changes them.
 
 Nothing here waits for the device unless it must: host-built index tensors are copied from
 pinned memory, and the sampled tokens reach the host through a non-blocking copy (`Picked`),
@@ -18,10 +19,9 @@ from typing import Sequence
 import torch
 
 from caspo.rollout.base import SamplingParams
-from caspo.rollout.native.graphs import DecodeGraphs, default_key_lengths
+from caspo.rollout.native.graphs import DecodeGraphs, SamplerGraphs, default_key_lengths, pick
 from caspo.rollout.native.kv_cache import KVCache
 from caspo.rollout.native.runner import Batch, Runner
-from caspo.rollout.native.sampler_graphs import SamplerGraphs, pick
 from caspo.rollout.native.scheduler import PrefillWave, PromptPiece, SequenceState
 from caspo.rollout.native.spec import DecoderSpec
 
@@ -97,43 +97,45 @@ class ModelRunner:
             self.prompt_hidden[done_slots] = hidden[rows, last]
 
     # ------------------------------------------------------------ decode
-    def decode(self, ahead: list[tuple[int, int, int]], sampled: torch.Tensor) -> torch.Tensor:
-        """One step for the scheduler's (row, slot, position) triples, input token `sampled[row]` (still on the device).
-
-        Returns the hidden states [rows, hidden], row i for slot i, valid until the next decode.
+    def decode(self, ahead: list[tuple[int, int, int]], sampled: torch.Tensor, seqs: list[SequenceState],
+               sp: SamplingParams) -> Decoded:
+        """One step for the scheduler's (row, slot, position) triples, input token `sampled[row]` (still on the
+        device), and the next token of each of those sequences (`seqs[row]`), sampled with the noise of
+        (seed, token index): the token being fed is index len(tokens), so the one sampled is the next.
         """
         rows = max(slot for _, slot, _ in ahead) + 1  # row i is slot i; free slots in between ride along
-        positions = [0] * rows
-        for _, slot, position in ahead:
-            positions[slot] = position
+        positions, seeds, steps = [0] * rows, [0] * rows, [0] * rows
+        for row, slot, position in ahead:
+            positions[slot], seeds[slot], steps[slot] = position, seqs[row].request.seed, len(seqs[row].tokens) + 1
         tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
         tokens.index_copy_(0, self._tensor([slot for _, slot, _ in ahead]),
                            sampled.index_select(0, self._tensor([row for row, _, _ in ahead])))
-        positions_t = self._tensor(positions)
+        positions_t, key_len = self._tensor(positions), max(positions) + 1
+        if self.graphs is not None and self.graph_sampler:
+            logits, picked, packed = self.graphs.run_and_sample(tokens, positions_t, key_len, self._tensor(seeds),
+                                                                self._tensor(steps), sp)
+            return Decoded(list(range(rows)), picked, packed, logits, sp)
         if self.graphs is not None:
-            return self.graphs.run(tokens, positions_t, key_len=max(positions) + 1)
-        return self.runner.decode(tokens, positions_t, self.cache, key_len=max(positions) + 1)
-
-    def logits(self, hidden: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Next-token logits of the decode step's rows `slots` (row i is slot i)."""
-        if slots == list(range(len(slots))):
-            return self.runner.logits(hidden[: len(slots)])
-        return self.runner.logits(hidden.index_select(0, self._tensor(slots)))
+            hidden = self.graphs.run(tokens, positions_t, key_len)
+        else:
+            hidden = self.runner.decode(tokens, positions_t, self.cache, key_len)
+        slots = [slot for _, slot, _ in ahead]
+        logits = self.runner.logits(hidden.index_select(0, self._tensor(slots)))
+        picked, packed = pick(logits, self._tensor([seeds[s] for s in slots]), self._tensor([steps[s] for s in slots]),
+                              sp)
+        return Decoded(slots, picked, packed, logits, sp)
 
     # ------------------------------------------------------------ sampling
     def sample(self, seqs: list[SequenceState], logits: torch.Tensor, sp: SamplingParams, top_n: int) -> Picked:
-        """One token per sequence, sampled on the device with the noise of (seed, token index)."""
+        """One token per sequence from its freshly prefilled logits, sampled on the device with the noise of
+        (seed, token index)."""
         seeds = self._tensor([s.request.seed for s in seqs])
         steps = self._tensor([len(s.tokens) for s in seqs])
         if self.sampler_graphs is not None:
             tokens, packed = self.sampler_graphs.run(logits, seeds, steps, sp)
         else:
             tokens, packed = pick(logits, seeds, steps, sp)
-        top = None
-        if top_n:
-            values, ids = torch.topk(torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1), top_n, dim=-1)
-            top = torch.cat([ids.double(), values.double()], dim=-1)
-        return Picked(tokens, packed, top)
+        return Picked(tokens, packed, top_logprobs(logits, sp, top_n))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """An int64 tensor on the device, copied without waiting for the work queued on it.
@@ -162,11 +164,39 @@ class ModelRunner:
         return out
 
 
+def top_logprobs(logits: torch.Tensor, sp: SamplingParams, top_n: int) -> torch.Tensor | None:
+    """[B, 2 top_n] float64: the ids, then the log-probs, of each row's `top_n` likeliest tokens under
+    softmax(logits / T) (T = 1 when greedy); None when top_n is 0."""
+    if not top_n:
+        return None
+    values, ids = torch.topk(torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1), top_n, dim=-1)
+    return torch.cat([ids.double(), values.double()], dim=-1)
+
+
+class Decoded:
+    """A decode step's sampled next tokens, row j for slot `slots[j]`; in the decode graph's memory, so
+    `picked` must take what it needs before the next step."""
+
+    def __init__(self, slots: list[int], tokens: torch.Tensor, packed: torch.Tensor, logits: torch.Tensor,
+                 sp: SamplingParams):
+        self.row = {slot: j for j, slot in enumerate(slots)}
+        self.tokens, self.packed, self.logits, self.sp = tokens, packed, logits, sp
+
+    def picked(self, slots: list[int], top_n: int) -> Picked:
+        """The tokens of the sequences in `slots` (each decoded by this step), in that order."""
+        index = torch.tensor([self.row[slot] for slot in slots], dtype=torch.int64)
+        if self.tokens.is_cuda:
+            index = index.pin_memory().to(self.tokens.device, non_blocking=True)
+        logits = self.logits.index_select(0, index) if top_n else None
+        return Picked(self.tokens.index_select(0, index), self.packed.index_select(0, index),
+                      top_logprobs(logits, self.sp, top_n))
+
+
 class Picked:
     """One step's sampled tokens: on the device for the next decode, copied to the host without blocking it."""
 
     def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, top: torch.Tensor | None):
-        self.tokens = tokens
+        self.tokens, self.packed, self.top = tokens, packed, top
         # Token ids are exact in float64; one copy carries tokens and both log-probs.
         copies = [packed] if top is None else [packed, top]
         if tokens.is_cuda:
@@ -175,6 +205,11 @@ class Picked:
             self._ready.record()
         else:
             self._host, self._ready = copies, None
+
+    def join(self, other: Picked) -> Picked:
+        """These rows, then `other`'s."""
+        tops = None if self.top is None else torch.cat([self.top, other.top])
+        return Picked(torch.cat([self.tokens, other.tokens]), torch.cat([self.packed, other.packed]), tops)
 
     def read(self) -> list[tuple[int, float, float, list[tuple[int, float]] | None]]:
         """(token, log-prob sampled from, log-prob untruncated, top pairs or None) per row."""
