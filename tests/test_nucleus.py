@@ -303,6 +303,64 @@ def test_narrowing_kernels_equal_the_torch_passes(vocab, top_p):
     assert torch.equal(lo[3], found[3])
 
 
+def kernel_logits(vocab: int = 9000) -> torch.Tensor:
+    """Rows for the kernel path: flat (searched), peaked (resolved by the top chunks), top-k masked, a row
+    resolved by its top chunks whose threshold ties with entries outside them, and one all tied."""
+    x = random_logits(6, vocab, 2.0, seed=vocab).float()
+    x[1] = x[1] * 20
+    x[2] = x[2].masked_fill(x[2] < x[2].topk(300).values[-1], NEG_INF)
+    x[3] = 0.0
+    x[3, torch.arange(10) * 128 * 3] = 5.0  # ten 5s in ten chunks; at top_p 0.145 the 39th candidate (a 0) is t
+    x[4] = 0.0
+    return x
+
+
+def test_nucleus_reads_equal_their_torch_definitions():
+    """chunk_maxima, exp_and_mass and threshold_logit (triton's interpreter on the CPU) against torch."""
+    device = needs_triton()
+    from caspo.rollout.nucleus_reads import chunk_maxima, exp_and_mass, threshold_logit
+
+    x = kernel_logits(9000).to(device)  # 9,000 = 70 chunks of 128 + 40: a partial chunk and a partial part
+    maxima = chunk_maxima(x, 128)
+    padded = torch.cat([x, x.new_full((6, 71 * 128 - 9000), NEG_INF)], -1)
+    assert torch.equal(maxima, padded.view(6, 71, 128).amax(-1))
+    shift = 62 - (9000 - 1).bit_length()
+    e, total = exp_and_mass(x, maxima.amax(-1), shift)
+    torch.testing.assert_close(e, torch.exp(x - x.amax(-1, keepdim=True)), rtol=3e-7, atol=0)
+    assert torch.equal(total, (e * 2.0 ** shift).to(torch.int64).sum(-1))  # of the kernel's own e
+    t = e.gather(1, torch.randint(9000, (6, 1), generator=torch.Generator().manual_seed(0)).to(device))
+    skip = torch.tensor([0, 0, 0, 0, 1, 0], dtype=torch.int8, device=device)
+    got = threshold_logit(x, e, t[:, 0].view(torch.int32).to(torch.int64), skip)
+    expected = torch.where(e >= t, x, float("inf")).amin(-1)
+    assert torch.equal(got[skip == 0], expected[skip == 0]) and got[4] == float("inf")
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.145])
+@pytest.mark.parametrize("candidates, vocab", [(NUCLEUS_TOP, 9000), (0, 9000), (NUCLEUS_TOP, 5000)])
+def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
+    """The CUDA path of nucleus_threshold (its kernels in triton's interpreter) returns the torch path's
+    threshold: the candidates' shortcut, its read-off threshold logit, the tie that forbids it, and the
+    passes. (Exponentials may differ in their last bit across implementations; here they agree.)"""
+    device = needs_triton()
+    from caspo.rollout.nucleus_reads import chunk_maxima, exp_and_mass
+    from caspo.rollout.sampling import _nucleus_threshold_by_kernels, _threshold_among_top_chunks
+
+    x = kernel_logits(vocab)  # 5,000: 40 chunks, fewer than the candidates, all of them read
+    shift, first, plan = _nucleus_plan(vocab, top_p, NUCLEUS_PIVOTS)
+    got = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates).cpu()
+    expected = nucleus_threshold(x, top_p, candidates=candidates)
+    assert torch.equal(got, expected)
+    if candidates and top_p == 0.145 and vocab == 9000:
+        xd = x.to(device)
+        maxima = chunk_maxima(xd, 128)
+        e, total = exp_and_mass(xd, maxima.amax(-1), shift)
+        target = (total.double() * top_p).ceil().to(torch.int64)
+        _, resolved, known, _ = _threshold_among_top_chunks(xd, e, maxima, target, shift, candidates)
+        assert resolved[1] and known[1]  # peaked: read off the top chunks
+        assert resolved[3] and not known[3]  # t ties with zeros outside the top chunks: read from the row
+        assert got[3, 0] == 0.0
+
+
 # ---------------------------------------------------------------- GPU
 
 CUDA = torch.device("cuda")

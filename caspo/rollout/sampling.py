@@ -15,8 +15,9 @@ import torch
 try:
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
     from caspo.rollout.mass_above import mass_above, narrow
+    from caspo.rollout.nucleus_reads import chunk_maxima, exp_and_mass, threshold_logit
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
-    fused_gumbel_pick = mass_above = narrow = None
+    fused_gumbel_pick = mass_above = narrow = chunk_maxima = exp_and_mass = threshold_logit = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -100,25 +101,72 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     """
     candidates = NUCLEUS_TOP if candidates is None else candidates
     x = logits.float()
-    e = torch.exp(x - x.amax(-1, keepdim=True))
     shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
-    weight = None if e.is_cuda else (e * 2.0 ** shift).to(torch.int64)  # the kernel derives it per read
+    if x.is_cuda:
+        return _nucleus_threshold_by_kernels(x.contiguous(), top_p, shift, first, plan, candidates)
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    weight = (e * 2.0 ** shift).to(torch.int64)
     total = _masses(e, e.new_zeros(e.shape[0], 1), shift, weight)
     target = (total.double() * top_p).ceil().to(torch.int64)  # T
     found, resolved = _threshold_among_top(e, target, shift, candidates)
     lo = torch.where(resolved, found, first)  # a resolved row starts (and stays) at width 1
     hi = torch.where(resolved, found, _ONE_BITS)
-    if e.is_cuda:  # two Triton kernels a pass: the same integers as the torch passes
-        skip, flat_target = resolved[:, 0].to(torch.int8), target[:, 0].contiguous()
-        lo, hi = lo[:, 0].contiguous(), hi[:, 0].contiguous()
-        for m in plan:
-            narrow(e, lo, hi, flat_target, skip, shift, m)
-        lo = lo[:, None]
-    else:
-        for m in plan:  # invariant W(lo) >= T > W(hi + 1); each pass divides the width by m + 1
-            lo, hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m, weight)
+    for m in plan:  # invariant W(lo) >= T > W(hi + 1); each pass divides the width by m + 1
+        lo, hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m, weight)
     kept = e >= lo.to(torch.int32).view(torch.float32)
     return torch.where(kept, logits, float("inf")).amin(-1, keepdim=True)
+
+
+def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, first: int, plan: list[int],
+                                  candidates: int) -> torch.Tensor:
+    """nucleus_threshold on CUDA: the same search, its reads of the rows Triton kernels (`nucleus_reads`,
+    `mass_above`). A row whose threshold its likeliest tokens resolve reads its threshold logit off them
+    too, unless a token outside their chunks ties with the threshold; the others take one more read."""
+    if narrow is None:
+        raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
+    maxima = chunk_maxima(x, NUCLEUS_CHUNK)
+    e, total = exp_and_mass(x, maxima.amax(-1), shift)
+    target = (total.double() * top_p).ceil().to(torch.int64)  # T [B]
+    rows = x.shape[0]
+    found, resolved = target.new_zeros(rows), torch.zeros(rows, dtype=torch.bool, device=x.device)
+    known, cut = resolved, x.new_full((rows,), float("inf"))
+    if candidates > 0:
+        found, resolved, known, cut = _threshold_among_top_chunks(x, e, maxima, target, shift, candidates)
+    lo = torch.where(resolved, found, first)  # a resolved row starts (and stays) at width 1
+    hi = torch.where(resolved, found, _ONE_BITS)
+    skip = resolved.to(torch.int8)
+    for m in plan:
+        narrow(e, lo, hi, target, skip, shift, m)
+    return torch.where(known, cut, threshold_logit(x, e, lo, known.to(torch.int8)))[:, None]
+
+
+def _threshold_among_top_chunks(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, target: torch.Tensor,
+                                shift: int, count: int) -> tuple[torch.Tensor, ...]:
+    """(t's bit pattern, resolved, known, threshold logit), each [B]: `_threshold_among_top` on the `count`
+    chunks of NUCLEUS_CHUNK entries with the largest maxima of x (those of e too: e rises with x).
+
+    The chunks hold every entry of e above M, their smallest e maximum. Where t > M (or they are the
+    whole row) they hold every entry at or above t, so the threshold logit, min {x_i : e_i >= t}, is
+    theirs (`known`).
+    """
+    rows, vocab = x.shape
+    chunk = NUCLEUS_CHUNK
+    count = min(count, maxima.shape[1])
+    best = maxima.topk(count, dim=-1).indices  # [B, count]
+    index = (best[..., None] * chunk + torch.arange(chunk, device=x.device)).flatten(1)  # [B, count · chunk]
+    inside = index < vocab
+    index = index.clamp(max=vocab - 1)
+    e_in = e.gather(1, index).masked_fill(~inside, 0.0)  # padding weighs nothing and is never kept (t > 0)
+    x_in = x.gather(1, index)
+    top = e_in.topk(count, dim=-1).values
+    prefix = (top * 2.0 ** shift).to(torch.int64).cumsum(-1)
+    n = (prefix < target[:, None]).sum(-1, keepdim=True)
+    t = top.gather(-1, n.clamp(max=count - 1))  # [B, 1]
+    resolved = n[:, 0] < count
+    smallest_max = e_in.view(rows, count, chunk).amax(-1).amin(-1, keepdim=True)
+    known = resolved & (t[:, 0] > smallest_max[:, 0]) if count < maxima.shape[1] else resolved  # or every chunk
+    cut = torch.where(e_in >= t, x_in, float("inf")).amin(-1)
+    return t[:, 0].view(torch.int32).to(torch.int64), resolved, known, cut
 
 
 def narrow_by_torch(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor,

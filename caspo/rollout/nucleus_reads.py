@@ -1,0 +1,133 @@
+"""The nucleus search's reads of the rows on CUDA, other than its passes (`mass_above.narrow`).
+
+For scaled logits x [B, V] (float32) the search needs, per row (docs/engine/nucleus.md):
+
+    chunk_maxima     max of x over each chunk of `chunk` entries              one read of x
+    exp_and_mass     e_i = exp(x_i - max_k x_k), and the total integer mass
+                     sum_i floor(e_i 2^shift) (int64, exact in any order)     one read of x, one write of e
+    threshold_logit  min {x_i : e_i >= t}, t a float32 bit pattern per row    one read of x and e
+
+As torch operations these were about ten reads and writes of [B, V] around the passes (the row
+max, the difference, the exponentials, a mass pass, the chunk maxima, a mask, a select and a
+min), most of the sampler's time when every row's nucleus is found among its likeliest tokens.
+
+The exponentials are libdevice's `exp`, the correctly rounded-to-within-an-ulp function CUDA's
+`expf` is (triton's own `tl.exp` is an approximation), and numpy's exp under triton's CPU
+interpreter. Each kernel's grid is (rows, parts of SPAN entries); the parts' results are reduced
+by torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+SPAN = 8192  # entries per program: 19 parts per row at a vocabulary of 151,936
+BLOCK = 1024  # entries per loop iteration
+WARPS = 4
+
+
+@triton.jit
+def _triton_exp(x):
+    return tl.exp(x)
+
+
+INTERPRETED = not isinstance(_triton_exp, JITFunction)  # triton's CPU interpreter (tests)
+if INTERPRETED:  # libdevice has no interpreter; there tl.exp is numpy's exp
+    _accurate_exp = _triton_exp
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _accurate_exp(x):
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _chunk_maxima_kernel(X, Maxima, vocab, chunks, stride_row,
+                         CHUNK: tl.constexpr, PER_PART: tl.constexpr, ROWS: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
+    for first in range(0, PER_PART, ROWS):  # ROWS chunks at a time, as a [ROWS, CHUNK] tile
+        chunk = part * PER_PART + first + tl.arange(0, ROWS)
+        index = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        x = tl.load(X + row * stride_row + index, mask=index < vocab, other=float("-inf"))
+        tl.store(Maxima + row * chunks + chunk, tl.max(x, axis=1), mask=chunk < chunks)
+
+
+@triton.jit
+def _exp_and_mass_kernel(X, RowMax, E, Partial, vocab, stride_row, scale, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
+    top = tl.load(RowMax + row)
+    total = tl.zeros([BLOCK], dtype=tl.int64)
+    for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
+        index = offset + tl.arange(0, BLOCK)
+        inside = index < vocab
+        e = _accurate_exp(tl.load(X + row * stride_row + index, mask=inside, other=float("-inf")) - top)
+        tl.store(E + row * stride_row + index, e, mask=inside)
+        total += (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation
+    tl.store(Partial + row * tl.num_programs(1) + part, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _threshold_logit_kernel(X, E, Bits, Skip, Partial, vocab, stride_row, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
+    least = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    if tl.load(Skip + row) == 0:  # a row whose threshold is known is not read
+        t = tl.load(Bits + row).to(tl.int32).to(tl.float32, bitcast=True)
+        for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
+            index = offset + tl.arange(0, BLOCK)
+            inside = index < vocab
+            e = tl.load(E + row * stride_row + index, mask=inside, other=0.0)
+            x = tl.load(X + row * stride_row + index, mask=inside, other=float("inf"))
+            least = tl.minimum(least, tl.where(e >= t, x, float("inf")))
+    tl.store(Partial + row * tl.num_programs(1) + part, tl.min(least, axis=0))
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"the nucleus kernels need contiguous [B, V] float32 logits, got {x.dtype} {tuple(x.shape)}")
+
+
+def _parts(vocab: int) -> int:
+    return triton.cdiv(vocab, SPAN)
+
+
+def chunk_maxima(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[B, ceil(V / chunk)]: the max of each row's chunks of `chunk` entries (a power of two dividing SPAN)."""
+    _check(x)
+    rows, vocab = x.shape
+    if SPAN % chunk or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two dividing {SPAN}, got {chunk}")
+    chunks = triton.cdiv(vocab, chunk)
+    maxima = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+    _chunk_maxima_kernel[(rows, _parts(vocab))](x, maxima, vocab, chunks, x.stride(0), CHUNK=chunk,
+                                                PER_PART=SPAN // chunk, ROWS=max(1, BLOCK // chunk),
+                                                num_warps=WARPS)
+    return maxima
+
+
+def exp_and_mass(x: torch.Tensor, row_max: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e [B, V], total [B] int64): e = exp(x - row_max[:, None]), total = sum_i floor(e_i 2^shift)."""
+    _check(x)
+    rows, vocab = x.shape
+    e = torch.empty_like(x)
+    partial = torch.empty(rows, _parts(vocab), dtype=torch.int64, device=x.device)
+    _exp_and_mass_kernel[(rows, _parts(vocab))](x, row_max.float().contiguous(), e, partial, vocab, x.stride(0),
+                                                2.0 ** shift, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
+    return e, partial.sum(1)
+
+
+def threshold_logit(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    """[B]: min {x_i : e_i >= t} with t the float32 of bit pattern `bits` [B] (int64); +inf for the rows
+    `skip` [B] (int8) marks, which are not read."""
+    _check(x)
+    rows, vocab = x.shape
+    _check(e)
+    if e.shape != x.shape:
+        raise ValueError(f"threshold_logit needs e of x's shape {tuple(x.shape)}, got {tuple(e.shape)}")
+    partial = torch.empty(rows, _parts(vocab), dtype=torch.float32, device=x.device)
+    _threshold_logit_kernel[(rows, _parts(vocab))](x, e, bits, skip, partial, vocab, x.stride(0), SPAN=SPAN,
+                                                   BLOCK=BLOCK, num_warps=WARPS)
+    return partial.amin(1)
