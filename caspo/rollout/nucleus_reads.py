@@ -1,6 +1,7 @@
 """The nucleus search's reads of the rows on CUDA, other than its passes (`mass_above.narrow`).
 
-For scaled logits x [B, V] (float32) the search needs, per row (docs/engine/nucleus.md):
+For scaled logits x = logits · scale [B, V] (float32; each kernel multiplies as it reads, so no scaled
+copy is written) the search needs, per row (docs/engine/nucleus.md):
 
     chunk_maxima     max of x over each chunk of `chunk` entries              one read of x
     exp_and_mass     e_i = exp(x_i - max_k x_k), and the total integer mass
@@ -46,32 +47,34 @@ else:
 
 
 @triton.jit
-def _chunk_maxima_kernel(X, Maxima, vocab, chunks, stride_row,
+def _chunk_maxima_kernel(X, Maxima, vocab, chunks, stride_row, x_scale,
                          CHUNK: tl.constexpr, PER_PART: tl.constexpr, ROWS: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     for first in range(0, PER_PART, ROWS):  # ROWS chunks at a time, as a [ROWS, CHUNK] tile
         chunk = part * PER_PART + first + tl.arange(0, ROWS)
         index = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        x = tl.load(X + row * stride_row + index, mask=index < vocab, other=float("-inf"))
+        x = tl.load(X + row * stride_row + index, mask=index < vocab, other=float("-inf")) * x_scale
         tl.store(Maxima + row * chunks + chunk, tl.max(x, axis=1), mask=chunk < chunks)
 
 
 @triton.jit
-def _exp_and_mass_kernel(X, RowMax, E, Partial, vocab, stride_row, scale, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+def _exp_and_mass_kernel(X, RowMax, E, Partial, vocab, stride_row, x_scale, scale,
+                         SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     top = tl.load(RowMax + row)
     total = tl.zeros([BLOCK], dtype=tl.int64)
     for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
         index = offset + tl.arange(0, BLOCK)
         inside = index < vocab
-        e = _accurate_exp(tl.load(X + row * stride_row + index, mask=inside, other=float("-inf")) - top)
+        e = _accurate_exp(tl.load(X + row * stride_row + index, mask=inside, other=float("-inf")) * x_scale - top)
         tl.store(E + row * stride_row + index, e, mask=inside)
         total += (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation
     tl.store(Partial + row * tl.num_programs(1) + part, tl.sum(total, axis=0))
 
 
 @triton.jit
-def _threshold_logit_kernel(X, E, Bits, Skip, Partial, vocab, stride_row, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+def _threshold_logit_kernel(X, E, Bits, Skip, Partial, vocab, stride_row, x_scale,
+                            SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     least = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     if tl.load(Skip + row) == 0:  # a row whose threshold is known is not read
@@ -80,7 +83,7 @@ def _threshold_logit_kernel(X, E, Bits, Skip, Partial, vocab, stride_row, SPAN: 
             index = offset + tl.arange(0, BLOCK)
             inside = index < vocab
             e = tl.load(E + row * stride_row + index, mask=inside, other=0.0)
-            x = tl.load(X + row * stride_row + index, mask=inside, other=float("inf"))
+            x = tl.load(X + row * stride_row + index, mask=inside, other=float("inf")) * x_scale
             least = tl.minimum(least, tl.where(e >= t, x, float("inf")))
     tl.store(Partial + row * tl.num_programs(1) + part, tl.min(least, axis=0))
 
@@ -94,40 +97,43 @@ def _parts(vocab: int) -> int:
     return triton.cdiv(vocab, SPAN)
 
 
-def chunk_maxima(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[B, ceil(V / chunk)]: the max of each row's chunks of `chunk` entries (a power of two dividing SPAN)."""
+def chunk_maxima(x: torch.Tensor, chunk: int, scale: float = 1.0) -> torch.Tensor:
+    """[B, ceil(V / chunk)]: the max of x · scale over each row's chunks of `chunk` entries (a power of two
+    dividing SPAN)."""
     _check(x)
     rows, vocab = x.shape
     if SPAN % chunk or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two dividing {SPAN}, got {chunk}")
     chunks = triton.cdiv(vocab, chunk)
     maxima = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
-    _chunk_maxima_kernel[(rows, _parts(vocab))](x, maxima, vocab, chunks, x.stride(0), CHUNK=chunk,
+    _chunk_maxima_kernel[(rows, _parts(vocab))](x, maxima, vocab, chunks, x.stride(0), scale, CHUNK=chunk,
                                                 PER_PART=SPAN // chunk, ROWS=max(1, BLOCK // chunk),
                                                 num_warps=WARPS)
     return maxima
 
 
-def exp_and_mass(x: torch.Tensor, row_max: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e [B, V], total [B] int64): e = exp(x - row_max[:, None]), total = sum_i floor(e_i 2^shift)."""
+def exp_and_mass(x: torch.Tensor, row_max: torch.Tensor, shift: int, scale: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e [B, V], total [B] int64): e = exp(x · scale - row_max[:, None]), total = sum_i floor(e_i 2^shift)."""
     _check(x)
     rows, vocab = x.shape
     e = torch.empty_like(x)
     partial = torch.empty(rows, _parts(vocab), dtype=torch.int64, device=x.device)
     _exp_and_mass_kernel[(rows, _parts(vocab))](x, row_max.float().contiguous(), e, partial, vocab, x.stride(0),
-                                                2.0 ** shift, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
+                                                scale, 2.0 ** shift, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return e, partial.sum(1)
 
 
-def threshold_logit(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-    """[B]: min {x_i : e_i >= t} with t the float32 of bit pattern `bits` [B] (int64); +inf for the rows
-    `skip` [B] (int8) marks, which are not read."""
+def threshold_logit(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, skip: torch.Tensor,
+                    scale: float = 1.0) -> torch.Tensor:
+    """[B]: min {x_i · scale : e_i >= t} with t the float32 of bit pattern `bits` [B] (int64); +inf for the
+    rows `skip` [B] (int8) marks, which are not read."""
     _check(x)
     rows, vocab = x.shape
     _check(e)
     if e.shape != x.shape:
         raise ValueError(f"threshold_logit needs e of x's shape {tuple(x.shape)}, got {tuple(e.shape)}")
     partial = torch.empty(rows, _parts(vocab), dtype=torch.float32, device=x.device)
-    _threshold_logit_kernel[(rows, _parts(vocab))](x, e, bits, skip, partial, vocab, x.stride(0), SPAN=SPAN,
-                                                   BLOCK=BLOCK, num_warps=WARPS)
+    _threshold_logit_kernel[(rows, _parts(vocab))](x, e, bits, skip, partial, vocab, x.stride(0), scale,
+                                                   SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return partial.amin(1)

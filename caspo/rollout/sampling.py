@@ -88,8 +88,9 @@ def _nucleus_plan(vocab: int, top_p: float, pivots: int) -> tuple[int, int, list
 
 
 def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_PIVOTS,
-                      candidates: int | None = None) -> torch.Tensor:
-    """The smallest logit [B, 1] of the top-p nucleus, found without sorting (for 0 < top_p < 1).
+                      candidates: int | None = None, scale: float = 1.0) -> torch.Tensor:
+    """The smallest logit [B, 1] of the top-p nucleus of logits · scale (float32 products, like a scaled copy's),
+    found without sorting (for 0 < top_p < 1).
 
     The nucleus is the sorted definition's: the fewest most likely tokens whose mass reaches top_p,
     every token tied with the last one kept. It is found by narrowing an interval of float32 bit
@@ -100,10 +101,12 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     searches) is how many likeliest tokens are tried first.
     """
     candidates = NUCLEUS_TOP if candidates is None else candidates
-    x = logits.float()
-    shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
-    if x.is_cuda:
-        return _nucleus_threshold_by_kernels(x.contiguous(), top_p, shift, first, plan, candidates)
+    shift, first, plan = _nucleus_plan(logits.shape[-1], top_p, pivots)
+    if logits.is_cuda:
+        threshold = _nucleus_threshold_by_kernels(logits.float().contiguous(), top_p, shift, first, plan,
+                                                  candidates, scale)
+        return threshold if scale != 1.0 else threshold.to(logits.dtype)  # exact: one of the logits
+    x = logits.float() * scale if scale != 1.0 else logits.float()
     e = torch.exp(x - x.amax(-1, keepdim=True))
     weight = (e * 2.0 ** shift).to(torch.int64)
     total = _masses(e, e.new_zeros(e.shape[0], 1), shift, weight)
@@ -114,36 +117,39 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     for m in plan:  # invariant W(lo) >= T > W(hi + 1); each pass divides the width by m + 1
         lo, hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m, weight)
     kept = e >= lo.to(torch.int32).view(torch.float32)
-    return torch.where(kept, logits, float("inf")).amin(-1, keepdim=True)
+    return torch.where(kept, x if scale != 1.0 else logits, float("inf")).amin(-1, keepdim=True)
 
 
-def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, first: int, plan: list[int],
-                                  candidates: int) -> torch.Tensor:
+def _nucleus_threshold_by_kernels(logits: torch.Tensor, top_p: float, shift: int, first: int, plan: list[int],
+                                  candidates: int, scale: float = 1.0) -> torch.Tensor:
     """nucleus_threshold on CUDA: the same search, its reads of the rows Triton kernels (`nucleus_reads`,
-    `mass_above`). A row whose threshold its likeliest tokens resolve reads its threshold logit off them
-    too, unless a token outside their chunks ties with the threshold; the others take one more read."""
+    `mass_above`), which scale the logits as they read them. A row whose threshold its likeliest tokens
+    resolve reads its threshold logit off them too, unless a token outside their chunks ties with the
+    threshold; the others take one more read."""
     if narrow is None:
         raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
-    maxima = chunk_maxima(x, NUCLEUS_CHUNK)
-    e, total = exp_and_mass(x, maxima.amax(-1), shift)
+    x = logits
+    maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
+    e, total = exp_and_mass(x, maxima.amax(-1), shift, scale)
     target = (total.double() * top_p).ceil().to(torch.int64)  # T [B]
     rows = x.shape[0]
     found, resolved = target.new_zeros(rows), torch.zeros(rows, dtype=torch.bool, device=x.device)
     known, cut = resolved, x.new_full((rows,), float("inf"))
     if candidates > 0:
-        found, resolved, known, cut = _threshold_among_top_chunks(x, e, maxima, target, shift, candidates)
+        found, resolved, known, cut = _threshold_among_top_chunks(x, e, maxima, target, shift, candidates, scale)
     lo = torch.where(resolved, found, first)  # a resolved row starts (and stays) at width 1
     hi = torch.where(resolved, found, _ONE_BITS)
     skip = resolved.to(torch.int8)
     for m in plan:
         narrow(e, lo, hi, target, skip, shift, m)
-    return torch.where(known, cut, threshold_logit(x, e, lo, known.to(torch.int8)))[:, None]
+    return torch.where(known, cut, threshold_logit(x, e, lo, known.to(torch.int8), scale))[:, None]
 
 
 def _threshold_among_top_chunks(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, target: torch.Tensor,
-                                shift: int, count: int) -> tuple[torch.Tensor, ...]:
-    """(t's bit pattern, resolved, known, threshold logit), each [B]: `_threshold_among_top` on the `count`
-    chunks of NUCLEUS_CHUNK entries with the largest maxima of x (those of e too: e rises with x).
+                                shift: int, count: int, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """(t's bit pattern, resolved, known, threshold logit of x · scale), each [B]: `_threshold_among_top` on
+    the `count` chunks of NUCLEUS_CHUNK entries with the largest maxima (`maxima`, of x · scale), those of e
+    too: e rises with x.
 
     The chunks hold every entry of e above M, their smallest e maximum. Where t > M (or they are the
     whole row) they hold every entry at or above t, so the threshold logit, min {x_i : e_i >= t}, is
@@ -157,7 +163,7 @@ def _threshold_among_top_chunks(x: torch.Tensor, e: torch.Tensor, maxima: torch.
     inside = index < vocab
     index = index.clamp(max=vocab - 1)
     e_in = e.gather(1, index).masked_fill(~inside, 0.0)  # padding weighs nothing and is never kept (t > 0)
-    x_in = x.gather(1, index)
+    x_in = x.gather(1, index) * scale
     top = e_in.topk(count, dim=-1).values
     prefix = (top * 2.0 ** shift).to(torch.int64).cumsum(-1)
     n = (prefix < target[:, None]).sum(-1, keepdim=True)
@@ -235,13 +241,17 @@ def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Ten
                       for j in range(levels.shape[1])], -1)
 
 
-def cut_threshold(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The smallest logit [B, 1] kept by top-k then top-p (0 / 1.0 disable them; -inf keeps everything)."""
-    threshold = logits.new_full((logits.shape[0], 1), float("-inf"))
-    if 0 < top_k < logits.shape[-1]:
-        threshold = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+def cut_threshold(logits: torch.Tensor, top_k: int, top_p: float, scale: float = 1.0) -> torch.Tensor:
+    """The smallest scaled logit [B, 1] of logits · scale kept by top-k then top-p (0 / 1.0 disable them;
+    -inf keeps everything). Without a top-k cut the nucleus search scales as it reads (no scaled copy)."""
+    if not 0 < top_k < logits.shape[-1]:
+        if top_p < 1.0:
+            return nucleus_threshold(logits, top_p, scale=scale)
+        return logits.new_full((logits.shape[0], 1), float("-inf"))
+    scaled = logits * scale if scale != 1.0 else logits
+    threshold = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
     if top_p < 1.0:
-        threshold = nucleus_threshold(logits.masked_fill(logits < threshold, float("-inf")), top_p)
+        threshold = nucleus_threshold(scaled.masked_fill(scaled < threshold, float("-inf")), top_p)
     return threshold
 
 
@@ -286,8 +296,8 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     if fused_gumbel_pick is None:
         raise RuntimeError("the fused sampler needs triton (it comes with CUDA builds of torch); pass fused=False")
     threshold = None
-    if top_k > 0 or top_p < 1.0:  # the scaling is folded into the pick unless the cut needs it
-        threshold = cut_threshold(logits * inverse, top_k, top_p)
+    if top_k > 0 or top_p < 1.0:
+        threshold = cut_threshold(logits, top_k, top_p, scale=inverse)
     return fused_gumbel_pick(logits.contiguous(), inverse, threshold, noise_row_hash(seeds, positions))
 
 
