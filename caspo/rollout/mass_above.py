@@ -28,24 +28,15 @@ WARPS = 4
 
 
 @triton.jit
-def _level_sums(E, start, stop, levels, vocab, scale, LEVELS: tl.constexpr, BLOCK: tl.constexpr,
-                LANES_IN_FLOAT64: tl.constexpr):
-    """The m int64 sums of w over e >= each level, for the entries [start, stop) of a row E (a pointer).
-
-    Each lane adds (stop - start) / BLOCK integers w < 2^shift. Where that sum stays within 2^53
-    (`LANES_IN_FLOAT64`), float64 adds it exactly, and one float64 add beats the two integer adds
-    and two selects of an int64 one; the lanes are reduced in int64.
-    """
-    if LANES_IN_FLOAT64:
-        acc = tl.zeros([BLOCK, LEVELS], dtype=tl.float64)
-    else:
-        acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
+def _level_sums(E, start, stop, levels, vocab, scale, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+    """The m int64 sums of w over e >= each level, for the entries [start, stop) of a row E (a pointer)."""
+    acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
     for offset in range(start, stop, BLOCK):
         index = offset + tl.arange(0, BLOCK)
         e = tl.load(E + index, mask=index < vocab, other=0.0)
-        w = (e * scale).to(tl.int64).to(acc.dtype)  # exact scaling by a power of two, then truncation, as torch
+        w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
         acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
-    return tl.sum(acc.to(tl.int64), axis=0)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -64,30 +55,29 @@ def _narrowed(lo, hi, count, m):
 
 @triton.jit
 def _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale,
-                     LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, LANES_IN_FLOAT64: tl.constexpr):
+                     LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     """This program's part of the row: the m int64 sums of w over e >= each level, stored to Partial."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     sums = tl.zeros([LEVELS], dtype=tl.int64)
     if tl.load(Skip + row) == 0:  # a skipped row is not read: its sums stay 0
-        sums = _level_sums(E + row * stride_row, part * SPAN, part * SPAN + SPAN, levels, vocab, scale, LEVELS, BLOCK,
-                           LANES_IN_FLOAT64)
+        sums = _level_sums(E + row * stride_row, part * SPAN, part * SPAN + SPAN, levels, vocab, scale, LEVELS, BLOCK)
     tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS), sums)
 
 
 @triton.jit
 def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
-                       LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, LANES_IN_FLOAT64: tl.constexpr):
+                       LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     levels = tl.load(Levels + tl.program_id(0) * LEVELS + tl.arange(0, LEVELS))  # padded with +inf: sums stay 0
-    _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK, LANES_IN_FLOAT64)
+    _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK)
 
 
 @triton.jit
-def _cut_mass_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row, scale, M: tl.constexpr,
-                     LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, LANES_IN_FLOAT64: tl.constexpr):
+def _cut_mass_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row, scale,
+                     M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     levels = _cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
-    _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK, LANES_IN_FLOAT64)
+    _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK)
 
 
 @triton.jit
@@ -104,11 +94,6 @@ def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
     lo, hi = _narrowed(tl.load(Lo + row), tl.load(Hi + row), count, M)
     tl.store(Lo + row, lo)
     tl.store(Hi + row, hi)
-
-
-def lanes_in_float64(shift: int) -> bool:
-    """Whether a lane's sum of SPAN / BLOCK masses, each at most 2^shift, is exact in float64 (<= 2^53)."""
-    return (SPAN // BLOCK) * 2 ** shift <= 2 ** 53
 
 
 def _part_sums_buffer(e: torch.Tensor, m: int) -> torch.Tensor:
@@ -128,8 +113,7 @@ def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Te
     partial = _part_sums_buffer(e, m)
     width, parts = partial.shape[2], partial.shape[1]
     _cut_mass_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), 2.0 ** shift,
-                                    M=m, LEVELS=width, SPAN=SPAN, BLOCK=BLOCK,
-                                    LANES_IN_FLOAT64=lanes_in_float64(shift), num_warps=WARPS)
+                                    M=m, LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     _narrow_kernel[(rows,)](partial, lo, hi, target, skip, parts, M=m, LEVELS=width,
                             PARTS=max(2, triton.next_power_of_2(parts)))
 
@@ -149,6 +133,5 @@ def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int, skip: torch.Te
     padded[:, :m] = levels
     skip = torch.zeros(rows, dtype=torch.int8, device=e.device) if skip is None else skip.to(torch.int8)
     _mass_above_kernel[(rows, parts)](e, padded, skip, partial, vocab, e.stride(0), 2.0 ** shift,
-                                      LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, LANES_IN_FLOAT64=lanes_in_float64(shift),
-                                      num_warps=WARPS)
+                                      LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return partial.sum(1)[:, :m]
