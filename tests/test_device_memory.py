@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from caspo.config import ConfigError, load_config
-from caspo.models.policy import GIB, device_memory_bytes, limit_device_memory
+from caspo.device_memory import GIB, device_memory_bytes, limit_device_memory
 from caspo.rollout.native.kv_cache import KVCache
 
 CUDA = torch.device("cuda", 0)
@@ -86,7 +86,7 @@ def test_the_config_takes_a_positive_cap_or_zero():
 
 CAPPED = """
 import torch
-from caspo.models.policy import GIB, device_memory_bytes, limit_device_memory
+from caspo.device_memory import GIB, device_memory_bytes, limit_device_memory
 device = torch.device("cuda", 0)
 limit_device_memory(device, 2.0)
 assert abs(device_memory_bytes(device) - 2 * GIB) < 2**20, device_memory_bytes(device)

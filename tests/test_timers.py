@@ -4,8 +4,9 @@ counter, records its own peak and what it left reserved, and the step's peak is 
 import pytest
 import torch
 
+from caspo.device_memory import GIB
 from caspo.train import health
-from caspo.train.timers import GB, PhaseTimer
+from caspo.train.timers import PhaseTimer
 
 
 class ScriptedCuda:
@@ -16,9 +17,9 @@ class ScriptedCuda:
         self.peak_reserved = 0
 
     def use(self, peak_gb, reserved_gb, allocated_gb=1.0, peak_reserved_gb=0.0):
-        self.peak = max(self.peak, int(peak_gb * GB))
-        self.reserved, self.allocated = int(reserved_gb * GB), int(allocated_gb * GB)
-        self.peak_reserved = max(self.peak_reserved, self.reserved, int(peak_reserved_gb * GB))
+        self.peak = max(self.peak, int(peak_gb * GIB))
+        self.reserved, self.allocated = int(reserved_gb * GIB), int(allocated_gb * GIB)
+        self.peak_reserved = max(self.peak_reserved, self.reserved, int(peak_reserved_gb * GIB))
 
     def reset_peak_memory_stats(self, device):
         self.peak, self.peak_reserved, self.resets = self.allocated, self.reserved, self.resets + 1

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from caspo.config import Config
+from caspo.device_memory import limit_device_memory
 from caspo.eval.benchmarks import HELDOUT, Suite, load_suites
 from caspo.eval.report import FORMAT, group_table, plot_results, read_results, summary_table, write_markdown
 from caspo.eval.suite import eval_samplers, evaluate_suite
 from caspo.eval.targets import Target
-from caspo.models.policy import limit_device_memory, load_policy, resolve_device, resolve_model_path
+from caspo.models.policy import load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
 from caspo.reward import VERIFIER_VERSION, RewardPool
 from caspo.rollout.base import SamplingParams, publish

@@ -33,12 +33,11 @@ import torch
 from caspo.algo.groups import group_pass_rate
 from caspo.batch import RolloutBatch
 from caspo.config.schema import Config, ConfigError, HealthConfig
+from caspo.device_memory import GIB
 from caspo.segment import SPLITTERS, merge_after_final_box, splitter_name
 
 if TYPE_CHECKING:
     from caspo.train.trainer import Trainer
-
-GB = 2**30
 
 
 # ---------------------------------------------------------------- what a step logs
@@ -74,10 +73,10 @@ def memory_stats(device: torch.device, stats: dict) -> dict:
         return {}
     phases = [v for k, v in stats.items() if k.startswith("mem_") and k.endswith("_peak_gb")]
     reserved = [v for k, v in stats.items() if k.startswith("mem_") and k.endswith("_peak_reserved_gb")]
-    return {"mem_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 3),
-            "mem_reserved_gb": round(torch.cuda.memory_reserved(device) / GB, 3),
-            "mem_peak_gb": max([round(torch.cuda.max_memory_allocated(device) / GB, 3), *phases]),
-            "mem_peak_reserved_gb": max([round(torch.cuda.max_memory_reserved(device) / GB, 3), *reserved])}
+    return {"mem_allocated_gb": round(torch.cuda.memory_allocated(device) / GIB, 3),
+            "mem_reserved_gb": round(torch.cuda.memory_reserved(device) / GIB, 3),
+            "mem_peak_gb": max([round(torch.cuda.max_memory_allocated(device) / GIB, 3), *phases]),
+            "mem_peak_reserved_gb": max([round(torch.cuda.max_memory_reserved(device) / GIB, 3), *reserved])}
 
 
 def step_health(tr: "Trainer", batch: RolloutBatch, stats: dict) -> dict:

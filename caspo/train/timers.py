@@ -8,7 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
-GB = 2**30
+from caspo.device_memory import GIB
+
 OUTER = "t_step"  # holds the other phases: its memory is the step's (health.memory_stats)
 
 
@@ -46,13 +47,13 @@ class PhaseTimer:
                     self.memory[key] = self.memory.get(key, 0) + value - before.get(key, 0)
             if track:
                 name = phase.removeprefix("t_")
-                peak = round(torch.cuda.max_memory_allocated(self.cuda) / GB, 3)
+                peak = round(torch.cuda.max_memory_allocated(self.cuda) / GIB, 3)
                 key = f"mem_{name}_peak_gb"
                 self.memory[key] = max(self.memory.get(key, 0.0), peak)
                 key = f"mem_{name}_peak_reserved_gb"
-                peak = round(torch.cuda.max_memory_reserved(self.cuda) / GB, 3)
+                peak = round(torch.cuda.max_memory_reserved(self.cuda) / GIB, 3)
                 self.memory[key] = max(self.memory.get(key, 0.0), peak)
-                self.memory[f"mem_{name}_reserved_gb"] = round(torch.cuda.memory_reserved(self.cuda) / GB, 3)
+                self.memory[f"mem_{name}_reserved_gb"] = round(torch.cuda.memory_reserved(self.cuda) / GIB, 3)
 
     def _counters(self) -> dict[str, int]:
         counts = {}

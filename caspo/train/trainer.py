@@ -15,15 +15,9 @@ from transformers import PreTrainedTokenizerBase
 from caspo.config import Config, ConfigError, to_dict, to_yaml
 from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
+from caspo.device_memory import limit_device_memory
 from caspo.methods import Method, resolve_method
-from caspo.models.policy import (
-    compile_if_asked,
-    enable_recompute,
-    limit_device_memory,
-    load_policy,
-    resolve_device,
-    resolve_model_path,
-)
+from caspo.models.policy import compile_if_asked, enable_recompute, load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
 from caspo.precision import LossScaler, compute_dtype
 from caspo.reward.pool import RewardPool

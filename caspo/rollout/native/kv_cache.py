@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from caspo.models.policy import device_memory_bytes
+from caspo.device_memory import device_memory_bytes
 
 
 @dataclass(frozen=True)
