@@ -12,10 +12,9 @@ As torch operations these were about ten reads and writes of [B, V] around the p
 max, the difference, the exponentials, a mass pass, the chunk maxima, a mask, a select and a
 min), most of the sampler's time when every row's nucleus is found among its likeliest tokens.
 
-The exponentials are libdevice's `exp`, the correctly rounded-to-within-an-ulp function CUDA's
-`expf` is (triton's own `tl.exp` is an approximation), and numpy's exp under triton's CPU
-interpreter. Each kernel's grid is (rows, parts of SPAN entries); the parts' results are reduced
-by torch.
+The exponentials are libdevice's `exp`, which is CUDA's `expf` (triton's own `tl.exp` is a faster
+approximation), and numpy's exp under triton's CPU interpreter. Each kernel's grid is (rows, parts
+of SPAN entries); the parts' results are reduced by torch.
 """
 
 from __future__ import annotations

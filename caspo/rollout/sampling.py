@@ -14,10 +14,10 @@ import torch
 
 try:
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
-    from caspo.rollout.mass_above import mass_above, narrow
+    from caspo.rollout.mass_above import narrow
     from caspo.rollout.nucleus_reads import chunk_maxima, exp_and_mass, threshold_logit
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
-    fused_gumbel_pick = mass_above = narrow = chunk_maxima = exp_and_mass = threshold_logit = None
+    fused_gumbel_pick = narrow = chunk_maxima = exp_and_mass = threshold_logit = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -120,15 +120,14 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     return torch.where(kept, x if scale != 1.0 else logits, float("inf")).amin(-1, keepdim=True)
 
 
-def _nucleus_threshold_by_kernels(logits: torch.Tensor, top_p: float, shift: int, first: int, plan: list[int],
+def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, first: int, plan: list[int],
                                   candidates: int, scale: float = 1.0) -> torch.Tensor:
     """nucleus_threshold on CUDA: the same search, its reads of the rows Triton kernels (`nucleus_reads`,
-    `mass_above`), which scale the logits as they read them. A row whose threshold its likeliest tokens
+    `mass_above`), which scale the logits x as they read them. A row whose threshold its likeliest tokens
     resolve reads its threshold logit off them too, unless a token outside their chunks ties with the
     threshold; the others take one more read."""
     if narrow is None:
         raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
-    x = logits
     maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
     e, total = exp_and_mass(x, maxima.amax(-1), shift, scale)
     target = (total.double() * top_p).ceil().to(torch.int64)  # T [B]
@@ -182,7 +181,7 @@ def narrow_by_torch(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target:
     the threshold (what `mass_above.narrow` does in place on CUDA)."""
     width = hi - lo + 1
     cuts = lo + width * torch.arange(1, m + 1, device=e.device) // (m + 1)  # [B, m] int64 patterns
-    reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight, skip=resolved[:, 0]) >= target
+    reached = _masses(e, cuts.to(torch.int32).view(torch.float32), shift, weight) >= target
     count = torch.where(resolved, m, reached.sum(-1, keepdim=True))  # W(lo) >= T: a resolved row keeps lo
     return lo + width * count // (m + 1), lo + width * (count + 1) // (m + 1) - 1
 
@@ -224,17 +223,12 @@ def largest_values(x: torch.Tensor, count: int, chunk: int = NUCLEUS_CHUNK) -> t
     return picked.flatten(1).topk(count, dim=-1).values
 
 
-def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Tensor | None = None,
-            skip: torch.Tensor | None = None) -> torch.Tensor:
+def _masses(e: torch.Tensor, levels: torch.Tensor, shift: int, weight: torch.Tensor | None = None) -> torch.Tensor:
     """W [B, m] int64: the sum of floor(e_i 2^shift) over {i : e_i >= levels[:, j]}, exact in any order.
 
-    On CUDA one Triton kernel reads e once for all m levels (`mass_above`), and not at all for the rows
-    `skip` [B] marks (their sums are then 0); torch reductions read e once per level, every row.
+    Torch reductions, one read of e per level: the search's definition and its CPU path (on CUDA one
+    Triton kernel reads e once for all m levels, `mass_above`).
     """
-    if e.is_cuda:
-        if mass_above is None:
-            raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
-        return mass_above(e, levels, shift, skip)
     if weight is None:
         weight = (e * 2.0 ** shift).to(torch.int64)  # exact scaling by a power of two, then truncation
     return torch.cat([torch.where(e >= levels[:, j:j + 1], weight, 0).sum(-1, keepdim=True)
