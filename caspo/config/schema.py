@@ -288,6 +288,9 @@ class TrainConfig:
     # "auto": skip the old-log-prob pass when the update's first forward gives the same log-probs
     # (μ = 1, one minibatch per rollout, no staleness, no KL reward, no dropout); "recompute": always run it
     old_logprobs: Literal["auto", "recompute"] = "auto"
+    # "auto": a critic trained once per rollout on the whole batch (μ = 1, one minibatch, no dropout) takes its
+    # step in the value phase, and that step's first forward gives the values; "recompute": a values pass first
+    critic_values: Literal["auto", "recompute"] = "auto"
     # fp32 | bf16 (bf16 compute, fp32 master weights) | fp16 (fp32 master weights, fixed loss scale)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scale: float = 128.0

@@ -12,11 +12,15 @@ from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.models.critic import critic_values, load_critic
 from caspo.models.policy import compile_if_asked, enable_recompute
+from caspo.train import distributed
+from caspo.train.advantages import token_rewards
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import learner
 from caspo.train.scoring import no_grad_pass
+from caspo.train.update import UpdateStats, has_dropout, sleep_engine, train_minibatch
 
 if TYPE_CHECKING:
+    from caspo.methods import Method
     from caspo.train.trainer import Trainer
 
 
@@ -26,6 +30,32 @@ def critic_loss(critic: torch.nn.Module, batch: RolloutBatch, cfg: Config, denom
     loss, metrics = algo.value_loss(values, batch.values, batch.returns, batch.response_mask,
                                     clip=cfg.method.value_clip, agg=cfg.method.loss_agg, denom=denom)
     return loss, dict(metrics, vf_loss=loss.detach())
+
+
+def loss_on_own_values(method: "Method") -> LearnerLoss:
+    """`critic_loss` whose values before the update are this forward's, detached, and whose returns are the
+    method's advantage function on them. The function must be row by row (GAE is), as it sees one
+    micro-batch; it returns what `compute_advantages` later gives for these rows."""
+    def loss(critic, micro: RolloutBatch, cfg: Config, denom):
+        values = critic_values(critic, micro)
+        micro.values = values.detach()
+        micro.returns = method.advantages(micro, token_rewards(micro, cfg), cfg.method)[1]
+        out, metrics = algo.value_loss(values, micro.values, micro.returns, micro.response_mask,
+                                       clip=cfg.method.value_clip, agg=cfg.method.loss_agg, denom=denom)
+        return out, dict(metrics, vf_loss=out.detach())
+    return loss
+
+
+def values_are_current(cfg: Config, critic: torch.nn.Module) -> bool:
+    """Whether the values pass would recompute what the critic update's own first forward gives.
+
+    That holds when the critic takes one optimizer step per rollout, on the whole batch (μ = 1, one
+    minibatch), in a forward without dropout. The values then come from that step, taken in the
+    value phase, before the advantages it feeds. train.critic_values=recompute keeps the pass.
+    """
+    t = cfg.train
+    return (t.critic_values == "auto" and t.epochs_per_rollout == 1 and t.minibatch_size >= cfg.responses_per_step
+            and not has_dropout(critic))
 
 
 class Critic(MethodState):
@@ -41,17 +71,35 @@ class Critic(MethodState):
         m = cfg.method
         self.learners = {"critic": learner(model, cfg, lr=m.critic_lr, weight_decay=m.critic_weight_decay,
                                            grad_clip=m.critic_grad_clip)}
+        self.trains_in_value_phase = values_are_current(cfg, model)
 
     @classmethod
     def build(cls, cfg: Config, policy_path: str, policy: torch.nn.Module, tokenizer, device: torch.device):
         return cls(cfg, policy_path, device)
 
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
-        batch.values = no_grad_pass(self.learners["critic"].model, batch, tr.cfg, critic_values)
-        return {}
+        if not self.trains_in_value_phase:
+            batch.values = no_grad_pass(self.learners["critic"].model, batch, tr.cfg, critic_values)
+            return {}
+        return self.train_on_own_values(tr, batch)
+
+    def train_on_own_values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
+        """The critic's one step of this rollout, whose first forward gives `batch.values`: the same step
+        as in the update, without a second forward of the batch before it."""
+        critic, stats = self.learners["critic"], UpdateStats()
+        sleep_engine(tr)
+        batch.values = torch.zeros_like(batch.behaviour_logprobs)
+        rows = torch.arange(batch.size)
+        critic.model.train()
+        train_minibatch("critic_grad_norm", critic, batch, rows, tr.cfg, tr.scaler, batch.responses.shape[1],
+                        loss_on_own_values(tr.method), stats, written=("values",))
+        critic.model.eval()
+        stats.minibatches = 1
+        batch.values = distributed.share_rows(batch.values, torch.isin(rows, distributed.my_rows(rows)))
+        return stats.result()
 
     def learner_losses(self) -> dict[str, LearnerLoss]:
-        return {"critic": critic_loss}
+        return {} if self.trains_in_value_phase else {"critic": critic_loss}
 
 
 class CriticAndFrozenOld(Critic):

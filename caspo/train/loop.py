@@ -5,6 +5,7 @@
     batch    = reward(batch)                     t_reward  verifier in a process pool
     batch    = old / ref log-probs               t_old, t_ref  (trainer recomputes, no grad)
     batch    = method_state.values(batch)        t_value   critic | Monte Carlo | prefix-model values
+                                                           (a critic trained on its own first forward: its update)
     batch    = method.advantages(batch)          pure tensor functions of caspo.algo
     method_state.after_advantages(batch)         t_value_update  (CASPO online: one value-model step)
     stats    = update(batch, method.loss)        t_pol     the policy, then the method's learners
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from contextlib import contextmanager
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -55,7 +55,7 @@ from caspo.train.signals import StopRequest
 from caspo.train.step_values import control_seed
 from caspo.train.timers import PhaseTimer
 from caspo.train.trainer import Trainer, build_trainer, publish_current, restore, save
-from caspo.train.update import old_is_current, update
+from caspo.train.update import old_is_current, sleep_engine, update, wake_engine
 from caspo.train.watchdog import Watchdog
 
 __all__ = ["RunStopped", "Trainer", "build_trainer", "evaluate", "outer_step", "restore", "save", "score", "train"]
@@ -86,28 +86,16 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
         batch.advantages, batch.returns = compute_advantages(batch, cfg, tr.method)
         with timer("t_value_update"):
             value_stats.update(state.after_advantages(tr, batch))
-        with timer("t_pol"), engine_asleep(tr):
+        with timer("t_pol"):
+            sleep_engine(tr)  # its memory is the trainer's until the next rollout (unless the value phase took it)
             state.before_update(tr)
             stats = update(tr.actor, batch, cfg, tr.method, state, tr.update_rng, tr.scaler)
             tr.version += 1
         with timer("t_sync"):
+            wake_engine(tr)
             publish_current(tr)
     tr.step += 1
     return batch, {**stats, **value_stats, **batch_stats(batch), **timer.reset()}
-
-
-@contextmanager
-def engine_asleep(tr: Trainer):
-    """The engine's KV cache and its copy of the weights freed for the update (rollout.sleep_during_update),
-    and back after it; the publication that follows the update refills the weights."""
-    if not tr.cfg.rollout.sleep_during_update:
-        yield
-        return
-    tr.engine.sleep(weights=True)
-    try:
-        yield
-    finally:
-        tr.engine.wake()
 
 
 def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:

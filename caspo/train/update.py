@@ -28,6 +28,7 @@ from caspo.train.policy_losses import LossInputs
 
 if TYPE_CHECKING:
     from caspo.methods import Method
+    from caspo.train.trainer import Trainer
 
 ADDITIVE = {"pg_loss", "kl", "vf_loss"}  # parts of a minibatch loss: summed over its micro-batches
 
@@ -90,9 +91,10 @@ def has_dropout(model: torch.nn.Module) -> bool:
 
 
 def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Config, scaler: LossScaler,
-                         norm_len: int, loss_fn: LearnerLoss, fill_old: bool = False) -> list[dict]:
+                         norm_len: int, loss_fn: LearnerLoss, written: tuple[str, ...] = ()) -> list[dict]:
     """Backward of one minibatch (`rows`), micro-batch by micro-batch, normalised by the minibatch's counts;
-    `loss_fn(model, micro, cfg, denom)` -> (loss, metrics)."""
+    `loss_fn(model, micro, cfg, denom)` -> (loss, metrics). The response-frame fields named in `written`,
+    which the loss sets on its micro-batch, are copied back into the batch's rows."""
     denom = algo.aggregate_denom(batch.response_mask[rows], cfg.method.loss_agg, norm_len)
     rows = distributed.my_rows(rows)  # this rank's block of the minibatch; `denom` stays the whole minibatch's
     out = []
@@ -104,12 +106,53 @@ def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Co
             (loss * 0.0).backward()
             continue
         scaler.scale_loss(loss).backward()
-        if fill_old and micro.old_is_current:  # the policy's forward gave them (policy_loss)
-            batch.old_logprobs[idx, :micro.responses.shape[1]] = micro.old_logprobs
-        if fill_old:  # this forward's ratios replace an earlier epoch's
-            batch.update_ratios[idx, :micro.responses.shape[1]] = micro.update_ratios
+        for name in written:
+            getattr(batch, name)[idx, :micro.responses.shape[1]] = getattr(micro, name)
         out.append({"tokens": micro.response_mask.sum(), **metrics})  # read after the minibatch: no sync here
     return out
+
+
+class UpdateStats:
+    """An update's metrics: the parts of a minibatch loss (ADDITIVE) summed over its micro-batches and
+    averaged over minibatches, masked means weighted by tokens, grad norms averaged over optimizer steps."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, float] = defaultdict(float)
+        self.norms: set[str] = set()
+        self.minibatches = 0
+
+    def add(self, metrics_list: list[dict]) -> None:
+        for metrics in metrics_list:
+            weight = float(metrics.pop("tokens"))
+            for k, v in metrics.items():
+                if k in ADDITIVE:
+                    self.sums[k] += float(v)
+                else:  # masked means: weight by tokens
+                    self.sums[k] += float(v) * weight
+                    self.counts[k] += weight
+
+    def add_norm(self, key: str, grad_norm: float | None) -> None:
+        self.norms.add(key)
+        if grad_norm is not None:  # None: skipped for overflow
+            self.sums[key] += grad_norm
+            self.counts[key] += 1
+
+    def result(self) -> dict:
+        sums, counts = self.sums, self.counts
+        if distributed.active():  # the micro-batch sums over every rank's rows; the norms are global already
+            sums |= distributed.all_sum({k: v for k, v in sums.items() if k not in self.norms})
+            counts |= distributed.all_sum({k: v for k, v in counts.items() if k not in self.norms})
+        return {k: sums[k] / (self.minibatches if k in ADDITIVE else max(counts[k], 1e-9)) for k in sums}
+
+
+def train_minibatch(key: str, learner: Learner, batch: RolloutBatch, rows: torch.Tensor, cfg: Config,
+                    scaler: LossScaler, norm_len: int, loss_fn: LearnerLoss, stats: UpdateStats,
+                    written: tuple[str, ...] = ()) -> None:
+    """One optimizer step of `learner` on the minibatch `rows`; its grad norm is recorded under `key`."""
+    learner.optimizer.zero_grad(set_to_none=True)
+    stats.add(accumulate_gradients(learner.model, batch, rows, cfg, scaler, norm_len, loss_fn, written))
+    stats.add_norm(key, optimizer_step(learner, scaler))
 
 
 def optimizer_step(learner: Learner, scaler: LossScaler) -> float | None:
@@ -143,20 +186,7 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
            generator: torch.Generator, scaler: LossScaler) -> dict:
     t = cfg.train
     norm_len = batch.responses.shape[1]
-    sums: dict[str, float] = defaultdict(float)
-    counts: dict[str, float] = defaultdict(float)
-    minibatches = 0
-
-    def record(metrics_list):
-        for metrics in metrics_list:
-            weight = float(metrics.pop("tokens"))
-            for k, v in metrics.items():
-                if k in ADDITIVE:
-                    sums[k] += float(v)
-                else:  # masked means: weight by tokens
-                    sums[k] += float(v) * weight
-                    counts[k] += weight
-
+    stats = UpdateStats()
     # (grad-norm key, learner, loss): the policy first, then the method's own learners
     learners = [("grad_norm", actor, actor_loss(method, state, norm_len))] + [
         (f"{name}_grad_norm", state.learners[name], loss) for name, loss in state.learner_losses().items()]
@@ -164,31 +194,37 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
         learner.model.train()
     filled = torch.zeros(batch.size, dtype=torch.bool)  # rows whose old log-probs this rank's forwards gave
     batch.update_ratios = torch.zeros_like(batch.response_mask)
+    # what the policy's forwards give back: its ratios (a later epoch's replace an earlier one's), and π_old
+    policy_gives = ("old_logprobs", "update_ratios") if batch.old_is_current else ("update_ratios",)
     for _ in range(t.epochs_per_rollout):
         order = torch.randperm(batch.size, generator=generator)
         for start in range(0, batch.size, t.minibatch_size):
             rows = order[start:start + t.minibatch_size]
             filled[distributed.my_rows(rows)] = True
             for key, learner, loss_fn in learners:
-                learner.optimizer.zero_grad(set_to_none=True)
-                record(accumulate_gradients(learner.model, batch, rows, cfg, scaler, norm_len, loss_fn,
-                                            fill_old=learner is actor))
-                grad_norm = optimizer_step(learner, scaler)
-                if grad_norm is not None:
-                    sums[key] += grad_norm
-                    counts[key] += 1
-            minibatches += 1
+                train_minibatch(key, learner, batch, rows, cfg, scaler, norm_len, loss_fn, stats,
+                                written=policy_gives if learner is actor else ())
+            stats.minibatches += 1
     for _, learner, _ in learners:
         learner.model.eval()
     if distributed.active() and batch.old_is_current:  # each rank's forwards gave its rows' old log-probs
         batch.old_logprobs = distributed.share_rows(batch.old_logprobs, filled)
     if distributed.active():  # and their ratios
         batch.update_ratios = distributed.share_rows(batch.update_ratios, filled)
-    if distributed.active():  # the micro-batch sums over every rank's rows; the norms are global already
-        norms = {key for key, _, _ in learners}
-        sums |= distributed.all_sum({k: v for k, v in sums.items() if k not in norms})
-        counts |= distributed.all_sum({k: v for k, v in counts.items() if k not in norms})
-    stats = {k: sums[k] / (minibatches if k in ADDITIVE else max(counts[k], 1e-9)) for k in sums}
-    stats["lr"] = actor.scheduler.get_last_lr()[0]
-    stats["skipped_steps"] = scaler.skipped_steps
-    return stats
+    out = stats.result()
+    out["lr"] = actor.scheduler.get_last_lr()[0]
+    out["skipped_steps"] = scaler.skipped_steps
+    return out
+
+
+def sleep_engine(tr: "Trainer") -> None:
+    """Free the engine's KV cache and its copy of the weights for training (rollout.sleep_during_update).
+    Called before the update, and before a value phase that trains (the critic's); the second call does nothing."""
+    if tr.cfg.rollout.sleep_during_update and not tr.engine.asleep:
+        tr.engine.sleep(weights=True)
+
+
+def wake_engine(tr: "Trainer") -> None:
+    """The engine's memory back for the next rollout; the publication that follows refills the weights."""
+    if tr.engine.asleep:
+        tr.engine.wake()
