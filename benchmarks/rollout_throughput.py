@@ -68,10 +68,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="the kernels of one more run of the last engine")
     parser.add_argument("--nucleus-top", type=int, default=sampling_module.NUCLEUS_TOP,
                         help="likeliest tokens tried before the nucleus search (0: every row searches)")
+    parser.add_argument("--collect-after", type=int, default=sampling_module.NUCLEUS_COLLECT_AFTER,
+                        help="nucleus passes before small intervals are gathered and sorted (99: never)")
     args = parser.parse_args()
     if args.nucleus_top < 0:
         parser.error("--nucleus-top must be 0 or more")
     sampling_module.NUCLEUS_TOP = args.nucleus_top  # read by every nucleus_threshold call, the captured ones too
+    sampling_module.NUCLEUS_COLLECT_AFTER = args.collect_after
 
     model = build_model(args)
     prompts = random_prompts(args.prompts, args.prompt_len, args.vocab, args.seed)
@@ -114,7 +117,7 @@ def main() -> None:
 
     print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
-          f"{args.dtype} on {args.device}")
+          f"gathered after {args.collect_after} passes, {args.dtype} on {args.device}")
     print_table(["engine", "tokens/s", "tokens", "seconds", "setup s", "warm-up s", "peak GiB"], rows)
     for name, result in results.items():
         if "profile" in result:
@@ -123,7 +126,8 @@ def main() -> None:
                              "shape": {"prompts": args.prompts, "prompt_len": args.prompt_len,
                                        "new_tokens": args.new_tokens, "temperature": args.temperature,
                                        "top_p": args.top_p, "top_logprobs": args.top_logprobs,
-                                       "logit_scale": args.logit_scale, "nucleus_top": args.nucleus_top},
+                                       "logit_scale": args.logit_scale, "nucleus_top": args.nucleus_top,
+                                       "collect_after": args.collect_after},
                              "engines": results})
 
 

@@ -7,6 +7,8 @@ at temperature 0.6. Timed with CUDA events after a warm-up, each figure the mean
     sort threshold            the previous nucleus_threshold (sort, softmax, cumsum)
     search                    nucleus_threshold for each --pivots, called and replayed from a CUDA graph, its
                               passes two Triton kernels each; and the whole sampler with it, from a graph
+    search, gathered after c  the search replayed from a graph, small intervals finished by a sort after c
+                              passes, for each --collect-after (99: never)
     sample_next old / new     the whole sampler after the logits at top-p 0.9 and 1.0: the cut by
                               sorting and the Gumbel pick compiled / the cut by the search and
                               the fused Triton pick; called, and replayed from a CUDA graph
@@ -28,6 +30,7 @@ from datetime import datetime, timezone
 import torch
 from _common import append_result, print_table
 
+from caspo.rollout import sampling as sampling_module
 from caspo.rollout.sampling import NUCLEUS_PIVOTS, gumbel_pick, nucleus_threshold, sample_next
 
 
@@ -109,6 +112,8 @@ def main() -> None:
     parser.add_argument("--stds", default="1,8", help="standard deviations of the random logits")
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--pivots", default=f"7,{NUCLEUS_PIVOTS},31", help="pivots per pass of the search to time")
+    parser.add_argument("--collect-after", default=f"{sampling_module.NUCLEUS_COLLECT_AFTER},99",
+                        help="passes before small intervals are gathered and sorted, to time (99: never)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
@@ -142,6 +147,12 @@ def main() -> None:
             measure(f"search (m={m})", functools.partial(nucleus_threshold, scaled, top_p, m))
             measure(f"search (m={m}), CUDA graph", functools.partial(nucleus_threshold, scaled, top_p, m),
                     capture=True)
+        default = sampling_module.NUCLEUS_COLLECT_AFTER
+        for c in (int(c) for c in args.collect_after.split(",")):
+            sampling_module.NUCLEUS_COLLECT_AFTER = c  # read by nucleus_threshold at the call (here: the capture)
+            measure(f"search, gathered after {c}, CUDA graph",
+                    functools.partial(nucleus_threshold, scaled, top_p), capture=True)
+        sampling_module.NUCLEUS_COLLECT_AFTER = default
         for p in (top_p, 1.0):
             for label, sampler in (("old", old_sample_next), ("new", sample_next)):
                 step = functools.partial(sampler, logits, seeds, positions, args.temperature, top_p=p)

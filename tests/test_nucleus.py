@@ -365,6 +365,82 @@ def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
         assert got[3, 0] == 0.0
 
 
+def test_collect_equals_its_torch_definition():
+    """nucleus_reads.collect (triton's interpreter on the CPU): per part, the count of entries inside [lo, hi],
+    the first `capacity` of them in order of the index, and the row's mass above hi, as torch computes them."""
+    device = needs_triton()
+    from caspo.rollout.nucleus_reads import SPAN, collect
+
+    vocab, capacity = 9000, 32  # two parts, the second partial
+    x = random_logits(4, vocab, 2.0, seed=3).float()
+    x[3, 100:140] = 7.0  # forty ties inside one interval: more than a part can hold
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    shift = 62 - (vocab - 1).bit_length()
+    ordered = e.sort(-1, descending=True).values
+    lo = ordered[:, [30, 60, 500, 39]].diagonal()  # rows 0, 1: a few entries; row 2: hundreds; row 3: the ties
+    hi = ordered[:, [5, 40, 20, 0]].diagonal()
+    lo_bits, hi_bits = (v.view(torch.int32).to(torch.int64) for v in (lo, hi))
+    skip = torch.tensor([0, 1, 0, 0], dtype=torch.int8)  # row 1 is resolved: not read
+    values, index, counts, above = (t.cpu() for t in collect(
+        e.to(device), lo_bits.to(device), hi_bits.to(device), skip.to(device), shift, capacity))
+    inside = (e >= lo[:, None]) & (e <= hi[:, None])
+    weight = (e * 2.0 ** shift).to(torch.int64)
+    for row in (0, 2, 3):
+        assert above[row] == torch.where(e[row] > hi[row], weight[row], 0).sum()
+        for part in range(2):
+            members = inside[row, part * SPAN:(part + 1) * SPAN].nonzero()[:, 0] + part * SPAN
+            assert counts[row, part] == len(members)
+            kept = min(len(members), capacity)
+            assert torch.equal(index[row, part, :kept].long(), members[:kept])  # in order of the index
+            assert torch.equal(values[row, part, :kept], e[row, members[:kept]])
+    assert counts[2].max() > capacity and counts[3, 0] >= 40 and counts[0].max() <= capacity
+    assert counts[1].eq(0).all() and above[1] == 0
+
+
+@pytest.mark.parametrize("collect_after, capacity, top_p, candidates", [
+    (0, 64, 0.9, 0), (2, 2, 0.9, NUCLEUS_TOP), (4, 64, 0.9, 0), (4, 64, 0.145, NUCLEUS_TOP), (7, 8, 0.9, NUCLEUS_TOP),
+    (99, 64, 0.9, NUCLEUS_TOP)])
+def test_rows_finished_from_their_gathered_interval_equal_the_passes(collect_after, capacity, top_p, candidates):
+    """A row whose interval `collect` gathers whole after `collect_after` passes is finished by a sort of it,
+    and the others search on: the torch path's threshold either way (99: never collected)."""
+    device = needs_triton()
+    from caspo.rollout.sampling import _nucleus_threshold_by_kernels
+
+    x = kernel_logits(9000)
+    x = torch.cat([x, random_logits(2, 9000, 0.5, seed=11)])  # flat rows: thousands of tokens in the nucleus
+    scale = inverse_temperature(0.6) if collect_after == 4 else 1.0  # the kernels scale as they read
+    shift, first, plan = _nucleus_plan(9000, top_p, NUCLEUS_PIVOTS)
+    got = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates, scale,
+                                        collect_after=collect_after, collect_capacity=capacity).cpu()
+    assert torch.equal(got, nucleus_threshold(x * scale, top_p, candidates=candidates))
+
+
+def test_which_rows_the_gathered_interval_finishes():
+    """After 4 passes the flat rows' intervals hold a few entries a part: gathered whole and finished, their
+    threshold logit known; a capacity of one entry a part finishes none of them."""
+    device = needs_triton()
+    from caspo.rollout.mass_above import narrow
+    from caspo.rollout.sampling import _finish_small_intervals
+
+    x = random_logits(3, 9000, 0.5, seed=11).float()
+    shift, first, plan = _nucleus_plan(9000, 0.9, NUCLEUS_PIVOTS)
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    target = (_masses(e, e.new_zeros(3, 1), shift).double() * 0.9).ceil().to(torch.int64)[:, 0]
+    lo, hi = torch.full((3,), first), torch.full((3,), _ONE_BITS)
+    skip = torch.tensor([0, 0, 1], dtype=torch.int8)  # row 2 stands for a row resolved earlier
+    for m in plan[:4]:
+        narrow(e, lo, hi, target, skip, shift, m)
+    known, cut = torch.zeros(3, dtype=torch.bool), torch.full((3,), float("inf"))
+    state = [t.to(device) for t in (x, e, lo, hi, skip, known, cut, target)]
+    f_lo, f_hi, f_skip, f_known, f_cut = (t.cpu() for t in _finish_small_intervals(*state[:7], state[7], shift, 64, 1.0))
+    threshold = nucleus_threshold(x, 0.9)[:, 0]
+    assert f_known[:2].all() and f_skip.eq(1).all() and torch.equal(f_lo[:2], f_hi[:2])
+    assert torch.equal(f_cut[:2], threshold[:2])
+    assert not f_known[2] and f_lo[2] == lo[2]  # the skipped row is left as it was
+    none = _finish_small_intervals(*state[:7], state[7], shift, 1, 1.0)
+    assert not none[3].any() and torch.equal(none[2].cpu(), skip)
+
+
 # ---------------------------------------------------------------- GPU
 
 CUDA = torch.device("cuda")

@@ -7,6 +7,9 @@ copy is written) the search needs, per row (docs/engine/nucleus.md):
     exp_and_mass     e_i = exp(x_i - max_k x_k), and the total integer mass
                      sum_i floor(e_i 2^shift) (int64, exact in any order)     one read of x, one write of e
     threshold_logit  min {x_i : e_i >= t}, t a float32 bit pattern per row    one read of x and e
+    collect          the entries of e inside an interval [lo, hi] of bit patterns,
+                     at most `capacity` a part, with their indices, and the mass
+                     above the interval, sum_{e_i > hi} floor(e_i 2^shift)     one read of e
 
 As torch operations these were about ten reads and writes of [B, V] around the passes (the row
 max, the difference, the exponentials, a mass pass, the chunk maxima, a mask, a select and a
@@ -87,6 +90,30 @@ def _threshold_logit_kernel(X, E, Bits, Skip, Partial, vocab, stride_row, x_scal
     tl.store(Partial + row * tl.num_programs(1) + part, tl.min(least, axis=0))
 
 
+@triton.jit
+def _collect_kernel(E, Lo, Hi, Skip, Values, Index, Counts, Above, vocab, stride_row, scale,
+                    CAPACITY: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
+    slot = row * tl.num_programs(1) + part
+    count = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    above = tl.zeros([BLOCK], dtype=tl.int64)
+    if tl.load(Skip + row) == 0:  # a resolved row is not read: it counts nothing
+        lo = tl.load(Lo + row).to(tl.int32).to(tl.float32, bitcast=True)
+        hi = tl.load(Hi + row).to(tl.int32).to(tl.float32, bitcast=True)
+        for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
+            index = offset + tl.arange(0, BLOCK)
+            e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
+            above += tl.where(e > hi, (e * scale).to(tl.int64), 0)
+            inside = ((e >= lo) & (e <= hi)).to(tl.int32)
+            position = count + tl.cumsum(inside, axis=0) - 1  # packed in order of the index
+            keep = (inside != 0) & (position < CAPACITY)
+            tl.store(Values + slot * CAPACITY + position, e, mask=keep)
+            tl.store(Index + slot * CAPACITY + position, index, mask=keep)
+            count += tl.sum(inside, axis=0)
+    tl.store(Counts + slot, count)
+    tl.store(Above + slot, tl.sum(above, axis=0))
+
+
 def _check(x: torch.Tensor) -> None:
     if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"the nucleus kernels need contiguous [B, V] float32 logits, got {x.dtype} {tuple(x.shape)}")
@@ -136,3 +163,22 @@ def threshold_logit(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, skip: 
     _threshold_logit_kernel[(rows, _parts(vocab))](x, e, bits, skip, partial, vocab, x.stride(0), scale,
                                                    SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return partial.amin(1)
+
+
+def collect(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Tensor, shift: int, capacity: int
+            ) -> tuple[torch.Tensor, ...]:
+    """The entries of each row of e [B, V] whose bit patterns lie in [lo, hi] (int64 [B]), part by part of SPAN
+    entries: (values [B, parts, capacity] float32, their indices int32, counts [B, parts] int32, above [B] int64).
+    A part keeps its first `capacity` entries in order of the index and counts them all (a count above
+    `capacity` means some were left out); slots past a part's count hold garbage. `above` is the mass
+    sum floor(e_i 2^shift) over e_i > hi. Rows that `skip` [B] (int8) marks are not read: count 0, above 0."""
+    _check(e)
+    rows, vocab = e.shape
+    parts = _parts(vocab)
+    values = torch.empty(rows, parts, capacity, dtype=torch.float32, device=e.device)
+    index = torch.empty(rows, parts, capacity, dtype=torch.int32, device=e.device)
+    counts = torch.empty(rows, parts, dtype=torch.int32, device=e.device)
+    above = torch.empty(rows, parts, dtype=torch.int64, device=e.device)
+    _collect_kernel[(rows, parts)](e, lo, hi, skip, values, index, counts, above, vocab, e.stride(0),
+                                   2.0 ** shift, CAPACITY=capacity, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
+    return values, index, counts, above.sum(1)
