@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from caspo.config import ConfigError, load_config
+from caspo.methods import resolve_method
 from caspo.train import distributed
 
 HERE = Path(__file__).parent
@@ -33,7 +34,7 @@ def test_blocks_split_as_tensor_split_and_cover_every_item():
 def test_one_process_joins_no_group_and_keeps_its_config(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = load_config("tests")
-    assert distributed.start(cfg) is cfg
+    assert distributed.start(cfg, False) is cfg
     assert not torch.distributed.is_initialized() and not distributed.active()
     assert (distributed.rank(), distributed.size(), distributed.is_main()) == (0, 1, True)
     assert distributed.log_dir(Path("run")) == Path("run")
@@ -48,9 +49,10 @@ def test_one_process_joins_no_group_and_keeps_its_config(monkeypatch):
 ])
 def test_several_processes_refuse_what_they_cannot_honour(override, named):
     cfg = load_config("tests", [override])
-    distributed.check_config(cfg, 1)  # one process runs it
+    full_vocab = resolve_method(cfg).loss.full_vocab
+    distributed.check_config(cfg, 1, full_vocab)  # one process runs it
     with pytest.raises(ConfigError, match=named.replace("+", r"\+")):
-        distributed.check_config(cfg, 2)
+        distributed.check_config(cfg, 2, full_vocab)
 
 
 def test_launch_command_runs_the_cli_under_torchrun():

@@ -72,10 +72,9 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def check_config(cfg: Config, nproc: int) -> None:
-    """A ConfigError naming each setting that `nproc` processes cannot honour yet."""
-    from caspo.methods import resolve_method
-
+def check_config(cfg: Config, nproc: int, full_vocab_loss: bool) -> None:
+    """A ConfigError naming each setting that `nproc` processes cannot honour yet; `full_vocab_loss`: the run's
+    method (`caspo.methods.resolve_method`) has a loss that reads full-vocabulary distributions."""
     if nproc <= 1:
         return
     found = []
@@ -83,7 +82,7 @@ def check_config(cfg: Config, nproc: int) -> None:
         found.append("rollout.staleness > 0")
     if cfg.method.caspo.refresh_every:
         found.append("method.caspo.refresh_every > 0")
-    if resolve_method(cfg).loss.full_vocab:
+    if full_vocab_loss:
         found.append("a full-vocabulary loss (flow_dppo)")
     if cfg.model.device.startswith("cuda:"):
         raise ConfigError(f"model.device={cfg.model.device} with {nproc} processes: each rank takes the device of "
@@ -92,13 +91,14 @@ def check_config(cfg: Config, nproc: int) -> None:
         raise ConfigError(f"{nproc} processes cannot run " + "; ".join(f"{k}: {UNSUPPORTED[k]}" for k in found))
 
 
-def start(cfg: Config) -> Config:
+def start(cfg: Config, full_vocab_loss: bool) -> Config:
     """Join the process group when this process is one of several ranks: on CUDA the current device becomes
     cuda:LOCAL_RANK (where model.device=cuda then points). Returns the rank's config: rank 0's is `cfg`, the
-    others' report to no tracker. In a single process: `cfg` as it is, and no group."""
+    others' report to no tracker. In a single process: `cfg` as it is, and no group. (`full_vocab_loss`: as
+    `check_config`.)"""
     if not launched():
         return cfg
-    check_config(cfg, int(os.environ["WORLD_SIZE"]))
+    check_config(cfg, int(os.environ["WORLD_SIZE"]), full_vocab_loss)
     join(cfg.model.device)
     if not is_main():  # rank 0 prints and reports to the trackers; the others keep their own metrics.jsonl
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loggers=["jsonl"]))

@@ -25,6 +25,7 @@ from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config, ConfigError, to_yaml
 from caspo.eval.benchmarks import load_suites
+from caspo.methods import resolve_method
 from caspo.models.policy import resolve_device
 from caspo.report.curves import plot_run
 from caspo.report.timing import write_timing
@@ -196,7 +197,8 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     `refresh` runs between segments; a config with method.caspo.refresh_every needs one. SIGTERM or
     Ctrl-C end the run after the current step, with a checkpoint to resume from; so does a train.health
     detector set to stop (raising RunStopped). run.json records what the run ran on, status.json its state."""
-    cfg = distributed.start(cfg)  # a rank of several joins the others (caspo.train.distributed); else nothing
+    # a rank of several joins the others (caspo.train.distributed); else nothing
+    cfg = distributed.start(cfg, resolve_method(cfg).loss.full_vocab)
     if cfg.method.caspo.refresh_every and refresh is None:
         raise ConfigError("method.caspo.refresh_every needs the refresh pipeline: run `caspo train`, or pass "
                           "refresh=caspo.value.refresh.Refresh(cfg) to train()")
