@@ -416,11 +416,11 @@ def test_rows_finished_from_their_gathered_interval_equal_the_passes(collect_aft
 
 
 def test_which_rows_the_gathered_interval_finishes():
-    """After 4 passes the flat rows' intervals hold a few entries a part: gathered whole and finished in place,
-    their threshold and threshold logit the search's; a capacity of one entry a part finishes none of them."""
+    """After 4 passes the flat rows' intervals hold a few entries a part: gathered whole and finished, their
+    threshold logit known; a capacity of one entry a part finishes none of them."""
     device = needs_triton()
     from caspo.rollout.mass_above import narrow
-    from caspo.rollout.nucleus_reads import finish_small_intervals
+    from caspo.rollout.sampling import _finish_small_intervals
 
     x = random_logits(3, 9000, 0.5, seed=11).float()
     shift, first, plan = _nucleus_plan(9000, 0.9, NUCLEUS_PIVOTS)
@@ -430,21 +430,15 @@ def test_which_rows_the_gathered_interval_finishes():
     skip = torch.tensor([0, 0, 1], dtype=torch.int8)  # row 2 stands for a row resolved earlier
     for m in plan[:4]:
         narrow(e, lo, hi, target, skip, shift, m)
+    known, cut = torch.zeros(3, dtype=torch.bool), torch.full((3,), float("inf"))
+    state = [t.to(device) for t in (x, e, lo, hi, skip, known, cut, target)]
+    f_lo, f_hi, f_skip, f_known, f_cut = (t.cpu() for t in _finish_small_intervals(*state[:7], state[7], shift, 64, 1.0))
     threshold = nucleus_threshold(x, 0.9)[:, 0]
-    t = e[torch.arange(3), (x == threshold[:, None]).int().argmax(-1)].view(torch.int32).to(torch.int64)
-
-    def finish(capacity):
-        state = [v.clone().to(device) for v in (lo, hi, skip, torch.full((3,), float("inf")))]
-        whole = finish_small_intervals(x.to(device), e.to(device), *state[:3], state[3], target.to(device), shift,
-                                       capacity)
-        return whole.cpu(), *(v.cpu() for v in state)
-
-    whole, f_lo, f_hi, f_skip, f_cut = finish(64)
-    assert whole.tolist() == [True, True, False] and f_skip.eq(1).all()
-    assert torch.equal(f_lo[:2], t[:2]) and torch.equal(f_hi[:2], t[:2]) and torch.equal(f_cut[:2], threshold[:2])
-    assert (f_lo[2], f_hi[2], f_cut[2]) == (lo[2], hi[2], float("inf"))  # the skipped row is left as it was
-    whole, f_lo, f_hi, f_skip, f_cut = finish(1)
-    assert not whole.any() and torch.equal(f_lo, lo) and torch.equal(f_skip, skip)
+    assert f_known[:2].all() and f_skip.eq(1).all() and torch.equal(f_lo[:2], f_hi[:2])
+    assert torch.equal(f_cut[:2], threshold[:2])
+    assert not f_known[2] and f_lo[2] == lo[2]  # the skipped row is left as it was
+    none = _finish_small_intervals(*state[:7], state[7], shift, 1, 1.0)
+    assert not none[3].any() and torch.equal(none[2].cpu(), skip)
 
 
 # ---------------------------------------------------------------- GPU

@@ -7,10 +7,9 @@ copy is written) the search needs, per row (docs/engine/nucleus.md):
     exp_and_mass     e_i = exp(x_i - max_k x_k), and the total integer mass
                      sum_i floor(e_i 2^shift) (int64, exact in any order)     one read of x, one write of e
     threshold_logit  min {x_i : e_i >= t}, t a float32 bit pattern per row    one read of x and e
-    finish_small_intervals   the entries of e inside a row's interval [lo, hi] of bit
-                     patterns, at most `capacity` a part, with their indices, and
-                     the mass above hi; then one program per row that sorts them
-                     and reads the threshold off them                          one read of e
+    collect          the entries of e inside an interval [lo, hi] of bit patterns,
+                     at most `capacity` a part, with their indices, and the mass
+                     above the interval, sum_{e_i > hi} floor(e_i 2^shift)     one read of e
 
 As torch operations these were about ten reads and writes of [B, V] around the passes (the row
 max, the difference, the exponentials, a mass pass, the chunk maxima, a mask, a select and a
@@ -115,33 +114,6 @@ def _collect_kernel(E, Lo, Hi, Skip, Values, Index, Counts, Above, vocab, stride
     tl.store(Above + slot, tl.sum(above, axis=0))
 
 
-@triton.jit
-def _finish_kernel(X, Values, Index, Counts, Above, Target, Lo, Hi, Skip, Cut, Whole, parts, stride_row, x_scale,
-                   scale, CAPACITY: tl.constexpr, PARTS: tl.constexpr, SIZE: tl.constexpr):
-    row = tl.program_id(0)
-    tl.store(Whole + row, 0)
-    part_index = tl.arange(0, PARTS)
-    counts = tl.load(Counts + row * parts + part_index, mask=part_index < parts, other=CAPACITY + 1)
-    if (tl.load(Skip + row) == 0) & (tl.max(counts, axis=0) <= CAPACITY):  # not resolved, gathered whole
-        slot = tl.arange(0, SIZE)
-        part = slot // CAPACITY
-        valid = (part < parts) & (slot % CAPACITY < tl.load(Counts + row * parts + part, mask=part < parts, other=0))
-        values = tl.load(Values + row * parts * CAPACITY + slot, mask=valid, other=0.0)  # empty: weighs nothing
-        ordered = tl.sort(values, descending=True)
-        prefix = tl.load(Above + row) + tl.cumsum((ordered * scale).to(tl.int64), axis=0)
-        n = tl.sum((prefix < tl.load(Target + row)).to(tl.int32), axis=0)
-        t = tl.max(tl.where(slot == n, ordered, 0.0), axis=0)
-        index = tl.load(Index + row * parts * CAPACITY + slot, mask=valid, other=0)
-        kept = valid & (values >= t)
-        x = tl.load(X + row * stride_row + index, mask=kept, other=float("inf")) * x_scale
-        bits = t.to(tl.int32, bitcast=True).to(tl.int64)
-        tl.store(Lo + row, bits)
-        tl.store(Hi + row, bits)
-        tl.store(Skip + row, 1)
-        tl.store(Cut + row, tl.min(tl.where(kept, x, float("inf")), axis=0))
-        tl.store(Whole + row, 1)
-
-
 def _check(x: torch.Tensor) -> None:
     if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"the nucleus kernels need contiguous [B, V] float32 logits, got {x.dtype} {tuple(x.shape)}")
@@ -210,26 +182,3 @@ def collect(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Ten
     _collect_kernel[(rows, parts)](e, lo, hi, skip, values, index, counts, above, vocab, e.stride(0),
                                    2.0 ** shift, CAPACITY=capacity, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return values, index, counts, above.sum(1)
-
-
-def finish_small_intervals(x: torch.Tensor, e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Tensor,
-                           cut: torch.Tensor, target: torch.Tensor, shift: int, capacity: int,
-                           scale: float = 1.0) -> torch.Tensor:
-    """Resolve, in place, each row of the nucleus search whose interval [lo, hi] holds at most `capacity`
-    entries of e in every part of its row: lo = hi = t, skip = 1 and cut = its threshold logit
-    min {x_i · scale : e_i >= t}. Returns which rows it resolved ([B] bool). lo, hi [B] int64, skip [B] int8,
-    cut [B] float32, target [B] int64 (T); rows that `skip` marks are left as they are.
-
-    The gathered entries, sorted descending q_1 >= q_2 >= ..., with A = W(hi + 1) the mass above the
-    interval and the prefix sums A + w(q_1) + ... + w(q_j): the first j reaching T gives t = q_j, as for
-    the likeliest tokens (docs/engine/nucleus.md, 4b: every entry above q_j is above the interval or among
-    q_1..q_{j-1}). Some j does, as the whole prefix is W(lo) >= T. Every entry at or above t is above the
-    interval (a larger logit) or gathered, so the threshold logit is the least gathered one at or above t.
-    """
-    values, index, counts, above = collect(e, lo, hi, skip, shift, capacity)
-    rows, parts = counts.shape
-    whole = torch.empty(rows, dtype=torch.int8, device=e.device)
-    _finish_kernel[(rows,)](x, values, index, counts, above, target, lo, hi, skip, cut, whole, parts, x.stride(0),
-                            scale, 2.0 ** shift, CAPACITY=capacity, PARTS=max(2, triton.next_power_of_2(parts)),
-                            SIZE=triton.next_power_of_2(parts * capacity), num_warps=WARPS)
-    return whole.bool()

@@ -15,9 +15,9 @@ import torch
 try:
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
     from caspo.rollout.mass_above import narrow
-    from caspo.rollout.nucleus_reads import chunk_maxima, exp_and_mass, finish_small_intervals, threshold_logit
+    from caspo.rollout.nucleus_reads import chunk_maxima, collect, exp_and_mass, threshold_logit
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
-    fused_gumbel_pick = narrow = chunk_maxima = exp_and_mass = finish_small_intervals = threshold_logit = None
+    fused_gumbel_pick = narrow = chunk_maxima = collect = exp_and_mass = threshold_logit = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -149,10 +149,38 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
     hi = torch.where(resolved, found, _ONE_BITS)
     skip = resolved.to(torch.int8)
     for i, m in enumerate(plan):
-        if i == collect_after:  # in place on lo, hi, skip and cut
-            known = known | finish_small_intervals(x, e, lo, hi, skip, cut, target, shift, collect_capacity, scale)
+        if i == collect_after:
+            lo, hi, skip, known, cut = _finish_small_intervals(x, e, lo, hi, skip, known, cut, target, shift,
+                                                               collect_capacity, scale)
         narrow(e, lo, hi, target, skip, shift, m)
     return torch.where(known, cut, threshold_logit(x, e, lo, known.to(torch.int8), scale))[:, None]
+
+
+def _finish_small_intervals(x: torch.Tensor, e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Tensor,
+                            known: torch.Tensor, cut: torch.Tensor, target: torch.Tensor, shift: int, capacity: int,
+                            scale: float) -> tuple[torch.Tensor, ...]:
+    """The search's state (lo, hi, skip, known, cut) with every row whose interval `collect` gathers whole
+    resolved: its threshold t and threshold logit read off the gathered entries, its interval t alone.
+
+    Sorted descending, the gathered q_1 >= q_2 >= ... with A = W(hi + 1), the mass above the interval, and
+    prefix sums A + w(q_1) + ... + w(q_j): the first j reaching T gives t = q_j, as in section 4b of
+    docs/engine/nucleus.md (every entry above q_j is above the interval or among q_1..q_{j-1}). Some j
+    does: the whole prefix is W(lo) >= T. Every entry at or above t is above the interval (a larger
+    logit) or gathered, so the threshold logit is the least gathered one at or above t.
+    """
+    values, index, counts, above = collect(e, lo, hi, skip, shift, capacity)
+    whole = (counts <= capacity).all(-1) & (skip == 0)
+    valid = torch.arange(capacity, device=e.device) < counts[..., None]
+    values = torch.where(valid, values, 0.0).flatten(1)  # an empty slot weighs nothing and sorts last
+    ordered = values.sort(-1, descending=True).values
+    prefix = above[:, None] + (ordered * 2.0 ** shift).to(torch.int64).cumsum(-1)
+    n = (prefix < target[:, None]).sum(-1, keepdim=True).clamp(max=ordered.shape[1] - 1)
+    t = ordered.gather(-1, n)
+    logits = x.gather(1, torch.where(valid, index, 0).flatten(1).long()) * scale
+    least = torch.where(values >= t, logits, float("inf")).amin(-1)  # empty slots are 0 < t
+    bits = t[:, 0].view(torch.int32).to(torch.int64)
+    return (torch.where(whole, bits, lo), torch.where(whole, bits, hi), ((skip != 0) | whole).to(torch.int8),
+            known | whole, torch.where(whole, least, cut))
 
 
 def _threshold_among_top_chunks(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, target: torch.Tensor,
