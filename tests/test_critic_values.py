@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from caspo import algo
 from caspo.config import load_config
 from caspo.models.critic import load_critic
 from caspo.models.policy import resolve_model_path
@@ -52,8 +53,8 @@ def two_steps(tmp_path, *overrides):
     return tr, batch, stats
 
 
-@pytest.mark.parametrize("micro", [[], ["train.micro_batch_tokens=40"]])
-def test_the_value_phase_step_equals_the_update_step(tmp_path, micro):
+@pytest.mark.parametrize("micro", [[], ["train.micro_batch_tokens=40"], ["method.lam=0.95", "method.gamma=0.9"]])
+def test_the_value_phase_step_equals_the_update_step(tmp_path, micro):  # λ < 1: returns from each micro-batch
     fused, batch, stats = two_steps(tmp_path / "auto", *micro)
     kept, batch_kept, stats_kept = two_steps(tmp_path / "recompute", "train.critic_values=recompute", *micro)
     assert fused.method_state.trains_in_value_phase and not kept.method_state.trains_in_value_phase
@@ -79,6 +80,23 @@ def test_the_value_phase_step_equals_the_update_step(tmp_path, micro):
         assert stats[key] == pytest.approx(stats_kept[key], rel=1e-4, abs=1e-6), key  # pg_loss is about 0
     assert stats["vf_clipfrac"] == 0  # the clip is around this very forward's values
     assert stats_kept["t_value"] > 0 and not fused.engine.asleep
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_gae_returns_at_lambda_one_do_not_depend_on_the_values(gamma):
+    """What lets the value phase read the returns before the critic's forward: at λ = 1 the V terms of GAE
+    telescope, leaving the discounted rewards-to-go, holes (m = 0) skipped; at λ < 1 they do not."""
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 1.0, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
+    values = torch.randn(2, 5, generator=torch.Generator().manual_seed(0))
+    _, returns = algo.gae(rewards, values, mask, gamma, 1.0)
+    _, without = algo.gae(rewards, torch.zeros_like(values), mask, gamma, 1.0)
+    expected = torch.tensor([[0.5 * gamma + gamma ** 2, 0.5 + gamma, 0.0, 1.0, 0.0],  # position 2 is a hole
+                             [2 * gamma ** 2, 2 * gamma, 2.0, 0.0, 0.0]])
+    torch.testing.assert_close(returns, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(without, expected, atol=1e-6, rtol=0)
+    _, at_095 = algo.gae(rewards, values, mask, gamma, 0.95)
+    assert (at_095 - expected).abs().max() > 1e-2
 
 
 def test_two_minibatches_train_the_critic_in_the_update(tmp_path):

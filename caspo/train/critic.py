@@ -32,14 +32,16 @@ def critic_loss(critic: torch.nn.Module, batch: RolloutBatch, cfg: Config, denom
     return loss, dict(metrics, vf_loss=loss.detach())
 
 
-def loss_on_own_values(method: "Method") -> LearnerLoss:
-    """`critic_loss` whose values before the update are this forward's, detached, and whose returns are the
-    method's advantage function on them. The function must be row by row (GAE is), as it sees one
-    micro-batch; it returns what `compute_advantages` later gives for these rows."""
+def loss_on_own_values(method: "Method", returns_known: bool) -> LearnerLoss:
+    """`critic_loss` whose values before the update are this forward's, detached. Unless `returns_known`
+    (already in the batch), the returns are the method's advantage function on them, micro-batch by
+    micro-batch: the function must be row by row (GAE is), and gives what `compute_advantages` later
+    gives for these rows."""
     def loss(critic, micro: RolloutBatch, cfg: Config, denom):
         values = critic_values(critic, micro)
         micro.values = values.detach()
-        micro.returns = method.advantages(micro, token_rewards(micro, cfg), cfg.method)[1]
+        if not returns_known:
+            micro.returns = method.advantages(micro, token_rewards(micro, cfg), cfg.method)[1]
         out, metrics = algo.value_loss(values, micro.values, micro.returns, micro.response_mask,
                                        clip=cfg.method.value_clip, agg=cfg.method.loss_agg, denom=denom)
         return out, dict(metrics, vf_loss=out.detach())
@@ -86,13 +88,18 @@ class Critic(MethodState):
     def train_on_own_values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         """The critic's one step of this rollout, whose first forward gives `batch.values`: the same step
         as in the update, without a second forward of the batch before it."""
-        critic, stats = self.learners["critic"], UpdateStats()
+        critic, stats, cfg = self.learners["critic"], UpdateStats(), tr.cfg
         sleep_engine(tr)
         batch.values = torch.zeros_like(batch.behaviour_logprobs)
+        # GAE's returns at λ = 1 are the discounted rewards-to-go whatever the values (the V terms telescope):
+        # one pass over the batch with V = 0, not a scan over the tokens of every micro-batch
+        returns_known = cfg.method.lam == 1.0
+        if returns_known:
+            batch.returns = tr.method.advantages(batch, token_rewards(batch, cfg), cfg.method)[1]
         rows = torch.arange(batch.size)
         critic.model.train()
-        train_minibatch("critic_grad_norm", critic, batch, rows, tr.cfg, tr.scaler, batch.responses.shape[1],
-                        loss_on_own_values(tr.method), stats, written=("values",))
+        train_minibatch("critic_grad_norm", critic, batch, rows, cfg, tr.scaler, batch.responses.shape[1],
+                        loss_on_own_values(tr.method, returns_known), stats, written=("values",))
         critic.model.eval()
         stats.minibatches = 1
         batch.values = distributed.share_rows(batch.values, torch.isin(rows, distributed.my_rows(rows)))
