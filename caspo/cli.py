@@ -112,7 +112,9 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     if nproc > 1 and distributed.launched() and int(os.environ["WORLD_SIZE"]) != nproc:
         raise ConfigError(f"--nproc {nproc}, but the launcher started {os.environ['WORLD_SIZE']} processes")
     summary = run_train(cfg, resume=resume, overwrite=overwrite)
-    if distributed.is_main():
+    main = distributed.is_main()
+    distributed.finish()  # a rank leaves its group once the run's models are gone
+    if main:
         typer.echo(json.dumps(summary, indent=2))
 
 

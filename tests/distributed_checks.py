@@ -116,3 +116,4 @@ class distributed_off:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    distributed.finish()  # the sharded models of main() gone first

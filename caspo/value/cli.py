@@ -131,7 +131,9 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
                      merge_duplicates=merge_duplicates, max_train_prefix_len=max_train_prefix_len,
                      save_every=save_every)
     summary = train_value(labels, policy, out, spec, device)
-    if distributed.is_main():
+    main = distributed.is_main()
+    distributed.finish()  # a rank leaves its group once the value model is gone
+    if main:
         typer.echo(json.dumps(summary, indent=2))
 
 
