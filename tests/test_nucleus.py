@@ -432,7 +432,8 @@ def test_which_rows_the_gathered_interval_finishes():
         narrow(e, lo, hi, target, skip, shift, m)
     known, cut = torch.zeros(3, dtype=torch.bool), torch.full((3,), float("inf"))
     state = [t.to(device) for t in (x, e, lo, hi, skip, known, cut, target)]
-    f_lo, f_hi, f_skip, f_known, f_cut = (t.cpu() for t in _finish_small_intervals(*state[:7], state[7], shift, 64, 1.0))
+    finished = _finish_small_intervals(*state[:7], state[7], shift, 64, 1.0)
+    f_lo, f_hi, f_skip, f_known, f_cut = (t.cpu() for t in finished)
     threshold = nucleus_threshold(x, 0.9)[:, 0]
     assert f_known[:2].all() and f_skip.eq(1).all() and torch.equal(f_lo[:2], f_hi[:2])
     assert torch.equal(f_cut[:2], threshold[:2])

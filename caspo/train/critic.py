@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
 def critic_loss(critic: torch.nn.Module, batch: RolloutBatch, cfg: Config, denom) -> tuple[torch.Tensor, dict]:
     """Clipped value loss against the GAE returns, around the values read before the update."""
-    values = critic_values(critic, batch)
+    return clipped_value_loss(critic_values(critic, batch), batch, cfg, denom)
+
+
+def clipped_value_loss(values: torch.Tensor, batch: RolloutBatch, cfg: Config, denom) -> tuple[torch.Tensor, dict]:
     loss, metrics = algo.value_loss(values, batch.values, batch.returns, batch.response_mask,
                                     clip=cfg.method.value_clip, agg=cfg.method.loss_agg, denom=denom)
     return loss, dict(metrics, vf_loss=loss.detach())
@@ -42,9 +45,7 @@ def loss_on_own_values(method: "Method", returns_known: bool) -> LearnerLoss:
         micro.values = values.detach()
         if not returns_known:
             micro.returns = method.advantages(micro, token_rewards(micro, cfg), cfg.method)[1]
-        out, metrics = algo.value_loss(values, micro.values, micro.returns, micro.response_mask,
-                                       clip=cfg.method.value_clip, agg=cfg.method.loss_agg, denom=denom)
-        return out, dict(metrics, vf_loss=out.detach())
+        return clipped_value_loss(values, micro, cfg, denom)
     return loss
 
 
