@@ -163,9 +163,9 @@ def _finish_small_intervals(x: torch.Tensor, e: torch.Tensor, lo: torch.Tensor, 
     resolved: its threshold t and threshold logit read off the gathered entries, its interval t alone.
 
     Sorted descending, the gathered q_1 >= q_2 >= ... with A = W(hi + 1), the mass above the interval, and
-    prefix sums A + w(q_1) + ... + w(q_j): the first j reaching T gives t = q_j, as in section 4b of
-    docs/engine/nucleus.md (every entry above q_j is above the interval or among q_1..q_{j-1}). Some j
-    does: the whole prefix is W(lo) >= T. Every entry at or above t is above the interval (a larger
+    prefix sums A + w(q_1) + ... + w(q_j): the first j reaching T gives t = q_j (docs/engine/nucleus.md, 4c:
+    every entry above q_j is above the interval or among q_1..q_{j-1}). Some j does: the whole prefix is
+    W(lo) >= T. Every entry at or above t is above the interval (a larger
     logit) or gathered, so the threshold logit is the least gathered one at or above t.
     """
     values, index, counts, above = collect(e, lo, hi, skip, shift, capacity)
