@@ -141,7 +141,7 @@ def finish() -> None:
     """The end of a rank's work, once its models are out of reach: collect them (FSDP's modules sit in
     reference cycles, and hold the group's pending work objects), wait for every rank, and leave the group
     while the interpreter is whole. Left to the interpreter's exit, those objects were freed during its
-    finalization and aborted about one gloo rank in ten on a loaded CPU ("terminate called without an active
+    finalization and aborted about one gloo rank in fifteen on a loaded CPU ("terminate called without an active
     exception", after the rank's work was done)."""
     gc.collect()
     if active():
