@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from caspo.algo import gae, group_advantages, step_td, terminal_advantages
-from caspo.algo.advantages import scoped_whiten
+from caspo.algo.advantages import _discounted_suffix_sums, scoped_whiten
 
 NAN, INF = float("nan"), float("inf")
 
@@ -53,6 +53,38 @@ def test_gae_matches_hand_loop_on_random_ragged_batch_with_holes():
     adv, ret = gae(rewards, values, mask, gamma=0.95, lam=0.8)
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
     torch.testing.assert_close(ret, torch.where(mask.bool(), adv + values, 0.0))
+
+
+def test_gae_matches_hand_loop_over_several_blocks():
+    # 600 tokens: three blocks of 256 chained, holes and an empty row included
+    gen = torch.Generator().manual_seed(2)
+    B, T = 3, 600
+    rewards = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    values = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=gen) > 0.2).long()
+    mask[1, 300:] = 0
+    mask[2] = 0
+    expected = gae_by_hand(rewards.tolist(), values.tolist(), mask.tolist(), 0.99, 0.95)
+    adv, _ = gae(rewards, values, mask, gamma=0.99, lam=0.95)
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 7, 16])
+@pytest.mark.parametrize("discount", [0.0, 0.5, 1.0])
+def test_discounted_suffix_sums_against_a_loop(block, discount):
+    x = torch.randn(2, 13, generator=torch.Generator().manual_seed(block), dtype=torch.float64)
+    expected = torch.zeros_like(x)
+    running = torch.zeros(2, dtype=torch.float64)
+    for t in reversed(range(13)):
+        running = x[:, t] + discount * running
+        expected[:, t] = running
+    torch.testing.assert_close(_discounted_suffix_sums(x, discount, block), expected)
+
+
+def test_gae_of_no_rows_or_no_tokens():
+    for shape in ((0, 5), (3, 0)):
+        adv, ret = gae(torch.zeros(shape), torch.zeros(shape), torch.ones(shape), 1.0, 0.9)
+        assert adv.shape == ret.shape == shape
 
 
 def test_gae_gamma_lambda_one_value_zero_is_return_to_go():

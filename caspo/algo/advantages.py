@@ -13,6 +13,11 @@ TERMINAL_SCOPES = ("batch", "group", "off")
 WHITEN_SCOPES = ("batch", "group", "off")
 
 
+# Tokens per block of the vectorised GAE: the discount matrix is [GAE_BLOCK, GAE_BLOCK] float64, and the
+# blocks are chained by a loop of T / GAE_BLOCK steps instead of one of T.
+GAE_BLOCK = 256
+
+
 @torch.no_grad()
 def gae(
     rewards: torch.Tensor,
@@ -33,24 +38,59 @@ def gae(
 
     Advantages are raw (not whitened). Both outputs are 0 where m = 0.
     With γ = λ = 1 and V = 0, A_t is the reward-to-go Σ_{t' ≥ t} m·r.
+
+    Computed without the walk: each row's kept tokens are packed to the front, where the holes are gone
+    and A_n = Σ_{j ≥ n} (γλ)^{j−n} δ_j with δ_n = r_n + γ·V_{n+1} − V_n (V past the last kept token 0);
+    that sum is a float64 product with a triangular discount matrix per block of GAE_BLOCK tokens, the
+    blocks chained from the last (`_discounted_suffix_sums`). A scan over T tokens is T small kernels
+    per call, which on a GPU costs more than the arithmetic.
     """
     keep = mask.bool()
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
-    rewards = masked_fill_zero(rewards, keep)
-    values = masked_fill_zero(values.to(rewards.dtype), keep)
-    next_value = torch.zeros_like(rewards[:, 0])
-    last_gae = torch.zeros_like(rewards[:, 0])
-    advantages = torch.zeros_like(rewards)
-    for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        m = keep[:, t]
-        last_gae = torch.where(m, delta + gamma * lam * last_gae, last_gae)
-        next_value = torch.where(m, values[:, t], next_value)
-        advantages[:, t] = last_gae
-    advantages = masked_fill_zero(advantages, keep)
-    returns = masked_fill_zero(advantages + values, keep)
+    rows, length = rewards.shape
+    # Pack: the n-th kept token of a row goes to column n; holes go to a spare last column, then dropped.
+    packed_index = keep.long().cumsum(1) - 1
+    target = torch.where(keep, packed_index, length)
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        packed = x.new_zeros(rows, length + 1, dtype=torch.float64)
+        return packed.scatter_(1, target, masked_fill_zero(x.to(torch.float64), keep))[:, :length]
+
+    packed_values = pack(values)
+    next_values = torch.nn.functional.pad(packed_values[:, 1:], (0, 1))
+    deltas = pack(rewards) + gamma * next_values - packed_values
+    packed_advantages = _discounted_suffix_sums(deltas, gamma * lam)
+    advantages = packed_advantages.gather(1, packed_index.clamp(min=0))
+    advantages = masked_fill_zero(advantages, keep).to(rewards.dtype)
+    returns = masked_fill_zero(advantages + masked_fill_zero(values.to(rewards.dtype), keep), keep)
     return advantages, returns
+
+
+def _discounted_suffix_sums(x: torch.Tensor, discount: float, block: int = GAE_BLOCK) -> torch.Tensor:
+    """y_n = Σ_{j ≥ n} discount^(j−n) · x_j along the last dimension of x [B, T] (float64).
+
+    Within a block of b tokens y is x times the triangular matrix D[n, j] = discount^(j−n), j ≥ n; a block's
+    y then adds discount^(b−n) times the next block's first y, chained from the last block.
+    """
+    rows, length = x.shape
+    if x.numel() == 0:
+        return x.clone()
+    block = min(block, length)
+    blocks = -(-length // block)
+    x = torch.nn.functional.pad(x, (0, blocks * block - length)).view(rows, blocks, block)
+    steps = torch.arange(block, device=x.device, dtype=torch.float64)
+    gap = steps[None, :] - steps[:, None]  # j − n
+    powers = torch.tensor(discount, dtype=torch.float64, device=x.device) ** gap.clamp(min=0)
+    within = torch.where(gap >= 0, powers, 0.0)  # D[n, j]
+    local = x @ within.T  # [B, blocks, b]: the sums inside each block
+    carry_weight = torch.tensor(discount, dtype=torch.float64, device=x.device) ** (block - steps)  # discount^(b−n)
+    out = torch.empty_like(local)
+    carried = x.new_zeros(rows)
+    for k in reversed(range(blocks)):
+        out[:, k] = local[:, k] + carry_weight * carried[:, None]
+        carried = out[:, k, 0]
+    return out.view(rows, -1)[:, :length]
 
 
 @torch.no_grad()
