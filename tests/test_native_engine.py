@@ -140,6 +140,26 @@ def test_same_seed_same_tokens_whatever_the_batch_or_schedule(model):
         assert [c.tokens for c in scheduled] == [c.tokens for c in full]
 
 
+def test_on_finish_reports_each_request_once_when_it_leaves(model):
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    reqs = requests(12)
+    reported = []
+    native = engine(model, max_running=4)
+    steps_at_report = []
+
+    def on_finish(i, completion):
+        reported.append((i, completion))
+        steps_at_report.append(native.stats.decode_steps)
+
+    out = native.generate(reqs, sp, on_finish=on_finish)
+    assert sorted(i for i, _ in reported) == list(range(12))
+    assert all(completion is out[i] for i, completion in reported)  # the final completion, not a copy in progress
+    assert steps_at_report[0] < steps_at_report[-1]  # reported as they leave, not all at the end
+    hf = []
+    HFEngine(model, pad_token_id=0, max_batch=5).generate(reqs, sp, on_finish=lambda i, c: hf.append(i))
+    assert hf == list(range(12))
+
+
 # ---------------------------------------------------------------- stopping
 def test_stop_tokens_stop_strings_and_per_request_budgets(model):
     native = engine(model, decode=lambda ids: "".join(chr(65 + i % 26) for i in ids))

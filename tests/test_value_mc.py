@@ -24,12 +24,15 @@ class ScriptedEngine:
         self.script = script or (lambda ids, k: ([WIN] if k % 2 == 0 else [LOSE], "stop"))
         self.requests = []
 
-    def generate(self, requests, sampling):
+    def generate(self, requests, sampling, on_finish=None):
         self.requests += list(requests)
         out = []
         for r in requests:
             tokens, finish = self.script(r.prompt_ids, r.seed)
             out.append(Completion(tokens, [0.0] * len(tokens), finish, 0))
+        if on_finish is not None:  # finished in reverse order, as a continuous batch may end them
+            for i in reversed(range(len(out))):
+                on_finish(i, out[i])
         return out
 
 
@@ -144,3 +147,67 @@ def test_check_z_scores_and_planted_line():
     assert z[0] == pytest.approx((3 / 9 - 5 / 16) / (0.32 * 0.68 * (1 / 9 + 1 / 16)) ** 0.5)
     assert z[1] is None  # every outcome agrees: no z
     assert planted_line("9 * 2 = 18\n18 - 4 = 14\n\\boxed{14}") == "9 * 2 = 19"
+
+
+# ---------------------------------------------------------------- scoring while generating
+def test_scoring_while_generating_gives_the_same_values():
+    script = lambda ids, k: ([WIN], "stop" if k % 3 else "length") if k % 2 == 0 else ([LOSE], "stop")  # noqa: E731
+    args = ([[50], [51]], [[2, 3, 4], [2, 7]], [[0, 2], [0, 1]], ["a", "b"])
+    common = dict(k=6, sampling=SAMPLING, max_new_tokens=10, seed_fn=lambda key, j: j, scorer=scorer, decode=decode)
+    plain = mc_step_values(ScriptedEngine(script), *args, **common)
+    overlapped = mc_step_values(ScriptedEngine(script), *args, **common, score_while_generating=True)
+    assert torch.equal(plain.values, overlapped.values) and torch.equal(plain.step_mask, overlapped.step_mask)
+    assert plain.values[0, 0] == pytest.approx(2 / 6)  # k = 2, 4 win; k = 0 hit the budget
+
+
+class HalfwayEngine:
+    """Reports the first half of its completions, then waits (up to 10 s) for the scorer to have been called."""
+
+    def __init__(self, scored):
+        self.scored, self.waited = scored, None
+
+    def generate(self, requests, sampling, on_finish=None):
+        out = [Completion([WIN], [0.0], "stop", 0) for _ in requests]
+        half = len(out) // 2
+        for i in range(half):
+            on_finish(i, out[i])
+        self.waited = self.scored.wait(timeout=10)
+        for i in range(half, len(out)):
+            on_finish(i, out[i])
+        return out
+
+
+def test_the_scorer_starts_before_the_engine_returns():
+    import threading
+
+    scored, calls = threading.Event(), []
+
+    def recording_scorer(texts, labels, finished):
+        calls.append(len(texts))
+        scored.set()
+        return [1.0] * len(texts)
+
+    engine = HalfwayEngine(scored)
+    est = estimate_prefixes(engine, [Prefix((50,), (), "a")], k=8, sampling=SAMPLING, max_new_tokens=4,
+                            seed_fn=lambda key, j: j, scorer=recording_scorer, decode=decode,
+                            score_while_generating=True)
+    assert engine.waited  # the first half was scored while the engine still ran
+    assert sum(calls) == 8 and len(calls) >= 2
+    assert est.means == [1.0]
+
+
+def test_a_scorer_error_or_an_unreported_continuation_reaches_the_caller():
+    def broken(texts, labels, finished):
+        raise ValueError("verifier broke")
+
+    common = dict(k=2, sampling=SAMPLING, max_new_tokens=4, seed_fn=lambda key, j: j, decode=decode,
+                  score_while_generating=True)
+    with pytest.raises(ValueError, match="verifier broke"):
+        estimate_prefixes(ScriptedEngine(), [Prefix((50,), (), "a")], scorer=broken, **common)
+
+    class Silent(ScriptedEngine):
+        def generate(self, requests, sampling, on_finish=None):
+            return super().generate(requests, sampling)  # never reports
+
+    with pytest.raises(RuntimeError, match="never handed to the scorer"):
+        estimate_prefixes(Silent(), [Prefix((50,), (), "a")], scorer=scorer, **common)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence
+from typing import Callable, Literal, Protocol, Sequence
 
 import torch
 
@@ -32,6 +32,9 @@ class SamplingParams:
     stop_strings: list[str] = field(default_factory=list)
 
 
+OnFinish = Callable[[int, Completion], None]  # (request index, its final completion)
+
+
 class EngineAsleepError(RuntimeError):
     """A call that needs the engine's memory, made between `sleep()` and `wake()`."""
 
@@ -44,8 +47,11 @@ def asleep_error(call: str = "generate()") -> EngineAsleepError:
 class Engine(Protocol):
     version: int
 
-    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
-        """Completions in request order; raises `EngineAsleepError` while asleep."""
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
+                 on_finish: OnFinish | None = None) -> list[Completion]:
+        """Completions in request order; raises `EngineAsleepError` while asleep. `on_finish(i, completion)` is
+        called for request i as soon as its completion is final, in the calling thread, so that its consumer (a
+        scorer) can start before the last request finishes."""
 
     @property
     def asleep(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from caspo.rollout.base import Completion, Request, SamplingParams, asleep_error
+from caspo.rollout.base import Completion, OnFinish, Request, SamplingParams, asleep_error
 from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
 
@@ -62,7 +62,8 @@ class HFEngine(PublishedWeights):
         self._asleep = False
 
     # ------------------------------------------------------------ generation
-    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
+                 on_finish: OnFinish | None = None) -> list[Completion]:
         if self._asleep:
             raise asleep_error("generate()")
         self.check_weights()
@@ -72,6 +73,9 @@ class HFEngine(PublishedWeights):
         out: list[Completion] = []
         for start in range(0, len(requests), size):
             out.extend(self._generate_batch(requests[start:start + size], sampling))
+            if on_finish is not None:  # a batch's completions are final together
+                for i in range(start, len(out)):
+                    on_finish(i, out[i])
         return out
 
     @torch.no_grad()

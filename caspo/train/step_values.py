@@ -75,6 +75,7 @@ class MonteCarloValues(MethodState):
             seed_fn=partial(continuation_seed, cfg.train.seed, tr.step),
             scorer=lambda texts, labels, finished: tr.pool.score(texts, labels, finished).rewards,
             decode=partial(tr.tokenizer.decode, skip_special_tokens=True),
+            score_while_generating=tr.pool.workers > 0,  # inline scoring's timeouts need the main thread
         )
         device = batch.responses.device
         batch.step_values, batch.step_mask = mc.values.to(device), mc.step_mask.to(device)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from caspo.rollout.base import Completion, Request, SamplingParams, asleep_error
+from caspo.rollout.base import Completion, OnFinish, Request, SamplingParams, asleep_error
 from caspo.rollout.native.graphs import default_batch_sizes
 from caspo.rollout.native.kv_cache import CapacityReport, KVCache
 from caspo.rollout.native.looped_runner import LoopedCausalLM
@@ -200,11 +200,11 @@ class NativeEngine(PublishedWeights):
         self.model_runner.wake()
 
     # ------------------------------------------------------------ generation
-    def generate(self, requests: Sequence[Request], sampling: SamplingParams, *,
-                 top_logprobs: int = 0) -> list[NativeCompletion]:
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams, *, top_logprobs: int = 0,
+                 on_finish: OnFinish | None = None) -> list[NativeCompletion]:
         self._check(requests, sampling, top_logprobs)
         with torch.no_grad():
-            return self._generate(list(requests), sampling, top_logprobs)
+            return self._generate(list(requests), sampling, top_logprobs, on_finish)
 
     def _check(self, requests: Sequence[Request], sampling: SamplingParams, top_logprobs: int) -> None:
         if self.asleep:
@@ -221,7 +221,8 @@ class NativeEngine(PublishedWeights):
                 raise ValueError(f"request {i}: prompt {len(r.prompt_ids)} + max_new_tokens {r.max_new_tokens} "
                                  f"exceeds max_seq_len={self.max_seq_len}")
 
-    def _generate(self, requests: list[Request], sp: SamplingParams, top_logprobs: int) -> list[NativeCompletion]:
+    def _generate(self, requests: list[Request], sp: SamplingParams, top_logprobs: int,
+                  on_finish: OnFinish | None) -> list[NativeCompletion]:
         results: list[NativeCompletion | None] = [None] * len(requests)
         scheduler = Scheduler(requests, slots=self.max_running, prefix_sharing=self.prefix_sharing,
                               max_prefill_tokens=self.max_prefill_tokens, sampling=sp, decode=self.decode,
@@ -246,6 +247,8 @@ class NativeEngine(PublishedWeights):
             self.stats.generated_tokens += len(scheduler.running)
             for seq in scheduler.postprocess(picked.read()):
                 results[seq.index] = self._completion(seq, top_logprobs)
+                if on_finish is not None:
+                    on_finish(seq.index, results[seq.index])
             # Whoever still runs was decoded ahead: a sequence left out was at its last token and finished.
             slots = [s.slot for s in scheduler.running]
             upcoming = decoded.picked(slots, top_logprobs) if slots else None
