@@ -160,6 +160,18 @@ def test_on_finish_reports_each_request_once_when_it_leaves(model):
     assert hf == list(range(12))
 
 
+def test_decode_rows_count_the_free_slots_below_a_running_one(model):
+    sp = SamplingParams(temperature=1.0)
+    prompt = requests(1)[0].prompt_ids
+    for budgets, riding in (((2, 8), True), ((8, 2), False)):  # slot 0 leaves first, or slot 1 does
+        native = engine(model, max_running=2)
+        native.generate([Request(prompt, seed, budget) for seed, budget in enumerate(budgets)], sp)
+        steps, rows = native.stats.decode_steps, native.stats.decode_rows
+        assert steps == 7  # the longer one's 8 tokens: one sampled after the prefill, 7 decoded
+        assert (rows == 2 * steps) == riding  # a free slot 0 is decoded beside slot 1; a free slot 1 is not
+        assert steps < rows <= 2 * steps
+
+
 # ---------------------------------------------------------------- stopping
 def test_stop_tokens_stop_strings_and_per_request_budgets(model):
     native = engine(model, decode=lambda ids: "".join(chr(65 + i % 26) for i in ids))

@@ -166,7 +166,8 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
                 est = estimate_prefixes(setup.engine, [p for _, p in pending], k=spec.j, sampling=setup.sampling,
                                         max_new_tokens=cfg.rollout.max_new_tokens,
                                         seed_fn=partial(continuation_seed, cfg.train.seed, seed_step),
-                                        scorer=scorer, decode=setup.decode)
+                                        scorer=scorer, decode=setup.decode,
+                                        score_while_generating=pool.workers > 0)
                 rows += [LabelRow(**fields, p_hat=p) for (fields, _), p in zip(pending, est.means)]
                 stats["mc_requests"] += est.requests
                 stats["mc_unique_prefixes"] += est.unique

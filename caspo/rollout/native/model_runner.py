@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from caspo.rollout.base import SamplingParams
-from caspo.rollout.native.graphs import DecodeGraphs, SamplerGraphs, default_key_lengths, pick
+from caspo.rollout.native.graphs import DecodeGraphs, SamplerGraphs, default_key_lengths, pick, smallest_holding
 from caspo.rollout.native.kv_cache import KVCache
 from caspo.rollout.native.runner import Batch, Runner
 from caspo.rollout.native.scheduler import PrefillWave, PromptPiece, SequenceState
@@ -111,6 +111,8 @@ class ModelRunner:
         tokens.index_copy_(0, self._tensor([slot for _, slot, _ in ahead]),
                            sampled.index_select(0, self._tensor([row for row, _, _ in ahead])))
         positions_t, key_len = self._tensor(positions), max(positions) + 1
+        if self.stats is not None:
+            self.stats.decode_rows += rows if self.graphs is None else smallest_holding(self.graphs.sizes, rows, "rows")
         if self.graphs is not None and self.graph_sampler:
             logits, picked, packed = self.graphs.run_and_sample(tokens, positions_t, key_len, self._tensor(seeds),
                                                                 self._tensor(steps), sp)
