@@ -42,31 +42,20 @@ def test_gae_with_a_hole_by_hand():
     torch.testing.assert_close(ret, expected_ret)
 
 
-def test_gae_matches_hand_loop_on_random_ragged_batch_with_holes():
-    gen = torch.Generator().manual_seed(1)
-    B, T = 5, 9
+# 9 tokens: one block; 600: three blocks of GAE_BLOCK = 256 chained. Holes, an empty row, a row ending early.
+@pytest.mark.parametrize("T, gamma, lam", [(9, 0.95, 0.8), (600, 0.99, 0.95)])
+def test_gae_matches_hand_loop_on_random_ragged_batch_with_holes(T, gamma, lam):
+    gen = torch.Generator().manual_seed(T)
+    B = 5
     rewards = torch.randn(B, T, generator=gen, dtype=torch.float64)
     values = torch.randn(B, T, generator=gen, dtype=torch.float64)
     mask = (torch.rand(B, T, generator=gen) > 0.3).long()
     mask[2] = 0  # an empty row
-    expected = gae_by_hand(rewards.tolist(), values.tolist(), mask.tolist(), 0.95, 0.8)
-    adv, ret = gae(rewards, values, mask, gamma=0.95, lam=0.8)
+    mask[3, T // 2:] = 0
+    expected = gae_by_hand(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
     torch.testing.assert_close(ret, torch.where(mask.bool(), adv + values, 0.0))
-
-
-def test_gae_matches_hand_loop_over_several_blocks():
-    # 600 tokens: three blocks of 256 chained, holes and an empty row included
-    gen = torch.Generator().manual_seed(2)
-    B, T = 3, 600
-    rewards = torch.randn(B, T, generator=gen, dtype=torch.float64)
-    values = torch.randn(B, T, generator=gen, dtype=torch.float64)
-    mask = (torch.rand(B, T, generator=gen) > 0.2).long()
-    mask[1, 300:] = 0
-    mask[2] = 0
-    expected = gae_by_hand(rewards.tolist(), values.tolist(), mask.tolist(), 0.99, 0.95)
-    adv, _ = gae(rewards, values, mask, gamma=0.99, lam=0.95)
-    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("block", [1, 3, 4, 7, 16])
