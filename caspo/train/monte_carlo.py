@@ -145,7 +145,7 @@ class ScoringThread:
 
     Use it as a context manager; `rewards()` waits for the last round and gives every reward in request
     order. An error of the scorer is raised again by `rewards()`; leaving the block by an error stops the
-    thread after its current round.
+    thread after its current round. A scorer's limits per call (a `RewardPool`'s batch budget) hold per round.
     """
 
     _DONE = None
