@@ -21,18 +21,16 @@ requests only; they never become rows of a training batch.
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from caspo.reward.scoring_thread import Scorer, ScoringThread
 from caspo.rollout.base import Completion, Request, SamplingParams
 
 SeedFn = Callable[[str, int], int]  # (prefix key, continuation index) -> sample seed
-Scorer = Callable[[list[str], list[str], list[bool]], list[float]]  # (texts, labels, finished) -> rewards
 Decode = Callable[[list[int]], str]
 
 
@@ -138,66 +136,6 @@ def estimate_prefixes(engine, prefixes: Sequence[Prefix], *, k: int, sampling: S
     return PrefixEstimates([mean[key] for key in keys], len(order), len(requests),
                            sum(len(c.tokens) for c in completions), generated - started,
                            time.perf_counter() - generated)
-
-
-class ScoringThread:
-    """A scorer on a thread, fed continuations as they finish: each round scores all that queued meanwhile.
-
-    Use it as a context manager; `rewards()` waits for the last round and gives every reward in request
-    order. An error of the scorer is raised again by `rewards()`; leaving the block by an error stops the
-    thread after its current round. A scorer's limits per call (a `RewardPool`'s batch budget) hold per round.
-    """
-
-    _DONE = None
-
-    def __init__(self, scorer: Scorer, count: int):
-        self.scorer, self.count = scorer, count
-        self._scores: list[float | None] = [None] * count
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="mc-scorer", daemon=True)
-
-    def __enter__(self) -> "ScoringThread":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._queue.put(self._DONE)
-        self._thread.join()
-
-    def put(self, i: int, text: str, label: str, finished: bool) -> None:
-        self._queue.put((i, text, label, finished))
-
-    def rewards(self) -> list[float]:
-        self._queue.put(self._DONE)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        missing = [i for i, r in enumerate(self._scores) if r is None]
-        if missing:
-            raise RuntimeError(f"{len(missing)} of {self.count} continuations were never handed to the scorer "
-                               f"(first: {missing[0]}); the engine did not report them finished")
-        return self._scores
-
-    def _run(self) -> None:
-        done = False
-        while not done:
-            calls = [self._queue.get()]  # wait for one, then take whatever else is there
-            while True:
-                try:
-                    calls.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            done = self._DONE in calls
-            calls = [c for c in calls if c is not self._DONE]
-            if not calls or self._error is not None:
-                continue
-            try:
-                index, texts, labels, finished = zip(*calls)
-                for i, reward in zip(index, self.scorer(list(texts), list(labels), list(finished))):
-                    self._scores[i] = reward
-            except BaseException as error:  # handed to the caller by rewards()
-                self._error = error
 
 
 def mc_step_values(engine, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
