@@ -203,3 +203,16 @@ def test_batch_budget_zeroes_and_counts_unfinished_calls_and_the_pool_recovers()
 def test_inline_pool_keeps_the_budget():
     result = RewardPool(workers=0, batch_budget_s=1e-9).score([r"\boxed{1}"] * 3, ["1"] * 3, [True] * 3)
     assert result.rewards == [0.0] * 3 and result.over_budget == 3
+
+
+def test_a_scoring_thread_over_the_pool_survives_a_hang_and_a_crash(pool):
+    from caspo.reward.scoring_thread import ScoringThread
+
+    cases = [*CASES, (HANG, "1", True, 0.0), *CASES[:2], (CRASH, "1", True, 0.0), *CASES[2:]]
+    responses, labels, finished, expected = batch(cases)
+    scorer = lambda texts, labels, finished: pool.score(texts, labels, finished).rewards  # noqa: E731
+    with ScoringThread(scorer, len(cases)) as thread:
+        for i in reversed(range(len(cases))):  # handed over one at a time, out of order, off the main thread
+            thread.put(i, responses[i], labels[i], finished[i])
+        rewards = thread.rewards()
+    assert rewards == expected
