@@ -156,6 +156,20 @@ def test_half_precision():
     assert (out.double() - reference(q, k, v, lengths, key_len)).abs().max().item() <= 5e-3
 
 
+def test_rows_read_the_slots_they_are_given():
+    # 3 rows over a cache of 5 slots: row 0 reads slot 4, row 1 slot 0, row 2 slot 4 again
+    B, H, Hkv, D, L, key_len = 3, 6, 2, 16, 40, 40
+    k, v = cache_views(3, Hkv, L, D, seed=9)  # 5 slots
+    q, lengths = random_q(B, H, D, seed=10), torch.tensor([40, 7, 13], device=DEVICE)
+    slots = torch.tensor([4, 0, 4], device=DEVICE)
+    want = reference(q, k[slots], v[slots], lengths, key_len)
+    for num_splits in (1, 3):
+        out = decode_attention(q, k, v, lengths, key_len, slots=slots, num_splits=num_splits)
+        assert (out.double() - want).abs().max().item() <= 1e-5
+    default = decode_attention(q, k, v, lengths, key_len)  # slot i
+    assert (default.double() - reference(q, k, v, lengths, key_len)).abs().max().item() <= 1e-5
+
+
 def test_split_plan():
     assert split_plan(256, 2, 128) == (1, 128)  # 512 programs already
     assert split_plan(256, 2, 640) == (1, 640)
@@ -184,6 +198,10 @@ def test_rejects_bad_inputs():
         decode_attention(random_q(1, 3, 16), k, v, lengths, 8)
     with pytest.raises(ValueError, match="key_len"):
         decode_attention(q, k, v, lengths, 9)
+    with pytest.raises(ValueError, match="slots"):
+        decode_attention(q, k, v, lengths, 8, slots=torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(ValueError, match="pass slots="):
+        decode_attention(random_q(4, 4, 16), k, v, torch.tensor([8] * 4, device=DEVICE), 8)  # 4 rows, 3 slots
 
 
 # ------------------------------------------------------------ GPU: the real decode shape, bf16

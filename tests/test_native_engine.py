@@ -86,10 +86,11 @@ def test_decode_as_cuda_graphs_run_it_changes_no_row(model):
     sequences = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
     native.teacher_forced_logits(sequences)  # their K/V into slots 0, 1, 2
     tokens, positions = torch.tensor([12, 13, 14]), torch.tensor([len(s) for s in sequences])
-    tight = native.runner.decode(tokens, positions, native.cache, key_len=int(positions.max()) + 1)
-    idle = torch.zeros(5, dtype=torch.long)  # free slots ride along with token 0 at position 0
-    padded = native.runner.decode(torch.cat([tokens, idle]), torch.cat([positions, idle]), native.cache,
-                                  key_len=native.max_seq_len)
+    slots = torch.arange(3)
+    tight = native.runner.decode(tokens, positions, slots, native.cache, key_len=int(positions.max()) + 1)
+    idle = torch.zeros(5, dtype=torch.long)  # padding rows: token 0 at position 0 of a slot no one reads
+    padded = native.runner.decode(torch.cat([tokens, idle]), torch.cat([positions, idle]),
+                                  torch.cat([slots, idle + 3]), native.cache, key_len=native.max_seq_len)
     assert torch.allclose(padded[:3], tight, atol=1e-5)
     for sequence, token, hidden in zip(sequences, tokens.tolist(), tight):
         expected = hf_logits(model, sequence + [token])[-1]
@@ -160,16 +161,36 @@ def test_on_finish_reports_each_request_once_when_it_leaves(model):
     assert hf == list(range(12))
 
 
-def test_decode_rows_count_the_free_slots_below_a_running_one(model):
+def test_a_decode_step_computes_only_the_sequences_it_decodes(model):
     sp = SamplingParams(temperature=1.0)
     prompt = requests(1)[0].prompt_ids
-    for budgets, riding in (((2, 8), True), ((8, 2), False)):  # slot 0 leaves first, or slot 1 does
+    for budgets in ((2, 8), (8, 2)):  # the short one in slot 0 (its slot then lies below a running one), or in 1
         native = engine(model, max_running=2)
         native.generate([Request(prompt, seed, budget) for seed, budget in enumerate(budgets)], sp)
-        steps, rows = native.stats.decode_steps, native.stats.decode_rows
-        assert steps == 7  # the longer one's 8 tokens: one sampled after the prefill, 7 decoded
-        assert (rows == 2 * steps) == riding  # a free slot 0 is decoded beside slot 1; a free slot 1 is not
-        assert steps < rows <= 2 * steps
+        # 8 tokens: one sampled after the prefill, 7 decoded; 2 tokens: 1 decoded. A free slot is never a row.
+        assert (native.stats.decode_steps, native.stats.decode_rows) == (7, 7 + 1)
+
+
+@pytest.mark.parametrize("kernels", [False, True])  # masked SDPA; decode_attention and rope_store (interpreted)
+def test_decode_rows_in_any_slot_order_give_the_same_hidden_states(model, kernels):
+    native = engine(model, decode_kernel=kernels, rope_kernel=kernels)
+    sequences = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
+    native.teacher_forced_logits(sequences)  # slots 0, 1, 2 hold their K/V
+    tokens, positions = torch.tensor([12, 13, 14]), torch.tensor([len(s) for s in sequences])
+    in_order = native.runner.decode(tokens, positions, torch.arange(3), native.cache, key_len=6)
+    native.teacher_forced_logits(sequences)  # the step wrote each token's K/V: write the prompts again
+    order = torch.tensor([2, 0, 1])
+    shuffled = native.runner.decode(tokens[order], positions[order], order, native.cache, key_len=6)
+    assert torch.allclose(shuffled, in_order[order], atol=1e-6)
+
+
+def test_graph_padding_writes_into_a_slot_no_row_reads():
+    from caspo.rollout.native.model_runner import unread_slot
+
+    assert unread_slot([0, 1, 3], slots=5) == 2
+    assert unread_slot([4, 2, 0, 1], slots=5) == 3
+    with pytest.raises(ValueError, match="no padding row"):
+        unread_slot([1, 0, 2], slots=3)
 
 
 # ---------------------------------------------------------------- stopping

@@ -87,10 +87,11 @@ def test_decode_as_cuda_graphs_run_it_changes_no_row(model):
     sequences = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
     native.teacher_forced_logits(sequences)
     tokens, positions = torch.tensor([12, 13, 14]), torch.tensor([len(s) for s in sequences])
-    tight = native.runner.decode(tokens, positions, native.cache, key_len=int(positions.max()) + 1)
-    idle = torch.zeros(5, dtype=torch.long)  # free slots ride along with token 0 at position 0
-    padded = native.runner.decode(torch.cat([tokens, idle]), torch.cat([positions, idle]), native.cache,
-                                  key_len=native.max_seq_len)
+    slots = torch.arange(3)
+    tight = native.runner.decode(tokens, positions, slots, native.cache, key_len=int(positions.max()) + 1)
+    idle = torch.zeros(5, dtype=torch.long)  # padding rows: token 0 at position 0 of a slot no one reads
+    padded = native.runner.decode(torch.cat([tokens, idle]), torch.cat([positions, idle]),
+                                  torch.cat([slots, idle + 3]), native.cache, key_len=native.max_seq_len)
     assert torch.allclose(padded[:3], tight, atol=1e-5)
     for sequence, token, hidden in zip(sequences, tokens.tolist(), tight):
         assert torch.allclose(native.runner.logits(hidden), hf_logits(model, sequence + [token])[-1], atol=1e-4)

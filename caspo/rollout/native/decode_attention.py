@@ -1,9 +1,9 @@
 """Split-K ("flash-decoding") grouped-query attention for one query token per sequence, in Triton.
 
 What it computes: for row b and query head h (KV head j = h // G, G = H / Hkv query heads per KV
-head, as transformers' repeat_kv maps them), over the keys n < lengths[b] of cache slot b,
+head, as transformers' repeat_kv maps them), over the keys n < lengths[b] of cache slot s = slots[b],
 
-    out[b, h] = sum_n softmax_n(scale · q[b, h] · K[b, j, n]) · V[b, j, n]
+    out[b, h] = sum_n softmax_n(scale · q[b, h] · K[s, j, n]) · V[s, j, n]
 
 Why split-K: a decode step does almost no arithmetic per byte; its time is reading K and V once.
 One program per (row, KV head) is B·Hkv programs each walking a whole sequence: at small batch or
@@ -68,12 +68,13 @@ def split_plan(batch: int, kv_heads: int, key_len: int, num_splits: int | None =
 
 
 @triton.jit
-def _split_kernel(Q, K, V, Lengths, MidO, MidLse, qk_scale, key_len, chunk,
+def _split_kernel(Q, K, V, Lengths, Slots, MidO, MidLse, qk_scale, key_len, chunk,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)  # b · stride_kb can pass 2**31 in a large cache
+    b = tl.program_id(0)
+    slot = tl.load(Slots + b).to(tl.int64)  # slot · stride_kb can pass 2**31 in a large cache
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -95,8 +96,8 @@ def _split_kernel(Q, K, V, Lengths, MidO, MidLse, qk_scale, key_len, chunk,
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
-    k_base = K + b * stride_kb + kv_head * stride_kh
-    v_base = V + b * stride_vb + kv_head * stride_vh
+    k_base = K + slot * stride_kb + kv_head * stride_kh
+    v_base = V + slot * stride_vb + kv_head * stride_vh
     # An empty chunk (start >= end) skips the loop and leaves m_i = -inf, l_i = 0.
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
@@ -161,9 +162,11 @@ INTERPRETED = not isinstance(_split_kernel, JITFunction)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     key_len: int, scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """q [B, H, D]: one query token per row; k_cache, v_cache [S, Hkv, L, D] with S >= B (row i reads slot i);
-    lengths [B] int: row i attends to keys [0, lengths[i]) of slot i (1 <= lengths[i] <= key_len);
+                     key_len: int, slots: torch.Tensor | None = None, scale: float | None = None,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """q [B, H, D]: one query token per row; k_cache, v_cache [S, Hkv, L, D]; slots [B] int: the cache slot row i
+    reads (default: slot i, then S >= B); lengths [B] int: row i attends to keys [0, lengths[i]) of its slot
+    (1 <= lengths[i] <= key_len);
     key_len: static upper bound (a Python int, <= L) on lengths: the kernel never reads beyond it, and grid/split
     sizes depend only on (B, H, Hkv, D, key_len) so the call can be captured in a CUDA graph (no host sync, no
     .item(), no data-dependent shapes). Returns [B, H, D] in q's dtype. H must be a multiple of Hkv (GQA: query head h
@@ -176,9 +179,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     B, H, D = q.shape
     S, kv_heads, L, Dk = k_cache.shape
-    if Dk != D or H % kv_heads or S < B:
-        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}: need the same head_dim, "
-                         f"H a multiple of Hkv and at least B slots")
+    if slots is None:
+        if S < B:
+            raise ValueError(f"{B} rows read slots 0..{B - 1}, but the cache has {S}; pass slots=")
+        slots = torch.arange(B, device=q.device)
+    if Dk != D or H % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}: need the same head_dim "
+                         f"and H a multiple of Hkv")
+    if slots.shape != (B,) or slots.device != q.device:
+        raise ValueError(f"slots must be [B] = [{B}] on q's device, got {tuple(slots.shape)} on {slots.device}")
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q, k_cache and v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not 1 <= key_len <= L:
@@ -206,7 +215,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         o_strides = mid_o.stride()[:3]
     _split_kernel[(B, kv_heads, num_splits)](
-        q, k_cache, v_cache, lengths, mid_o, mid_lse, scale * LOG2E, key_len, chunk,
+        q, k_cache, v_cache, lengths, slots, mid_o, mid_lse, scale * LOG2E, key_len, chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *o_strides, mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,

@@ -71,7 +71,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt positions computed
     shared_tokens: int = 0  # prompt positions copied from a resident slot instead of computed
     decode_steps: int = 0
-    decode_rows: int = 0  # rows the decode steps computed: the running ones, free slots below them, graph padding
+    decode_rows: int = 0  # rows the decode steps computed: the sequences decoded and a graph's padding rows
     generated_tokens: int = 0
     graph_captures: int = 0  # decode graphs captured (on first use of a shape, again after each wake)
     capture_s: float = 0.0  # host seconds spent capturing them

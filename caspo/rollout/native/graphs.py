@@ -1,7 +1,8 @@
 """CUDA graphs of the decode step and of the sampler, replayed instead of ~15 kernel launches per layer.
 
 A decode graph is keyed by (rows, key length) and, when it samples, by the sampling parameters:
-it decodes the first `rows` slots, attends over the first `key length` positions of each, and
+it decodes `rows` sequences, each in the cache slot its row names (a static buffer), attends over the first
+`key length` positions of each, and
 with sampling parameters goes on to the LM head and the sampler (`pick`), so that one replay
 turns the step's input tokens into its sampled next tokens. Rows and key lengths come from
 short ladders (`default_batch_sizes`, `default_key_lengths`) and a step runs in the smallest
@@ -12,10 +13,11 @@ the warm-up run that precedes a capture writes the same K/V the replay writes ag
 The sampler alone (`SamplerGraphs`) samples the logits of freshly prefilled prompts: the nucleus
 search at top-p < 1 is about a hundred kernels, which launched one by one cost the host more than
 the device runs them. Every kernel of the sampler works row by row, so the rows a graph pads with
-(zero logits, or the free slots of a decode step) change nothing in the others.
+(zero logits, or a decode step's padding rows) change nothing in the others.
 
-Rows beyond the running sequences carry token 0 at position 0: they write garbage K/V into
-position 0 of free slots, which admission overwrites before anything reads it. The graphs
+Rows beyond the step's sequences carry token 0 at position 0 of a slot that no one reads again (a free
+slot, or that of a sequence at its last token: `model_runner.unread_slot`): they write garbage K/V there,
+which admission overwrites before anything reads it. The graphs
 read the weights and the cache in place, so a publication (an in-place copy) needs no
 recapture, while the engine's `sleep()` drops them along with the cache they point into.
 """
@@ -82,29 +84,32 @@ class DecodeGraphs:
         self.runner, self.cache, self.stats = runner, cache, stats  # stats: an EngineStats, counting captures
         self.sizes, self.key_lengths = sorted(set(batch_sizes)), sorted(set(key_lengths))
         rows = self.sizes[-1]
-        self.tokens, self.positions, self.seeds, self.steps = (
-            torch.zeros(rows, dtype=torch.long, device=cache.device) for _ in range(4))
+        self.tokens, self.positions, self.slots, self.seeds, self.steps = (
+            torch.zeros(rows, dtype=torch.long, device=cache.device) for _ in range(5))
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None  # one memory pool for all graphs: they never run concurrently
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int):
-        """Hidden states [n, hidden] for rows 0..n-1, attending over keys [0, key_len); valid until the next call."""
-        size, keys = self._load(tokens, positions, key_len)
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int, key_len: int):
+        """Hidden states [n, hidden] for rows 0..n-1 (row i in cache slot slots[i]), attending over keys
+        [0, key_len); valid until the next call. The graph's padding rows write into `pad_slot`, a slot whose
+        K/V no one reads again."""
+        size, keys = self._load(tokens, positions, slots, pad_slot, key_len)
         return self._replay((size, keys))[: tokens.shape[0]]
 
-    def run_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int, seeds: torch.Tensor,
-                       steps: torch.Tensor, sp: SamplingParams
+    def run_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int,
+                       key_len: int, seeds: torch.Tensor, steps: torch.Tensor, sp: SamplingParams
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`run`, then each row's next token sampled with the noise of (seeds, steps): (logits, tokens, packed)
         of rows 0..n-1 as `pick` returns them, valid until the next call."""
         n = tokens.shape[0]
-        size, keys = self._load(tokens, positions, key_len)
+        size, keys = self._load(tokens, positions, slots, pad_slot, key_len)
         self.seeds[:n].copy_(seeds)
         self.steps[:n].copy_(steps)
         logits, picked, packed = self._replay((size, keys, *sampling_key(sp)), sp)
         return logits[:n], picked[:n], packed[:n]
 
-    def _load(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> tuple[int, int]:
+    def _load(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int,
+              key_len: int) -> tuple[int, int]:
         n = tokens.shape[0]
         size = smallest_holding(self.sizes, n, "rows")
         keys = smallest_holding(self.key_lengths, key_len, "key positions")
@@ -112,6 +117,8 @@ class DecodeGraphs:
         self.tokens[n:size].zero_()
         self.positions[:n].copy_(positions)
         self.positions[n:size].zero_()
+        self.slots[:n].copy_(slots)
+        self.slots[n:size].fill_(pad_slot)
         return size, keys
 
     def _replay(self, key: tuple, sp: SamplingParams | None = None):
@@ -122,7 +129,7 @@ class DecodeGraphs:
         return output
 
     def _step(self, size: int, keys: int, sp: SamplingParams | None):
-        hidden = self.runner.decode(self.tokens[:size], self.positions[:size], self.cache, keys)
+        hidden = self.runner.decode(self.tokens[:size], self.positions[:size], self.slots[:size], self.cache, keys)
         if sp is None:
             return hidden
         logits = self.runner.logits(hidden)

@@ -4,7 +4,7 @@ Layout: a single tensor `[planes, layers, 2 (k, v), slots, kv_heads, max_seq_len
 
 Why fixed slots rather than paged blocks: prefill attention is PyTorch's SDPA, which reads keys
 and values as dense `[batch, kv_heads, length, head_dim]` tensors, and the decode kernel
-(`decode_attention.py`) reads row i's keys from slot i as one contiguous run. With slots both
+(`decode_attention.py`) reads each row's keys from its slot as one contiguous run. With slots both
 read the cache in place; with paged blocks every prefill would first gather each sequence's
 blocks into such a tensor. The price is memory: a slot reserves `max_seq_len` positions
 whatever the sequence's length. The allocation unit ("block" in `capacity_report`) is

@@ -102,29 +102,31 @@ class ModelRunner:
         """One step for the scheduler's (row, slot, position) triples, input token `sampled[row]` (still on the
         device), and the next token of each of those sequences (`seqs[row]`), sampled with the noise of
         (seed, token index): the token being fed is index len(tokens), so the one sampled is the next.
+
+        The step's row j is ahead[j]'s sequence, in its cache slot: only the sequences decoded are computed,
+        whichever slots they hold.
         """
-        rows = max(slot for _, slot, _ in ahead) + 1  # row i is slot i; free slots in between ride along
-        positions, seeds, steps = [0] * rows, [0] * rows, [0] * rows
-        for row, slot, position in ahead:
-            positions[slot], seeds[slot], steps[slot] = position, seqs[row].request.seed, len(seqs[row].tokens) + 1
-        tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        tokens.index_copy_(0, self._tensor([slot for _, slot, _ in ahead]),
-                           sampled.index_select(0, self._tensor([row for row, _, _ in ahead])))
-        positions_t, key_len = self._tensor(positions), max(positions) + 1
-        if self.stats is not None:
-            self.stats.decode_rows += rows if self.graphs is None else smallest_holding(self.graphs.sizes, rows, "rows")
-        if self.graphs is not None and self.graph_sampler:
-            logits, picked, packed = self.graphs.run_and_sample(tokens, positions_t, key_len, self._tensor(seeds),
-                                                                self._tensor(steps), sp)
-            return Decoded(list(range(rows)), picked, packed, logits, sp)
-        if self.graphs is not None:
-            hidden = self.graphs.run(tokens, positions_t, key_len)
-        else:
-            hidden = self.runner.decode(tokens, positions_t, self.cache, key_len)
         slots = [slot for _, slot, _ in ahead]
-        logits = self.runner.logits(hidden.index_select(0, self._tensor(slots)))
-        picked, packed = pick(logits, self._tensor([seeds[s] for s in slots]), self._tensor([steps[s] for s in slots]),
-                              sp)
+        positions = [position for _, _, position in ahead]
+        tokens = sampled.index_select(0, self._tensor([row for row, _, _ in ahead]))
+        slots_t, positions_t, key_len = self._tensor(slots), self._tensor(positions), max(positions) + 1
+        seeds = self._tensor([seqs[row].request.seed for row, _, _ in ahead])
+        steps = self._tensor([len(seqs[row].tokens) + 1 for row, _, _ in ahead])
+        if self.graphs is None:
+            if self.stats is not None:
+                self.stats.decode_rows += len(ahead)
+            hidden = self.runner.decode(tokens, positions_t, slots_t, self.cache, key_len)
+            picked, packed = pick(logits := self.runner.logits(hidden), seeds, steps, sp)
+            return Decoded(slots, picked, packed, logits, sp)
+        if self.stats is not None:
+            self.stats.decode_rows += smallest_holding(self.graphs.sizes, len(ahead), "rows")
+        pad_slot = unread_slot(slots, self.cache.slots)
+        if self.graph_sampler:
+            logits, picked, packed = self.graphs.run_and_sample(tokens, positions_t, slots_t, pad_slot, key_len,
+                                                                seeds, steps, sp)
+            return Decoded(slots, picked, packed, logits, sp)
+        hidden = self.graphs.run(tokens, positions_t, slots_t, pad_slot, key_len)
+        picked, packed = pick(logits := self.runner.logits(hidden), seeds, steps, sp)
         return Decoded(slots, picked, packed, logits, sp)
 
     # ------------------------------------------------------------ sampling
@@ -173,6 +175,17 @@ def top_logprobs(logits: torch.Tensor, sp: SamplingParams, top_n: int) -> torch.
         return None
     values, ids = torch.topk(torch.log_softmax(logits.float() / (sp.temperature or 1.0), -1), top_n, dim=-1)
     return torch.cat([ids.double(), values.double()], dim=-1)
+
+
+def unread_slot(decoded: list[int], slots: int) -> int:
+    """A cache slot whose K/V no one reads again, for a graph's padding rows to write into: a free slot, or the
+    slot of a running sequence left out of the step (at its last token, it finishes without another read).
+    Some slot is one whenever the step has fewer rows than the cache has slots, the only case with padding."""
+    taken = set(decoded)
+    for slot in range(slots):
+        if slot not in taken:
+            return slot
+    raise ValueError(f"every one of the {slots} slots is decoded: a graph step needs no padding row")
 
 
 class Decoded:

@@ -61,13 +61,12 @@ class Batch:
                    rope_kernel=rope_kernel)
 
     @classmethod
-    def decode(cls, positions: torch.Tensor, key_len: int, groups: int, kernel: bool,
+    def decode(cls, positions: torch.Tensor, slots: torch.Tensor, key_len: int, groups: int, kernel: bool,
                rope_kernel: bool = False) -> "Batch":
-        """One query token per row, row i in slot i; `kernel`: for decode_attention (no mask needed)."""
-        rows = torch.arange(positions.shape[0], device=positions.device)
+        """One query token per row, row i in slot slots[i]; `kernel`: for decode_attention (no mask needed)."""
         if kernel:
-            return cls(rows, positions[:, None], None, key_len, True, lengths=positions + 1, rope_kernel=rope_kernel)
-        return cls.build(rows, positions[:, None], key_len, groups, rows_are_slots=True, rope_kernel=rope_kernel)
+            return cls(slots, positions[:, None], None, key_len, False, lengths=positions + 1, rope_kernel=rope_kernel)
+        return cls.build(slots, positions[:, None], key_len, groups, rope_kernel=rope_kernel)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
         if self.rows_are_slots:
@@ -210,7 +209,7 @@ class Attention(nn.Module):
             cache_k[batch.slots[:, None], :, batch.positions] = k
             cache_v[batch.slots[:, None], :, batch.positions] = v
         if batch.lengths is not None:
-            out = decode_attention(q[:, 0], cache_k, cache_v, batch.lengths, batch.key_len)
+            out = decode_attention(q[:, 0], cache_k, cache_v, batch.lengths, batch.key_len, batch.slots)
             return self.o_proj(out.reshape(B, 1, -1))
         return self.o_proj(grouped_attention(q, batch.read(cache_k), batch.read(cache_v), batch.mask))
 
@@ -300,9 +299,10 @@ class Runner(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, key_len: int) -> torch.Tensor:
-        """One token for each of the first B slots (row i is slot i): hidden states [B, hidden]."""
-        batch = Batch.decode(positions, key_len, self.spec.kv_groups, self.decode_kernel, self.rope_kernel)
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
+               key_len: int) -> torch.Tensor:
+        """One token for each row, row i in cache slot slots[i]: hidden states [B, hidden]."""
+        batch = Batch.decode(positions, slots, key_len, self.spec.kv_groups, self.decode_kernel, self.rope_kernel)
         return self(tokens[:, None], batch, cache)[:, 0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
