@@ -189,7 +189,7 @@ def test_graph_padding_writes_into_a_slot_no_row_reads():
 
     assert unread_slot([0, 1, 3], slots=5) == 2
     assert unread_slot([4, 2, 0, 1], slots=5) == 3
-    with pytest.raises(ValueError, match="no padding row"):
+    with pytest.raises(ValueError, match="every one of the 3 slots"):
         unread_slot([1, 0, 2], slots=3)
 
 

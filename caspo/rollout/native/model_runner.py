@@ -118,9 +118,11 @@ class ModelRunner:
             hidden = self.runner.decode(tokens, positions_t, slots_t, self.cache, key_len)
             picked, packed = pick(logits := self.runner.logits(hidden), seeds, steps, sp)
             return Decoded(slots, picked, packed, logits, sp)
+        size = smallest_holding(self.graphs.sizes, len(ahead), "rows")
         if self.stats is not None:
-            self.stats.decode_rows += smallest_holding(self.graphs.sizes, len(ahead), "rows")
-        pad_slot = unread_slot(slots, self.cache.slots)
+            self.stats.decode_rows += size
+        # The largest graph has as many rows as the cache has slots: a padded step leaves some slot unread.
+        pad_slot = unread_slot(slots, self.cache.slots) if size > len(ahead) else 0
         if self.graph_sampler:
             logits, picked, packed = self.graphs.run_and_sample(tokens, positions_t, slots_t, pad_slot, key_len,
                                                                 seeds, steps, sp)
@@ -180,12 +182,12 @@ def top_logprobs(logits: torch.Tensor, sp: SamplingParams, top_n: int) -> torch.
 def unread_slot(decoded: list[int], slots: int) -> int:
     """A cache slot whose K/V no one reads again, for a graph's padding rows to write into: a free slot, or the
     slot of a running sequence left out of the step (at its last token, it finishes without another read).
-    Some slot is one whenever the step has fewer rows than the cache has slots, the only case with padding."""
+    Some slot is one whenever the step decodes fewer sequences than the cache has slots."""
     taken = set(decoded)
     for slot in range(slots):
         if slot not in taken:
             return slot
-    raise ValueError(f"every one of the {slots} slots is decoded: a graph step needs no padding row")
+    raise ValueError(f"every one of the {slots} slots is decoded: the step has no padding rows to place")
 
 
 class Decoded:
