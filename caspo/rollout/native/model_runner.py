@@ -112,23 +112,21 @@ class ModelRunner:
         slots_t, positions_t, key_len = self._tensor(slots), self._tensor(positions), max(positions) + 1
         seeds = self._tensor([seqs[row].request.seed for row, _, _ in ahead])
         steps = self._tensor([len(seqs[row].tokens) + 1 for row, _, _ in ahead])
-        if self.graphs is None:
-            if self.stats is not None:
-                self.stats.decode_rows += len(ahead)
-            hidden = self.runner.decode(tokens, positions_t, slots_t, self.cache, key_len)
-            picked, packed = pick(logits := self.runner.logits(hidden), seeds, steps, sp)
-            return Decoded(slots, picked, packed, logits, sp)
-        size = smallest_holding(self.graphs.sizes, len(ahead), "rows")
+        size = len(ahead) if self.graphs is None else smallest_holding(self.graphs.sizes, len(ahead), "rows")
         if self.stats is not None:
             self.stats.decode_rows += size
         # The largest graph has as many rows as the cache has slots: a padded step leaves some slot unread.
         pad_slot = unread_slot(slots, self.cache.slots) if size > len(ahead) else 0
-        if self.graph_sampler:
+        if self.graphs is None:
+            hidden = self.runner.decode(tokens, positions_t, slots_t, self.cache, key_len)
+        elif self.graph_sampler:
             logits, picked, packed = self.graphs.run_and_sample(tokens, positions_t, slots_t, pad_slot, key_len,
                                                                 seeds, steps, sp)
             return Decoded(slots, picked, packed, logits, sp)
-        hidden = self.graphs.run(tokens, positions_t, slots_t, pad_slot, key_len)
-        picked, packed = pick(logits := self.runner.logits(hidden), seeds, steps, sp)
+        else:
+            hidden = self.graphs.run(tokens, positions_t, slots_t, pad_slot, key_len)
+        logits = self.runner.logits(hidden)
+        picked, packed = pick(logits, seeds, steps, sp)
         return Decoded(slots, picked, packed, logits, sp)
 
     # ------------------------------------------------------------ sampling
