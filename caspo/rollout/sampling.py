@@ -173,9 +173,7 @@ def _finish_small_intervals(x: torch.Tensor, e: torch.Tensor, lo: torch.Tensor, 
     valid = torch.arange(capacity, device=e.device) < counts[..., None]
     values = torch.where(valid, values, 0.0).flatten(1)  # an empty slot weighs nothing and sorts last
     ordered = values.sort(-1, descending=True).values
-    prefix = above[:, None] + (ordered * 2.0 ** shift).to(torch.int64).cumsum(-1)
-    n = (prefix < target[:, None]).sum(-1, keepdim=True).clamp(max=ordered.shape[1] - 1)
-    t = ordered.gather(-1, n)
+    _, t = _first_reaching(ordered, target[:, None], shift, above[:, None])
     logits = x.gather(1, torch.where(valid, index, 0).flatten(1).long()) * scale
     least = torch.where(values >= t, logits, float("inf")).amin(-1)  # empty slots are 0 < t
     bits = t[:, 0].view(torch.int32).to(torch.int64)
@@ -203,9 +201,7 @@ def _threshold_among_top_chunks(x: torch.Tensor, e: torch.Tensor, maxima: torch.
     e_in = e.gather(1, index).masked_fill(~inside, 0.0)  # padding weighs nothing and is never kept (t > 0)
     x_in = x.gather(1, index) * scale
     top = e_in.topk(count, dim=-1).values
-    prefix = (top * 2.0 ** shift).to(torch.int64).cumsum(-1)
-    n = (prefix < target[:, None]).sum(-1, keepdim=True)
-    t = top.gather(-1, n.clamp(max=count - 1))  # [B, 1]
+    n, t = _first_reaching(top, target[:, None], shift)  # [B, 1]
     resolved = n[:, 0] < count
     smallest_max = e_in.view(rows, count, chunk).amax(-1).amin(-1, keepdim=True)
     known = resolved & (t[:, 0] > smallest_max[:, 0]) if count < maxima.shape[1] else resolved  # or every chunk
@@ -237,10 +233,19 @@ def _threshold_among_top(e: torch.Tensor, target: torch.Tensor, shift: int,
     if candidates <= 0:
         return target.new_zeros(target.shape), torch.zeros_like(target, dtype=torch.bool)
     top = largest_values(e, candidates)
-    prefix = (top * 2.0 ** shift).to(torch.int64).cumsum(-1)  # the masses the passes would sum, in order
-    n = (prefix < target).sum(-1, keepdim=True)
-    found = top.gather(-1, n.clamp(max=top.shape[-1] - 1)).view(torch.int32).to(torch.int64)
+    n, found = _first_reaching(top, target, shift)
+    found = found.view(torch.int32).to(torch.int64)
     return found, n < top.shape[-1]
+
+
+def _first_reaching(ordered: torch.Tensor, target: torch.Tensor, shift: int, offset: torch.Tensor | int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, q_n) [B, 1] for descending values q [B, k]: n the first position where offset + w(q_1) + ... + w(q_n)
+    reaches `target` [B, 1] (w = floor(q 2^shift), the masses the passes sum, in order); n = k where none does,
+    q_n then the last value."""
+    prefix = offset + (ordered * 2.0 ** shift).to(torch.int64).cumsum(-1)
+    n = (prefix < target).sum(-1, keepdim=True)
+    return n, ordered.gather(-1, n.clamp(max=ordered.shape[-1] - 1))
 
 
 def largest_values(x: torch.Tensor, count: int, chunk: int = NUCLEUS_CHUNK) -> torch.Tensor:
