@@ -123,7 +123,8 @@ def print_table(header: list[str], rows: list[list]) -> None:
 
 
 def kernel_profile(fn, device, top: int = 15) -> list[list[str]]:
-    """The `top` kernels with the most device time in one call of `fn`: name, calls, ms, share of the call."""
+    """The `top` kernels with the most device time in one call of `fn`: name, calls, ms, share of the call; then
+    all kernels together (their ms against the call's wall time is how busy the device was)."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
@@ -138,7 +139,7 @@ def kernel_profile(fn, device, top: int = 15) -> list[list[str]]:
     total = sum(getattr(e, key) for e in events)
     largest = sorted(events, key=lambda e: -getattr(e, key))[:top]
     return [[e.key[:70], e.count, f"{getattr(e, key) / 1e3:.1f}", f"{getattr(e, key) / max(total, 1):.1%}"]
-            for e in largest]
+            for e in largest] + [["(all kernels)", sum(e.count for e in events), f"{total / 1e3:.1f}", "100.0%"]]
 
 
 def plant_rates(model: torch.nn.Module, rates: dict[int, float]) -> None:

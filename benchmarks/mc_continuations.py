@@ -16,6 +16,9 @@ continuations end one or two a step, as a policy's do, rather than all at their 
     python benchmarks/mc_continuations.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 \
         --kv-heads 2 --intermediate 128 --vocab 1000 --prompts 4 --boundaries 3 --first-prefix 32 --stride 16 \
         --k 3 --new-tokens 8   # smoke test
+
+--profile runs the first mode once more under torch.profiler and prints its 25 costliest kernels and the
+device time of all of them, against the run's wall time.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from _common import (
     append_result,
     build_model,
     environment,
+    kernel_profile,
     kv_sizing,
     plant_rates,
     print_table,
@@ -61,6 +65,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--eos-rate", type=float, default=0.0, help="P(EOS) planted at every position (0: none)")
+    parser.add_argument("--profile", action="store_true", help="the kernels of one more run of the first mode")
     parser.add_argument("--modes", default="shared,admit-1,unshared", help=f"some of {', '.join(MODES)}")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -95,14 +100,21 @@ def main() -> None:
         steps = engine.stats.decode_steps - before.decode_steps
         captures = engine.stats.graph_captures - before.graph_captures
         capture_s = engine.stats.capture_s - before.capture_s
+        split = {name: round(getattr(engine.stats, name) - getattr(before, name), 3)
+                 for name in ("prefill_s", "wait_s", "generate_s")}  # the engine's host time, in parts
+        split["host_s"] = round(split.pop("generate_s") - split["prefill_s"] - split["wait_s"], 3)
         generated = sum(len(c.tokens) for c in completions)
         outputs[mode] = [c.tokens for c in completions]
         results[mode] = {"prefill_tokens": computed, "shared_tokens": shared, "prefill_rounds": rounds,
                          "admit_batch": engine.admit_batch, "decode_steps": steps, "graph_captures": captures,
-                         "capture_s": round(capture_s, 3), "seconds": round(seconds, 3),
+                         "capture_s": round(capture_s, 3), **split, "seconds": round(seconds, 3),
                          "generated_tokens": generated, "peak_bytes": peak}
+        if args.profile and mode == modes[0]:
+            results[mode]["profile"] = kernel_profile(partial(engine.generate, requests, sampling),
+                                                      torch.device(args.device), top=25)
         rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{rounds:,}", f"{steps:,}",
-                     f"{generated / max(steps, 1):.0f}", f"{captures} in {capture_s:.1f} s", f"{seconds:.2f}",
+                     f"{generated / max(steps, 1):.0f}", f"{captures} in {capture_s:.1f} s",
+                     "/".join(f"{split[k]:.1f}" for k in ("prefill_s", "wait_s", "host_s")), f"{seconds:.2f}",
                      f"{generated / seconds:,.0f}", f"{peak / 2**30:.1f}" if peak else "-"])
         del engine, completions
         gc.collect()
@@ -113,7 +125,9 @@ def main() -> None:
           f" + {args.stride}·j) x K={args.k} continuations of up to {args.new_tokens} tokens (EOS rate "
           f"{args.eos_rate}), {args.dtype} on {args.device}")
     print_table(["mode", "requests", "prefill computed", "prefill shared", "prefill rounds", "decode steps",
-                 "rows/step", "graphs captured", "seconds", "tokens/s", "peak GiB"], rows)
+                 "rows/step", "graphs captured", "prefill/wait/host s", "seconds", "tokens/s", "peak GiB"], rows)
+    if args.profile:
+        print_table([f"kernel (one more run of {modes[0]})", "calls", "ms", "share"], results[modes[0]]["profile"])
     comparison = {}
     for mode in modes[1:]:  # each against the first
         same = sum(a == b for a, b in zip(outputs[modes[0]], outputs[mode]))

@@ -111,6 +111,10 @@ def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     assert all(r["mc_prefill_rounds"] >= 1 for r in rows)
     assert all(0 < r["mc_decode_steps"] < r["mc_tokens"] for r in rows)  # many continuations decoded per step
     assert all(r["mc_graph_captures"] == 0 for r in rows)  # eager on the CPU
+    # the engine's host time in parts: admission, waiting (none on the CPU, where a step computes as it is
+    # launched), its own work; together at most the generation's time
+    assert all(r["t_mc_prefill"] > 0 and r["t_mc_wait"] >= 0 and r["t_mc_host"] > 0 for r in rows)
+    assert all(r["t_mc_prefill"] + r["t_mc_wait"] + r["t_mc_host"] <= r["t_mc_generate"] for r in rows)
     assert all(r["steps_mean"] >= 1 for r in rows)
 
 

@@ -1,6 +1,7 @@
 """The native engine against the transformers oracle, on tiny random Qwen2 and Llama models (CPU)."""
 
 import os
+import time
 import weakref
 
 import pytest
@@ -159,6 +160,16 @@ def test_on_finish_reports_each_request_once_when_it_leaves(model):
     hf = []
     HFEngine(model, pad_token_id=0, max_batch=5).generate(reqs, sp, on_finish=lambda i, c: hf.append(i))
     assert hf == list(range(12))
+
+
+def test_generate_time_is_split_into_admission_waiting_and_the_hosts_own_work(model):
+    native = engine(model, max_running=3)
+    before = native.stats.generate_s
+    native.generate(requests(6), SamplingParams(temperature=1.0), on_finish=lambda i, c: time.sleep(0.02))
+    s = native.stats
+    host = s.generate_s - s.prefill_s - s.wait_s
+    assert s.generate_s > before and s.prefill_s > 0 and s.wait_s >= 0
+    assert host >= 6 * 0.02  # the callbacks run in the engine's own time, neither admission nor waiting
 
 
 def test_a_decode_step_computes_only_the_sequences_it_decodes(model):

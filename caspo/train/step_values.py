@@ -90,6 +90,10 @@ class MonteCarloValues(MethodState):
             out["mc_decode_rows"] = engine_stats.decode_rows - before.decode_rows
             out["mc_graph_captures"] = engine_stats.graph_captures - before.graph_captures
             out["t_mc_capture"] = engine_stats.capture_s - before.capture_s
+            # the engine's host time: admission rounds, blocked on the device, and the rest its own work
+            out["t_mc_prefill"] = engine_stats.prefill_s - before.prefill_s
+            out["t_mc_wait"] = engine_stats.wait_s - before.wait_s
+            out["t_mc_host"] = engine_stats.generate_s - before.generate_s - out["t_mc_prefill"] - out["t_mc_wait"]
         return out
 
 

@@ -23,6 +23,7 @@ and the noise of a token does not depend on the batch: a completion is a functio
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -75,6 +76,10 @@ class EngineStats:
     generated_tokens: int = 0
     graph_captures: int = 0  # decode graphs captured (on first use of a shape, again after each wake)
     capture_s: float = 0.0  # host seconds spent capturing them
+    # Where generate's host time goes: what is neither is the host's own work (scheduling, launches).
+    generate_s: float = 0.0  # host seconds inside generate
+    prefill_s: float = 0.0  # of those, in admission rounds (their index copies wait for the steps queued before)
+    wait_s: float = 0.0  # of those, blocked until a decode step's tokens reached the host (the device is the bound)
 
 
 class NativeEngine(PublishedWeights):
@@ -229,16 +234,19 @@ class NativeEngine(PublishedWeights):
                               max_prefill_tokens=self.max_prefill_tokens, sampling=sp, decode=self.decode,
                               admit_batch=self.admit_batch)
         upcoming = None  # the next tokens of scheduler.running, sampled by the last decode step
+        started = time.perf_counter()
         while not scheduler.done:
             admitted = scheduler.admit()
             picked = upcoming
             if admitted:
+                admitting = time.perf_counter()
                 plan = scheduler.plan_prefill(admitted)
                 self.stats.prefill_rounds += 1
                 self.stats.shared_tokens += sum(wave.shared_tokens for wave in plan)
                 self.stats.prefill_tokens += sum(wave.computed_tokens for wave in plan)
                 fresh = self.model_runner.sample(admitted, self.model_runner.prefill(plan, admitted), sp, top_logprobs)
                 picked = fresh if picked is None else picked.join(fresh)
+                self.stats.prefill_s += time.perf_counter() - admitting
             # Decode ahead: the next step runs (and samples) on the device while the host reads this step's
             # tokens. Sequences at their last token are left out; one that stops on a token wastes a row.
             ahead, decoded = scheduler.decoding(), None
@@ -246,13 +254,17 @@ class NativeEngine(PublishedWeights):
                 decoded = self.model_runner.decode(ahead, picked.tokens, scheduler.running, sp)
                 self.stats.decode_steps += 1
             self.stats.generated_tokens += len(scheduler.running)
-            for seq in scheduler.postprocess(picked.read()):
+            waiting = time.perf_counter()
+            tokens = picked.read()
+            self.stats.wait_s += time.perf_counter() - waiting
+            for seq in scheduler.postprocess(tokens):
                 results[seq.index] = self._completion(seq, top_logprobs)
                 if on_finish is not None:
                     on_finish(seq.index, results[seq.index])
             # Whoever still runs was decoded ahead: a sequence left out was at its last token and finished.
             slots = [s.slot for s in scheduler.running]
             upcoming = decoded.picked(slots, top_logprobs) if slots else None
+        self.stats.generate_s += time.perf_counter() - started
         return results
 
     def _completion(self, seq: SequenceState, top_logprobs: int) -> NativeCompletion:
