@@ -18,7 +18,7 @@ continuations end one or two a step, as a policy's do, rather than all at their 
         --k 3 --new-tokens 8   # smoke test
 
 --profile runs the first mode once more under torch.profiler and prints its 25 costliest kernels and the
-device time of all of them, against the run's wall time.
+device time of all of them, against the run's wall time; --host-profile, once more under cProfile.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--eos-rate", type=float, default=0.0, help="P(EOS) planted at every position (0: none)")
     parser.add_argument("--profile", action="store_true", help="the kernels of one more run of the first mode")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="the host's functions (cProfile) in one more run of the first mode")
     parser.add_argument("--modes", default="shared,admit-1,unshared", help=f"some of {', '.join(MODES)}")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -112,6 +114,8 @@ def main() -> None:
         if args.profile and mode == modes[0]:
             results[mode]["profile"] = kernel_profile(partial(engine.generate, requests, sampling),
                                                       torch.device(args.device), top=25)
+        if args.host_profile and mode == modes[0]:
+            host_profile(partial(engine.generate, requests, sampling))
         rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{rounds:,}", f"{steps:,}",
                      f"{generated / max(steps, 1):.0f}", f"{captures} in {capture_s:.1f} s",
                      "/".join(f"{split[k]:.1f}" for k in ("prefill_s", "wait_s", "host_s")), f"{seconds:.2f}",
@@ -141,6 +145,18 @@ def main() -> None:
                                        "new_tokens": args.new_tokens, "max_running": args.max_running,
                                        "cuda_graphs": args.cuda_graphs, "eos_rate": args.eos_rate},
                              "modes": results, "against_first": comparison})
+
+
+def host_profile(fn, top: int = 40) -> None:
+    """Print the host functions with the most cumulative time in one call of `fn` (time blocked on the device
+    included, in whichever call waited)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":
