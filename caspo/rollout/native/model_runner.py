@@ -72,28 +72,29 @@ class ModelRunner:
         for wave in plan:
             for seq, shared in wave.shares:
                 self.cache.copy_prefix(shared.slot, seq.slot, shared.length)
-                if shared.exact:
-                    self.prompt_hidden[seq.slot] = self.prompt_hidden[shared.slot]
+            exact = [(seq.slot, shared.slot) for seq, shared in wave.shares if shared.exact]
+            if exact:  # a wave's donors are resident or earlier waves', never its own members: one copy
+                into, donors = zip(*exact)
+                self.prompt_hidden[self._tensor(into)] = self.prompt_hidden[self._tensor(donors)]
             for pieces in wave.forwards:
                 self._forward_prompts(pieces)
-        rows = torch.tensor([s.slot for s in seqs], device=self.device)
-        return self.runner.logits(self.prompt_hidden[rows])
+        return self.runner.logits(self.prompt_hidden[self._tensor([s.slot for s in seqs])])
 
     def _forward_prompts(self, pieces: list[PromptPiece]) -> None:
         """One prefill forward of prompt pieces, padded to the longest; keeps the hidden state of finished prompts."""
         width = max(p.count for p in pieces)
-        tokens = [p.seq.prompt[p.start:p.start + p.count] + [0] * (width - p.count) for p in pieces]
-        starts = torch.tensor([p.start for p in pieces], device=self.device)
+        tokens = [t for p in pieces for t in p.seq.prompt[p.start:p.start + p.count] + [0] * (width - p.count)]
+        starts = self._tensor([p.start for p in pieces])
         # Padding positions run past the prompt: their K/V land in the slot's own future positions
         # (clamped into the slot), which decoding overwrites before any query reads them.
         positions = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=self.max_seq_len - 1)
         key_len = max(p.start + p.count for p in pieces)
-        slots = torch.tensor([p.seq.slot for p in pieces], device=self.device)
+        slots = self._tensor([p.seq.slot for p in pieces])
         batch = Batch.build(slots, positions, key_len, self.spec.kv_groups, rope_kernel=self.runner.rope_kernel)
-        hidden = self.runner(torch.tensor(tokens, device=self.device), batch, self.cache)
+        hidden = self.runner(self._tensor(tokens).view(len(pieces), width), batch, self.cache)
         done = [(i, p.seq.slot, p.count - 1) for i, p in enumerate(pieces) if p.start + p.count == len(p.seq.prompt)]
         if done:
-            rows, done_slots, last = (torch.tensor(column, device=self.device) for column in zip(*done))
+            rows, done_slots, last = (self._tensor(column) for column in zip(*done))
             self.prompt_hidden[done_slots] = hidden[rows, last]
 
     # ------------------------------------------------------------ decode
@@ -141,7 +142,7 @@ class ModelRunner:
             tokens, packed = pick(logits, seeds, steps, sp)
         return Picked(tokens, packed, top_logprobs(logits, sp, top_n))
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         """An int64 tensor on the device, copied without waiting for the work queued on it.
 
         (A copy from pageable host memory may synchronize with the stream; a pinned one does not.)
