@@ -5,9 +5,11 @@ of up to 128 tokens from every prefix: 4608 requests whose prompts share long pr
 the prompt tokens computed, the prefill rounds and the wall time of the native engine in each
 of --modes, and appends one JSON line to --out:
 
-    shared    prefix sharing, the engine's default admission (once max_running // 16 slots are free)
-    admit-N   prefix sharing, a prefill round once N slots are free (admit_batch=N; admit-1: whenever one frees)
-    unshared  every prompt computed
+    shared       prefix sharing, the engine's default admission (once max_running // 16 slots are free)
+    admit-N      prefix sharing, a prefill round once N slots are free (admit_batch=N; admit-1: whenever one frees)
+    recompute-N  prefix sharing, a round's chained prompts computed in one wave when that recomputes at most
+                 N positions (recompute_budget=N; recompute-0: copied link by link, one wave per link)
+    unshared     every prompt computed
 
 --eos-rate plants an end-of-sequence token in the random model (benchmarks/_common.plant_rates), so that
 continuations end one or two a step, as a policy's do, rather than all at their budget.
@@ -47,7 +49,7 @@ from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_seed
 
-MODES = ("shared", "admit-N", "unshared")
+MODES = ("shared", "admit-N", "recompute-N", "unshared")
 EOS = 2  # the planted end-of-sequence token of --eos-rate
 
 
@@ -71,7 +73,8 @@ def main() -> None:
     parser.add_argument("--modes", default="shared,admit-1,unshared", help=f"some of {', '.join(MODES)}")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in ("shared", "unshared") and not re.fullmatch(r"admit-[1-9]\d*", m)]:
+    if unknown := [m for m in modes if m not in ("shared", "unshared")
+                   and not re.fullmatch(r"admit-[1-9]\d*|recompute-\d+", m)]:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)} (N a positive integer)")
 
     model = build_model(args)
@@ -92,6 +95,8 @@ def main() -> None:
         engine = NativeEngine(model, max_seq_len=max_seq_len, max_running=args.max_running,
                               prefix_sharing=mode != "unshared",
                               admit_batch=int(mode.removeprefix("admit-")) if mode.startswith("admit-") else None,
+                              **({"recompute_budget": int(mode.removeprefix("recompute-"))}
+                                 if mode.startswith("recompute-") else {}),
                               cuda_graphs=args.cuda_graphs, **kv_sizing(args, max_seq_len, args.max_running))
         engine.generate([Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]], sampling)  # warm-up
         before = dataclasses.replace(engine.stats)
@@ -99,6 +104,7 @@ def main() -> None:
         computed = engine.stats.prefill_tokens - before.prefill_tokens
         shared = engine.stats.shared_tokens - before.shared_tokens
         rounds = engine.stats.prefill_rounds - before.prefill_rounds
+        forwards = engine.stats.prefill_forwards - before.prefill_forwards
         steps = engine.stats.decode_steps - before.decode_steps
         captures = engine.stats.graph_captures - before.graph_captures
         capture_s = engine.stats.capture_s - before.capture_s
@@ -108,6 +114,7 @@ def main() -> None:
         generated = sum(len(c.tokens) for c in completions)
         outputs[mode] = [c.tokens for c in completions]
         results[mode] = {"prefill_tokens": computed, "shared_tokens": shared, "prefill_rounds": rounds,
+                         "prefill_forwards": forwards,
                          "admit_batch": engine.admit_batch, "decode_steps": steps, "graph_captures": captures,
                          "capture_s": round(capture_s, 3), **split, "seconds": round(seconds, 3),
                          "generated_tokens": generated, "peak_bytes": peak}
@@ -116,7 +123,7 @@ def main() -> None:
                                                       torch.device(args.device), top=25)
         if args.host_profile and mode == modes[0]:
             host_profile(partial(engine.generate, requests, sampling))
-        rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{rounds:,}", f"{steps:,}",
+        rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{rounds:,}", f"{forwards:,}", f"{steps:,}",
                      f"{generated / max(steps, 1):.0f}", f"{captures} in {capture_s:.1f} s",
                      "/".join(f"{split[k]:.1f}" for k in ("prefill_s", "wait_s", "host_s")), f"{seconds:.2f}",
                      f"{generated / seconds:,.0f}", f"{peak / 2**30:.1f}" if peak else "-"])
@@ -128,8 +135,9 @@ def main() -> None:
     print(f"{args.prompts} responses x {args.boundaries} boundaries (prefixes {args.first_prefix}"
           f" + {args.stride}·j) x K={args.k} continuations of up to {args.new_tokens} tokens (EOS rate "
           f"{args.eos_rate}), {args.dtype} on {args.device}")
-    print_table(["mode", "requests", "prefill computed", "prefill shared", "prefill rounds", "decode steps",
-                 "rows/step", "graphs captured", "prefill/wait/host s", "seconds", "tokens/s", "peak GiB"], rows)
+    print_table(["mode", "requests", "prefill computed", "prefill shared", "prefill rounds", "prefill forwards",
+                 "decode steps", "rows/step", "graphs captured", "prefill/wait/host s", "seconds", "tokens/s",
+                 "peak GiB"], rows)
     if args.profile:
         print_table([f"kernel (one more run of {modes[0]})", "calls", "ms", "share"], results[modes[0]]["profile"])
     comparison = {}

@@ -149,12 +149,12 @@ def main() -> None:
             tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
             s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.nproc * args.peak_tflops * 1e12)
         print_table(["method", "step", *PHASES, "resp len", "steps", "MC tokens", "MC gen s", "MC score s",
-                     "MC rounds", "MC prefill/wait/host s", "MC rows/step of decoded", "MC graphs", "MC shared",
-                     "|Δ logp|", "policy MFU", "peak GiB", "reserved GiB", "compiled", "retries"],
+                     "MC rounds (forwards)", "MC prefill/wait/host s", "MC rows/step of decoded", "MC graphs",
+                     "MC shared", "|Δ logp|", "policy MFU", "peak GiB", "reserved GiB", "compiled", "retries"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
                       f"{s.get('steps_per_response', 0):.1f}", s.get("mc_tokens", "-"),
                       *(f"{s[k]:.1f}" if k in s else "-" for k in ("t_mc_generate", "t_mc_score")),
-                      s.get("mc_prefill_rounds", "-"),
+                      f"{s['mc_prefill_rounds']} ({s['mc_prefill_forwards']})" if "mc_prefill_forwards" in s else "-",
                       "/".join(f"{s[k]:.1f}" for k in ("t_mc_prefill", "t_mc_wait", "t_mc_host"))
                       if "t_mc_wait" in s else "-",
                       f"{s['mc_tokens'] / s['mc_decode_steps']:.0f} of {s['mc_decode_rows'] / s['mc_decode_steps']:.0f}"

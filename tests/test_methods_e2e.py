@@ -108,7 +108,7 @@ def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     assert all(0.3 < r["mc_prefill_shared_frac"] < 1 for r in rows)
     assert all(r["t_value"] > 0 for r in rows)
     assert all(0 < r["t_mc_generate"] + r["t_mc_score"] <= r["t_value"] for r in rows)  # parts of the value phase
-    assert all(r["mc_prefill_rounds"] >= 1 for r in rows)
+    assert all(r["mc_prefill_rounds"] >= 1 and r["mc_prefill_forwards"] >= 1 for r in rows)
     assert all(0 < r["mc_decode_steps"] < r["mc_tokens"] for r in rows)  # many continuations decoded per step
     assert all(r["mc_graph_captures"] == 0 for r in rows)  # eager on the CPU
     # the engine's host time in parts: admission, waiting (none on the CPU, where a step computes as it is

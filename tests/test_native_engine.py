@@ -252,21 +252,43 @@ def test_prefix_sharing_cuts_prefill_and_changes_no_token(model):
     assert shared.stats.shared_tokens == (k - 1) * len(prompt)
 
 
-def test_prefix_sharing_of_step_prefixes_under_continuous_batching(model):
+@pytest.mark.parametrize("recompute_budget", [0, 4096])
+def test_prefix_sharing_of_step_prefixes_under_continuous_batching(model, recompute_budget):
     """Continuations from successive prefixes of one response: each copies the longest resident prefix."""
     sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
     response = list(range(10, 90))
     reqs = [Request(response[:length], seed=sample_seed(0, 1, length, j), max_new_tokens=5)
             for length in (20, 40, 60, 80) for j in range(3)]
     for max_running in (2, 12):
-        shared = engine(model, max_seq_len=96, capacity_tokens=96 * 12, max_running=max_running)
+        shared = engine(model, max_seq_len=96, capacity_tokens=96 * 12, max_running=max_running,
+                        recompute_budget=recompute_budget)
         alone = engine(model, max_seq_len=96, capacity_tokens=96 * 12, max_running=max_running,
                        prefix_sharing=False)
         assert [c.tokens for c in shared.generate(reqs, sp)] == [c.tokens for c in alone.generate(reqs, sp)]
         assert alone.stats.prefill_tokens == 3 * (20 + 40 + 60 + 80)
         assert shared.stats.prefill_tokens + shared.stats.shared_tokens == alone.stats.prefill_tokens
         assert shared.stats.prefill_tokens < alone.stats.prefill_tokens  # donors must be resident: fewer with 2
-    assert shared.stats.prefill_tokens == 80  # all admitted at once: each prompt computes what extends the last
+    # All admitted at once. Copying link by link, each prompt computes what extends the last, one forward per
+    # link; within the budget the links are computed again (20 + 40 + 60 positions), in one forward.
+    chained = recompute_budget < 20 + 40 + 60
+    assert shared.stats.prefill_tokens == (80 if chained else 200)
+    assert shared.stats.prefill_forwards == (4 if chained else 1)
+
+
+def test_a_chain_over_the_recompute_budget_copies_link_by_link():
+    """The round's recomputed positions decide: a budget one below them keeps every link a copy."""
+    sp = SamplingParams(temperature=1.0)
+    prompt = list(range(10, 58))  # 48 tokens: three 16-token blocks
+    resident, *chain = (Request(prompt[:n], seed=n, max_new_tokens=4) for n in (16, 32, 48, 48))
+    for budget, copies_from in ((16, {1: 0, 2: 0, 3: 2}), (15, {1: 0, 2: 1, 3: 2})):
+        scheduler = Scheduler([resident], slots=4, prefix_sharing=True, max_prefill_tokens=64,
+                              sampling=sp, decode=None, admit_batch=1, recompute_budget=budget)
+        scheduler.plan_prefill(scheduler.admit())  # the 16-token prompt is resident before the others arrive
+        scheduler.waiting.extend(enumerate(chain, start=1))
+        plan = scheduler.plan_prefill(scheduler.admit())
+        shares = {seq.index: shared.slot for wave in plan for seq, shared in wave.shares}
+        assert shares == copies_from  # index 3 repeats index 2's prompt: an exact share either way
+        assert sum(1 for wave in plan if wave.forwards) == (1 if budget == 16 else 2)
 
 
 def test_batched_admission_waits_for_free_slots_and_changes_no_token(model):

@@ -86,6 +86,7 @@ class MonteCarloValues(MethodState):
             shared = engine_stats.shared_tokens - before.shared_tokens
             out["mc_prefill_shared_frac"] = shared / max(computed + shared, 1)
             out["mc_prefill_rounds"] = engine_stats.prefill_rounds - before.prefill_rounds
+            out["mc_prefill_forwards"] = engine_stats.prefill_forwards - before.prefill_forwards
             out["mc_decode_steps"] = engine_stats.decode_steps - before.decode_steps
             out["mc_decode_rows"] = engine_stats.decode_rows - before.decode_rows
             out["mc_graph_captures"] = engine_stats.graph_captures - before.graph_captures

@@ -71,6 +71,7 @@ class EngineStats:
     prefill_rounds: int = 0  # admissions, each a prefill of the requests admitted together
     prefill_tokens: int = 0  # prompt positions computed
     shared_tokens: int = 0  # prompt positions copied from a resident slot instead of computed
+    prefill_forwards: int = 0  # forwards of the decoder over prompt pieces, each launched layer by layer
     decode_steps: int = 0
     decode_rows: int = 0  # rows the decode steps computed: the sequences decoded and a graph's padding rows
     generated_tokens: int = 0
@@ -95,6 +96,10 @@ class NativeEngine(PublishedWeights):
         runs), so that sequences finishing one or two a step (Monte Carlo continuations) cost one prefill
         round per batch of them rather than one per decode step (default: max_running // 16, at least 1).
     prefix_sharing: prompts sharing a prefix with a resident sequence copy its K/V instead of computing it.
+    recompute_budget: prompt positions an admission round may compute again so that prompts extending one
+        another (Monte Carlo continuations from successive step boundaries) prefill in one wave of forwards
+        instead of one per link (0: always copy). A prefill forward is launched layer by layer; at the
+        Qwen2.5-1.5B shape its host time is about the device time of ~4,096 positions (benchmarks/RESULTS.md).
     cuda_graphs: replay CUDA graphs of the decode step, captured per (rows, key length) on first use (CUDA only).
     sampler_graphs: with cuda_graphs, sample inside the decode step's graph (keyed by the sampling parameters
         too) and replay the sampler of freshly prefilled prompts as graphs of its own (false: launch the LM
@@ -111,8 +116,9 @@ class NativeEngine(PublishedWeights):
     def __init__(self, model: nn.Module | str | os.PathLike, *, max_seq_len: int, capacity_tokens: int | None = None,
                  gpu_memory_fraction: float | None = None, max_running: int | None = None,
                  max_prefill_tokens: int = 8192, admit_batch: int | None = None, prefix_sharing: bool = True,
-                 cuda_graphs: bool = False, graph_batch_sizes: list[int] | None = None, sampler_graphs: bool = True,
-                 decode_kernel: bool | None = None, rope_kernel: bool | None = None, dtype: torch.dtype | None = None,
+                 recompute_budget: int = 4096, cuda_graphs: bool = False, graph_batch_sizes: list[int] | None = None,
+                 sampler_graphs: bool = True, decode_kernel: bool | None = None, rope_kernel: bool | None = None,
+                 dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, decode: Callable[[list[int]], str] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -155,6 +161,9 @@ class NativeEngine(PublishedWeights):
         if not 1 <= self.admit_batch <= self.max_running:
             raise ValueError(f"admit_batch={admit_batch} must be in [1, max_running={self.max_running}]")
         self.prefix_sharing = prefix_sharing
+        if recompute_budget < 0:
+            raise ValueError(f"recompute_budget must be >= 0 (0: always copy), got {recompute_budget}")
+        self.recompute_budget = recompute_budget
         self.graph_batch_sizes = None
         if cuda_graphs:
             self.graph_batch_sizes = sorted(set(graph_batch_sizes or default_batch_sizes(self.max_running)))
@@ -232,7 +241,7 @@ class NativeEngine(PublishedWeights):
         results: list[NativeCompletion | None] = [None] * len(requests)
         scheduler = Scheduler(requests, slots=self.max_running, prefix_sharing=self.prefix_sharing,
                               max_prefill_tokens=self.max_prefill_tokens, sampling=sp, decode=self.decode,
-                              admit_batch=self.admit_batch)
+                              admit_batch=self.admit_batch, recompute_budget=self.recompute_budget)
         upcoming = None  # the next tokens of scheduler.running, sampled by the last decode step
         started = time.perf_counter()
         while not scheduler.done:
@@ -244,6 +253,7 @@ class NativeEngine(PublishedWeights):
                 self.stats.prefill_rounds += 1
                 self.stats.shared_tokens += sum(wave.shared_tokens for wave in plan)
                 self.stats.prefill_tokens += sum(wave.computed_tokens for wave in plan)
+                self.stats.prefill_forwards += sum(len(wave.forwards) for wave in plan)
                 fresh = self.model_runner.sample(admitted, self.model_runner.prefill(plan, admitted), sp, top_logprobs)
                 picked = fresh if picked is None else picked.join(fresh)
                 self.stats.prefill_s += time.perf_counter() - admitting

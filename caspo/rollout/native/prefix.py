@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Container, Sequence
 
 
 @dataclass(frozen=True)
@@ -71,22 +71,22 @@ class PrefixIndex:
                 if not self.whole_lengths[key[0]]:
                     del self.whole_lengths[key[0]]
 
-    def _holder(self, table: dict, key: tuple[int, int], prompt: Sequence[int]) -> int | None:
+    def _holder(self, table: dict, key: tuple[int, int], prompt: Sequence[int], skip: Container[int]) -> int | None:
         slot = table.get(key)
         length = key[0]
-        if slot is not None and self.prompts[slot][:length] == list(prompt[:length]):
+        if slot is not None and slot not in skip and self.prompts[slot][:length] == list(prompt[:length]):
             return slot
         return None
 
-    def lookup(self, prompt: Sequence[int]) -> SharedPrefix | None:
-        """The longest offered prefix of `prompt`, or None."""
+    def lookup(self, prompt: Sequence[int], skip: Container[int] = ()) -> SharedPrefix | None:
+        """The longest prefix of `prompt` offered by a slot not in `skip`, or None."""
         hashes = self._block_hashes(prompt)
-        slot = self._holder(self.whole, self._key(prompt, hashes, len(prompt)), prompt)
+        slot = self._holder(self.whole, self._key(prompt, hashes, len(prompt)), prompt, skip)
         if slot is not None:
             return SharedPrefix(slot, len(prompt), exact=True)
         best = None
         for length in sorted((n for n in self.whole_lengths if n < len(prompt)), reverse=True):
-            slot = self._holder(self.whole, self._key(prompt, hashes, length), prompt)
+            slot = self._holder(self.whole, self._key(prompt, hashes, length), prompt, skip)
             if slot is not None:
                 best = SharedPrefix(slot, length, exact=False)
                 break
@@ -94,7 +94,7 @@ class PrefixIndex:
             length = k * self.block
             if best is not None and length <= best.length:
                 break
-            slot = self._holder(self.blocks, (length, hashes[k - 1]), prompt)
+            slot = self._holder(self.blocks, (length, hashes[k - 1]), prompt, skip)
             if slot is not None:
                 return SharedPrefix(slot, length, exact=False)
         return best

@@ -8,7 +8,9 @@ decisions into device work. One `Scheduler` lives for one `generate` call:
                   round then serves many finished sequences instead of one or two per decode step;
     plan_prefill  the admitted prompts' prefill: which K/V each copies from a resident slot (prefix
                   sharing), in waves, and the forwards of at most max_prefill_tokens padded positions
-                  that compute the rest, longest pieces together;
+                  that compute the rest, longest pieces together; a chain of prompts admitted together
+                  computes in one wave when recomputing its links costs at most `recompute_budget`
+                  positions;
     decoding      the sequences decoded ahead: all but those at their last token;
     postprocess   append each sampled token, retire finished sequences and free their slots.
 
@@ -75,9 +77,11 @@ class PrefillWave:
 
 class Scheduler:
     def __init__(self, requests: list[Request], *, slots: int, prefix_sharing: bool, max_prefill_tokens: int,
-                 sampling: SamplingParams, decode: Callable[[list[int]], str] | None, admit_batch: int = 1):
+                 sampling: SamplingParams, decode: Callable[[list[int]], str] | None, admit_batch: int = 1,
+                 recompute_budget: int = 0):
         self.waiting = deque(enumerate(requests))
         self.admit_batch = admit_batch
+        self.recompute_budget = recompute_budget
         self.free = list(range(slots))  # a heap: the lowest slots first keeps decode rows packed
         # Fresh per call: K/V left by an earlier call may predate a publication.
         self.prefixes = PrefixIndex() if prefix_sharing else None
@@ -116,12 +120,9 @@ class Scheduler:
         """
         waves: list[list[tuple[SequenceState, SharedPrefix | None]]] = []
         wave_of: dict[int, int] = {}  # slot -> wave, for the slots admitted now
-        for seq in seqs:
-            shared = self.prefixes.lookup(seq.prompt) if self.prefixes is not None else None
+        for seq, shared in zip(seqs, self._shares(seqs)):
             wave = wave_of[shared.slot] + 1 if shared is not None and shared.slot in wave_of else 0
             wave_of[seq.slot] = wave
-            if self.prefixes is not None:
-                self.prefixes.add(seq.slot, seq.prompt)
             while len(waves) <= wave:
                 waves.append([])
             waves[wave].append((seq, shared))
@@ -138,6 +139,32 @@ class Scheduler:
         for seq in seqs:
             seq.length = len(seq.prompt)  # what each slot holds once the plan has run
         return plan
+
+    def _shares(self, seqs: list[SequenceState]) -> list[SharedPrefix | None]:
+        """What each admitted prompt copies; each is offered to the prompts after it.
+
+        A chain of prompts admitted together, each extending the last (continuations from successive
+        step boundaries of one response), would copy link by link: one wave of forwards per link, each
+        launched layer by layer. When the positions it costs, summed over the round, stay within
+        `recompute_budget`, each such prompt copies from a resident slot instead and computes the rest
+        itself, so that the round's prompts compute in one wave. Exact shares (whole prompts) still copy.
+        """
+        if self.prefixes is None:
+            return [None] * len(seqs)
+        admitted: set[int] = set()
+        linked, resident = [], []
+        for seq in seqs:
+            shared = self.prefixes.lookup(seq.prompt)
+            own = shared
+            if shared is not None and not shared.exact and shared.slot in admitted:
+                own = self.prefixes.lookup(seq.prompt, skip=admitted)
+            linked.append(shared)
+            resident.append(own)
+            admitted.add(seq.slot)
+            self.prefixes.add(seq.slot, seq.prompt)
+        recomputed = sum(link.length - (own.length if own else 0) for link, own in zip(linked, resident)
+                         if own is not link)
+        return resident if recomputed <= self.recompute_budget else linked
 
     def _forwards(self, pending: list[tuple[SequenceState, int]]) -> list[list[PromptPiece]]:
         """Each prompt from its start position on, in forwards of at most max_prefill_tokens padded positions."""
