@@ -9,6 +9,8 @@ of --modes, and appends one JSON line to --out:
     admit-N      prefix sharing, a prefill round once N slots are free (admit_batch=N; admit-1: whenever one frees)
     recompute-N  prefix sharing, a round's chained prompts computed in one wave when that recomputes at most
                  N positions (recompute_budget=N; recompute-0: copied link by link, one wave per link)
+    prefix-attention  prefix sharing, and each prompt's K/V read once a decode step for all its continuations
+                 (shared_prefix_attention=True; CUDA)
     unshared     every prompt computed
 
 --eos-rate plants an end-of-sequence token in the random model (benchmarks/_common.plant_rates), so that
@@ -49,7 +51,7 @@ from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.native import NativeEngine
 from caspo.rollout.sampling import sample_seed
 
-MODES = ("shared", "admit-N", "recompute-N", "unshared")
+MODES = ("shared", "admit-N", "recompute-N", "prefix-attention", "unshared")
 EOS = 2  # the planted end-of-sequence token of --eos-rate
 
 
@@ -73,7 +75,7 @@ def main() -> None:
     parser.add_argument("--modes", default="shared,admit-1,unshared", help=f"some of {', '.join(MODES)}")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in ("shared", "unshared")
+    if unknown := [m for m in modes if m not in ("shared", "prefix-attention", "unshared")
                    and not re.fullmatch(r"admit-[1-9]\d*|recompute-\d+", m)]:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)} (N a positive integer)")
 
@@ -97,6 +99,7 @@ def main() -> None:
                               admit_batch=int(mode.removeprefix("admit-")) if mode.startswith("admit-") else None,
                               **({"recompute_budget": int(mode.removeprefix("recompute-"))}
                                  if mode.startswith("recompute-") else {}),
+                              shared_prefix_attention=mode == "prefix-attention",
                               cuda_graphs=args.cuda_graphs, **kv_sizing(args, max_seq_len, args.max_running))
         engine.generate([Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]], sampling)  # warm-up
         before = dataclasses.replace(engine.stats)

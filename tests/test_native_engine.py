@@ -195,6 +195,35 @@ def test_decode_rows_in_any_slot_order_give_the_same_hidden_states(model, kernel
     assert torch.allclose(shuffled, in_order[order], atol=1e-6)
 
 
+def test_shared_prefix_attention_gives_the_same_completions(monkeypatch):
+    """K continuations of each of two prefixes and G samples of a prompt, with each group's prompt K/V read once
+    (the kernels interpreted on the CPU): the tokens of every row reading its own copy."""
+    from caspo.rollout.native import runner as runner_module
+
+    model = build(qwen2_untied())
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    response = list(range(10, 50))
+    reqs = [Request(response[:n], seed=sample_seed(0, 1, n, j), max_new_tokens=4) for n in (12, 40)
+            for j in range(3)] + [Request([7, 8, 9], seed=sample_seed(0, 2, 0, j), max_new_tokens=5) for j in range(4)]
+    grouped_rows = []
+
+    def spy(q, k, v, lengths, key_len, slots, groups):
+        grouped_rows.append(int((groups.members >= 0).sum()))
+        return shared(q, k, v, lengths, key_len, slots, groups)
+
+    shared = runner_module.shared_prefix_decode_attention
+    monkeypatch.setattr(runner_module, "shared_prefix_decode_attention", spy)
+    kernels = dict(decode_kernel=True, rope_kernel=True, max_seq_len=56, capacity_tokens=56 * 16)
+    on = engine(model, shared_prefix_attention=True, **kernels).generate(reqs, sp)
+    off = engine(model, **kernels).generate(reqs, sp)
+    assert max(grouped_rows) == 10  # every row of the first step is in a group: 2 × 3 continuations, 4 samples
+    for a, b in zip(on, off):
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    with pytest.raises(ValueError, match="needs decode_kernel and prefix_sharing"):
+        engine(model, shared_prefix_attention=True, decode_kernel=False)
+
+
 def test_graph_padding_writes_into_a_slot_no_row_reads():
     from caspo.rollout.native.model_runner import unread_slot
 

@@ -145,6 +145,22 @@ def test_schedules_agree_with_graphs_fp32(family):
         assert_equal_up_to_near_tie(model, reqs, scheduled, reference, sp, TIE_TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_shared_prefix_attention_agrees_fp32(family, cuda_graphs):
+    """K continuations of three prefixes and G samples of a prompt: each group's prompt K/V read once, eager and
+    in the decode graphs (groups in static buffers), against every row reading its own copy."""
+    model = build(family, torch.float32)
+    sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
+    response = list(range(10, 60))
+    reqs = [Request(response[:n], seed=sample_seed(0, 1, n, j), max_new_tokens=12) for n in (9, 30, 50)
+            for j in range(5)] + [Request([7, 8, 9], seed=sample_seed(0, 2, 0, j), max_new_tokens=16) for j in range(8)]
+    reference = native(model, cuda_graphs=cuda_graphs).generate(reqs, sp)
+    for max_running in (16, 7):
+        shared = native(model, cuda_graphs=cuda_graphs, max_running=max_running, shared_prefix_attention=True)
+        assert_equal_up_to_near_tie(model, reqs, shared.generate(reqs, sp), reference, sp,
+                                    TIE_TOLERANCE[torch.float32])
+
+
 def test_publication_and_sleep_keep_graphs_valid(family):
     model = build(family)
     sp = SamplingParams(temperature=1.0)

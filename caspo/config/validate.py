@@ -240,6 +240,8 @@ def validate(cfg: Config) -> None:
     validate_shapes(cfg)
     if r.cuda_graphs and r.backend != "native":
         raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
+    if r.shared_prefix_attention and r.backend != "native":
+        raise ConfigError("rollout.shared_prefix_attention=true needs rollout.backend=native")
     if t.compile and r.backend != "native":  # the hf engine would generate through the compiled blocks
         raise ConfigError("train.compile=true needs rollout.backend=native: the hf engine generates with the "
                           "policy's own blocks")

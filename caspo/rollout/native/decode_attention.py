@@ -68,11 +68,11 @@ def split_plan(batch: int, kv_heads: int, key_len: int, num_splits: int | None =
 
 
 @triton.jit
-def _split_kernel(Q, K, V, Lengths, Slots, MidO, MidLse, qk_scale, key_len, chunk,
+def _split_kernel(Q, K, V, Lengths, Starts, Slots, MidO, MidLse, qk_scale, key_len, chunk,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr):
     b = tl.program_id(0)
     slot = tl.load(Slots + b).to(tl.int64)  # slot · stride_kb can pass 2**31 in a large cache
     kv_head = tl.program_id(1)
@@ -92,6 +92,8 @@ def _split_kernel(Q, K, V, Lengths, Slots, MidO, MidLse, qk_scale, key_len, chun
     length = tl.minimum(tl.load(Lengths + b).to(tl.int32), key_len)  # never read past key_len
     start = split * chunk
     end = tl.minimum(start + chunk, length)
+    if HAS_STARTS:  # the row's keys begin at Starts[b] (those before are read elsewhere: a shared prefix)
+        start = tl.maximum(start, tl.load(Starts + b).to(tl.int32))
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
@@ -205,8 +207,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits, chunk = split_plan(B, kv_heads, key_len, num_splits)
     scale = D ** -0.5 if scale is None else scale
 
-    group = H // kv_heads
-    block_d = max(16, triton.next_power_of_2(D))
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     if num_splits == 1:  # acc / l of the only split is the answer: stage 1 writes it, no stage 2
@@ -214,16 +214,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         mid_o = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         o_strides = mid_o.stride()[:3]
+    launch_splits(q, k_cache, v_cache, lengths, slots, mid_o, o_strides, mid_lse, scale, key_len, num_splits, chunk)
+    if num_splits > 1:
+        launch_combine(mid_o, mid_lse, out, num_splits, kv_heads)
+    return out
+
+
+def launch_splits(q, k_cache, v_cache, lengths, slots, mid_o, o_strides, mid_lse, scale, key_len, num_splits, chunk,
+                  starts=None) -> None:
+    """Stage 1 over grid (B, Hkv, num_splits): each chunk's (o, lse) per query head into mid_o / mid_lse, split s
+    at [:, :, s]; with `starts`, row b reads keys [starts[b], lengths[b]) only."""
+    B, H, D = q.shape
+    kv_heads = k_cache.shape[1]
+    group = H // kv_heads
     _split_kernel[(B, kv_heads, num_splits)](
-        q, k_cache, v_cache, lengths, slots, mid_o, mid_lse, scale * LOG2E, key_len, chunk,
+        q, k_cache, v_cache, lengths, lengths if starts is None else starts, slots, mid_o, mid_lse,
+        scale * LOG2E, key_len, chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *o_strides, mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=group, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_STARTS=starts is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if num_splits > 1:
-        _combine_kernel[(B, kv_heads)](
-            mid_o, mid_lse, out, num_splits, *o_strides, mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=D, BLOCK_G=triton.next_power_of_2(group),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
-    return out
+
+
+def launch_combine(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
+                   kv_heads: int) -> None:
+    """Stage 2 over grid (B, Hkv): out = the lse-weighted mean of the splits' o (fp32 mid_o [B, H, splits, D])."""
+    B, H, D = out.shape
+    group = H // kv_heads
+    _combine_kernel[(B, kv_heads)](
+        mid_o, mid_lse, out, num_splits, *mid_o.stride()[:3], mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=D, BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)

@@ -106,6 +106,9 @@ class NativeEngine(PublishedWeights):
         head and the sampler's kernels one by one after each graph; the same tokens).
     decode_kernel: decode attention through the split-K Triton kernel instead of masked SDPA
         (default: on CUDA; it reads each sequence's K/V once, where SDPA reads them at ~1/3 of the bandwidth).
+    shared_prefix_attention: with decode_kernel, rows whose slots hold one prompt's K/V (copied by prefix
+        sharing: the K continuations of a Monte Carlo prefix, the G samples of a prompt) read it once per
+        decode step for all of them (`shared_prefix_attention.py`) instead of once each (default off).
     rope_kernel: RoPE and the K/V-cache write in one Triton kernel (`rope_store`) instead of eager
         RoPE and two indexed writes: the same numbers, one launch a layer instead of several (default: on
         CUDA; +4.6% rollout tokens/s on an H200, benchmarks/RESULTS.md).
@@ -117,9 +120,10 @@ class NativeEngine(PublishedWeights):
                  gpu_memory_fraction: float | None = None, max_running: int | None = None,
                  max_prefill_tokens: int = 8192, admit_batch: int | None = None, prefix_sharing: bool = True,
                  recompute_budget: int = 4096, cuda_graphs: bool = False, graph_batch_sizes: list[int] | None = None,
-                 sampler_graphs: bool = True, decode_kernel: bool | None = None, rope_kernel: bool | None = None,
-                 dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, decode: Callable[[list[int]], str] | None = None):
+                 sampler_graphs: bool = True, decode_kernel: bool | None = None,
+                 shared_prefix_attention: bool = False, rope_kernel: bool | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
         config, tensors, source_device = _read_source(model)
@@ -142,6 +146,9 @@ class NativeEngine(PublishedWeights):
                                  f"{'missing' if decode_attention is None else 'present'}); "
                                  f"pass {name}=False for {fallback}")
             setattr(self.runner, name, on)
+        if shared_prefix_attention and not (self.runner.decode_kernel and prefix_sharing):
+            raise ValueError("shared_prefix_attention=True reads prompt K/V that prefix sharing copied, through the "
+                             "decode kernel: it needs decode_kernel and prefix_sharing on")
         # A looped model keeps one plane per loop: a token's K/V take `planes` times the bytes.
         per_token = KVCache.bytes_per_token(layers=self.spec.num_layers, kv_heads=self.spec.num_kv_heads,
                                             head_dim=self.spec.head_dim, dtype=self.dtype, planes=self.spec.planes)
@@ -176,7 +183,7 @@ class NativeEngine(PublishedWeights):
         self._publication: Publication | None = None
         self.model_runner = ModelRunner(self.runner, self.cache, self.spec, max_seq_len=max_seq_len,
                                         graph_batch_sizes=self.graph_batch_sizes, sampler_graphs=sampler_graphs,
-                                        stats=self.stats)
+                                        stats=self.stats, shared_prefix=shared_prefix_attention)
 
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ import torch
 
 from caspo.rollout.base import SamplingParams
 from caspo.rollout.native.kv_cache import KVCache
+from caspo.rollout.native.prefix_groups import PrefixGroups
 from caspo.rollout.native.runner import Runner
 from caspo.rollout.sampling import sample_next
 
@@ -74,7 +75,8 @@ def smallest_holding(ladder: list[int], n: int, what: str) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: Runner, cache: KVCache, batch_sizes: list[int], key_lengths: list[int], stats=None):
+    def __init__(self, runner: Runner, cache: KVCache, batch_sizes: list[int], key_lengths: list[int], stats=None,
+                 prefix_members: int = 0):
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the engine runs on {cache.device}")
         if max(batch_sizes) > cache.slots:
@@ -86,30 +88,38 @@ class DecodeGraphs:
         rows = self.sizes[-1]
         self.tokens, self.positions, self.slots, self.seeds, self.steps = (
             torch.zeros(rows, dtype=torch.long, device=cache.device) for _ in range(5))
+        # Shared-prefix groups (prefix_members > 0: rows a group may hold): a graph of n rows has n // 2 of them.
+        self.groups = None
+        if prefix_members:
+            long = dict(dtype=torch.long, device=cache.device)
+            self.groups = PrefixGroups(torch.full((rows // 2 + 1, prefix_members), -1, **long),
+                                       torch.zeros(rows // 2 + 1, **long), torch.zeros(rows // 2 + 1, **long),
+                                       torch.zeros(rows, **long))
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None  # one memory pool for all graphs: they never run concurrently
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int, key_len: int):
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int, key_len: int,
+            groups: PrefixGroups | None = None):
         """Hidden states [n, hidden] for rows 0..n-1 (row i in cache slot slots[i]), attending over keys
-        [0, key_len); valid until the next call. The graph's padding rows write into `pad_slot`, a slot whose
-        K/V no one reads again."""
-        size, keys = self._load(tokens, positions, slots, pad_slot, key_len)
+        [0, key_len), each of `groups` reading its prefix once; valid until the next call. The graph's padding
+        rows write into `pad_slot`, a slot whose K/V no one reads again."""
+        size, keys = self._load(tokens, positions, slots, pad_slot, key_len, groups)
         return self._replay((size, keys))[: tokens.shape[0]]
 
     def run_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int,
-                       key_len: int, seeds: torch.Tensor, steps: torch.Tensor, sp: SamplingParams
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       key_len: int, seeds: torch.Tensor, steps: torch.Tensor, sp: SamplingParams,
+                       groups: PrefixGroups | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`run`, then each row's next token sampled with the noise of (seeds, steps): (logits, tokens, packed)
         of rows 0..n-1 as `pick` returns them, valid until the next call."""
         n = tokens.shape[0]
-        size, keys = self._load(tokens, positions, slots, pad_slot, key_len)
+        size, keys = self._load(tokens, positions, slots, pad_slot, key_len, groups)
         self.seeds[:n].copy_(seeds)
         self.steps[:n].copy_(steps)
         logits, picked, packed = self._replay((size, keys, *sampling_key(sp)), sp)
         return logits[:n], picked[:n], packed[:n]
 
     def _load(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int,
-              key_len: int) -> tuple[int, int]:
+              key_len: int, groups: PrefixGroups | None) -> tuple[int, int]:
         n = tokens.shape[0]
         size = smallest_holding(self.sizes, n, "rows")
         keys = smallest_holding(self.key_lengths, key_len, "key positions")
@@ -119,6 +129,19 @@ class DecodeGraphs:
         self.positions[n:size].zero_()
         self.slots[:n].copy_(slots)
         self.slots[n:size].fill_(pad_slot)
+        if (groups is not None) != (self.groups is not None):
+            raise ValueError("these graphs were captured " + ("with" if self.groups is not None else "without")
+                             + " shared-prefix groups; every step must match")
+        if groups is not None:  # padding rows and unused groups: empty (-1 members, prefix 0, own keys from 0)
+            used = groups.members.shape[0]
+            static = self.groups
+            static.members[:used].copy_(groups.members)
+            static.members[used:size // 2 + 1].fill_(-1)
+            static.slots[:used].copy_(groups.slots)
+            static.lengths[:used].copy_(groups.lengths)
+            static.lengths[used:size // 2 + 1].zero_()
+            static.starts[:n].copy_(groups.starts)
+            static.starts[n:size].zero_()
         return size, keys
 
     def _replay(self, key: tuple, sp: SamplingParams | None = None):
@@ -129,7 +152,13 @@ class DecodeGraphs:
         return output
 
     def _step(self, size: int, keys: int, sp: SamplingParams | None):
-        hidden = self.runner.decode(self.tokens[:size], self.positions[:size], self.slots[:size], self.cache, keys)
+        groups = None
+        if self.groups is not None:
+            capacity = size // 2 + 1
+            groups = PrefixGroups(self.groups.members[:capacity], self.groups.slots[:capacity],
+                                  self.groups.lengths[:capacity], self.groups.starts[:size])
+        hidden = self.runner.decode(self.tokens[:size], self.positions[:size], self.slots[:size], self.cache, keys,
+                                    groups)
         if sp is None:
             return hidden
         logits = self.runner.logits(hidden)

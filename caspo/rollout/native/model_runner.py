@@ -21,6 +21,7 @@ import torch
 from caspo.rollout.base import SamplingParams
 from caspo.rollout.native.graphs import DecodeGraphs, SamplerGraphs, default_key_lengths, pick, smallest_holding
 from caspo.rollout.native.kv_cache import KVCache
+from caspo.rollout.native.prefix_groups import PrefixGroups, group_rows, members_per_group
 from caspo.rollout.native.runner import Batch, Runner
 from caspo.rollout.native.scheduler import PrefillWave, PromptPiece, SequenceState
 from caspo.rollout.native.spec import DecoderSpec
@@ -28,8 +29,11 @@ from caspo.rollout.native.spec import DecoderSpec
 
 class ModelRunner:
     def __init__(self, runner: Runner, cache: KVCache, spec: DecoderSpec, *, max_seq_len: int,
-                 graph_batch_sizes: list[int] | None, sampler_graphs: bool = True, stats=None):
+                 graph_batch_sizes: list[int] | None, sampler_graphs: bool = True, stats=None,
+                 shared_prefix: bool = False):
         self.runner, self.cache, self.spec, self.stats = runner, cache, spec, stats
+        # Rows a shared-prefix group may hold; 0: every row reads its own prompt K/V.
+        self.prefix_members = members_per_group(spec.num_heads, spec.num_kv_heads) if shared_prefix else 0
         self.device, self.max_seq_len = cache.device, max_seq_len
         self.graph_batch_sizes = graph_batch_sizes  # None: no CUDA graphs
         self.graph_sampler = graph_batch_sizes is not None and sampler_graphs
@@ -61,7 +65,7 @@ class ModelRunner:
 
     def _capture(self) -> DecodeGraphs:
         return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes, default_key_lengths(self.max_seq_len),
-                            stats=self.stats)
+                            stats=self.stats, prefix_members=self.prefix_members)
 
     def _sampler_graphs(self) -> SamplerGraphs | None:
         return SamplerGraphs(self.graph_batch_sizes, self.spec.vocab_size, self.device) if self.graph_sampler else None
@@ -118,17 +122,29 @@ class ModelRunner:
             self.stats.decode_rows += size
         # The largest graph has as many rows as the cache has slots: a padded step leaves some slot unread.
         pad_slot = unread_slot(slots, self.cache.slots) if size > len(ahead) else 0
+        groups = self._prefix_groups([seqs[row] for row, _, _ in ahead], slots) if self.prefix_members else None
         if self.graphs is None:
-            hidden = self.runner.decode(tokens, positions_t, slots_t, self.cache, key_len)
+            hidden = self.runner.decode(tokens, positions_t, slots_t, self.cache, key_len, groups)
         elif self.graph_sampler:
             logits, picked, packed = self.graphs.run_and_sample(tokens, positions_t, slots_t, pad_slot, key_len,
-                                                                seeds, steps, sp)
+                                                                seeds, steps, sp, groups)
             return Decoded(slots, picked, packed, logits, sp)
         else:
-            hidden = self.graphs.run(tokens, positions_t, slots_t, pad_slot, key_len)
+            hidden = self.graphs.run(tokens, positions_t, slots_t, pad_slot, key_len, groups)
         logits = self.runner.logits(hidden)
         picked, packed = pick(logits, seeds, steps, sp)
         return Decoded(slots, picked, packed, logits, sp)
+
+    def _prefix_groups(self, decoded: list[SequenceState], slots: list[int]) -> PrefixGroups | None:
+        """The step's rows that hold one prompt's K/V (`prompt_group`), grouped to read it once; None when no
+        two rows do and no graph needs the tensors."""
+        members, starts = group_rows([(s.prompt_group, len(s.prompt)) for s in decoded], self.prefix_members)
+        if not members and self.graphs is None:
+            return None
+        table = [rows + [-1] * (self.prefix_members - len(rows)) for rows in members]
+        return PrefixGroups(self._tensor([r for rows in table for r in rows]).view(len(table), self.prefix_members),
+                            self._tensor([slots[rows[0]] for rows in members]),
+                            self._tensor([starts[rows[0]] for rows in members]), self._tensor(starts))
 
     # ------------------------------------------------------------ sampling
     def sample(self, seqs: list[SequenceState], logits: torch.Tensor, sp: SamplingParams, top_n: int) -> Picked:

@@ -31,13 +31,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 from caspo.rollout.native.kv_cache import KVCache
+from caspo.rollout.native.prefix_groups import PrefixGroups
 from caspo.rollout.native.spec import DecoderSpec
 
 try:
     from caspo.rollout.native.decode_attention import decode_attention
     from caspo.rollout.native.rope_store import rope_store
+    from caspo.rollout.native.shared_prefix_attention import shared_prefix_decode_attention
 except ImportError:  # CPU builds of torch come without triton; the engine refuses the kernels then
-    decode_attention = rope_store = None
+    decode_attention = rope_store = shared_prefix_decode_attention = None
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Batch:
     rows_are_slots: bool  # slots == arange(B): the keys are a view of the cache, no gather
     lengths: torch.Tensor | None = None  # [B] keys seen by each row: set for the split-K decode kernel
     rope_kernel: bool = False  # RoPE and the K/V write through `rope_store`
+    groups: PrefixGroups | None = None  # rows sharing prompt K/V, each group's read once (decode kernel only)
 
     @classmethod
     def build(cls, slots: torch.Tensor, positions: torch.Tensor, key_len: int, groups: int,
@@ -62,10 +65,14 @@ class Batch:
 
     @classmethod
     def decode(cls, positions: torch.Tensor, slots: torch.Tensor, key_len: int, groups: int, kernel: bool,
-               rope_kernel: bool = False) -> "Batch":
-        """One query token per row, row i in slot slots[i]; `kernel`: for decode_attention (no mask needed)."""
+               rope_kernel: bool = False, prefix_groups: PrefixGroups | None = None) -> "Batch":
+        """One query token per row, row i in slot slots[i]; `kernel`: for decode_attention (no mask needed),
+        reading the prompt K/V of each of `prefix_groups` once."""
         if kernel:
-            return cls(slots, positions[:, None], None, key_len, False, lengths=positions + 1, rope_kernel=rope_kernel)
+            return cls(slots, positions[:, None], None, key_len, False, lengths=positions + 1, rope_kernel=rope_kernel,
+                       groups=prefix_groups)
+        if prefix_groups is not None:
+            raise ValueError("shared-prefix groups need the decode kernel (decode_kernel=True)")
         return cls.build(slots, positions[:, None], key_len, groups, rope_kernel=rope_kernel)
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
@@ -208,6 +215,10 @@ class Attention(nn.Module):
             q, k, v = rotary_split(qkv, *rope, self.split, self.head_dim)
             cache_k[batch.slots[:, None], :, batch.positions] = k
             cache_v[batch.slots[:, None], :, batch.positions] = v
+        if batch.groups is not None:
+            out = shared_prefix_decode_attention(q[:, 0], cache_k, cache_v, batch.lengths, batch.key_len, batch.slots,
+                                                 batch.groups)
+            return self.o_proj(out.reshape(B, 1, -1))
         if batch.lengths is not None:
             out = decode_attention(q[:, 0], cache_k, cache_v, batch.lengths, batch.key_len, batch.slots)
             return self.o_proj(out.reshape(B, 1, -1))
@@ -300,9 +311,10 @@ class Runner(nn.Module):
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-               key_len: int) -> torch.Tensor:
+               key_len: int, prefix_groups: PrefixGroups | None = None) -> torch.Tensor:
         """One token for each row, row i in cache slot slots[i]: hidden states [B, hidden]."""
-        batch = Batch.decode(positions, slots, key_len, self.spec.kv_groups, self.decode_kernel, self.rope_kernel)
+        batch = Batch.decode(positions, slots, key_len, self.spec.kv_groups, self.decode_kernel, self.rope_kernel,
+                             prefix_groups)
         return self(tokens[:, None], batch, cache)[:, 0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,9 @@ class SequenceState:
     logprobs_full: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finish_reason: str = ""
+    # The sequence that computed this one's prompt K/V: itself, or the one it copied the whole prompt from
+    # (directly or through another copy). Slots of one prompt group hold byte-identical prompt K/V.
+    prompt_group: int = -1
     prompt: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -120,7 +123,9 @@ class Scheduler:
         """
         waves: list[list[tuple[SequenceState, SharedPrefix | None]]] = []
         wave_of: dict[int, int] = {}  # slot -> wave, for the slots admitted now
+        holder = {s.slot: s for s in self.running}  # the admitted are running too
         for seq, shared in zip(seqs, self._shares(seqs)):
+            seq.prompt_group = holder[shared.slot].prompt_group if shared is not None and shared.exact else seq.index
             wave = wave_of[shared.slot] + 1 if shared is not None and shared.slot in wave_of else 0
             wave_of[seq.slot] = wave
             while len(waves) <= wave:

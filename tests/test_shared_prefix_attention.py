@@ -1,0 +1,115 @@
+"""Decode attention with shared prefixes read once per group, against decode_attention and a float64 reference;
+on CPU through Triton's interpreter (conftest.py sets TRITON_INTERPRET=1)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_decode_attention import DEVICE, reference  # noqa: E402
+
+from caspo.rollout.native.decode_attention import decode_attention  # noqa: E402
+from caspo.rollout.native.prefix_groups import PrefixGroups, group_rows, members_per_group  # noqa: E402
+from caspo.rollout.native.shared_prefix_attention import shared_prefix_decode_attention  # noqa: E402
+
+
+def tensor(values):
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+def groups_of(rows_per_group, slots, prefix, batch, capacity, members):
+    """PrefixGroups with `capacity` group entries (the unused ones empty) and `members` columns."""
+    table = torch.full((capacity, members), -1, dtype=torch.int64)
+    group_slots, lengths, starts = [0] * capacity, [0] * capacity, [0] * batch
+    for g, (rows, length) in enumerate(zip(rows_per_group, prefix)):
+        table[g, :len(rows)] = torch.tensor(rows)
+        group_slots[g], lengths[g] = slots[rows[-1]], length  # any member's slot holds the prefix
+        for row in rows:
+            starts[row] = length
+    return PrefixGroups(table.to(DEVICE), tensor(group_slots), tensor(lengths), tensor(starts))
+
+
+def shared_cache(B, Hkv, L, D, groups, prefix, seed=0, dtype=torch.float32):
+    """k, v [B + 3, Hkv, L, D] as views of the engine's layout, each group's slots holding one copy of its prefix."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, 2, 2, B + 3, Hkv, L, D, generator=g).to(dtype)
+    k, v = kv[1, 0, 0], kv[1, 0, 1]
+    for rows, length in zip(groups, prefix):
+        for row in rows[1:]:  # slot b + 2 holds row b (slots are not rows)
+            k[row + 2, :, :length] = k[rows[0] + 2, :, :length]
+            v[row + 2, :, :length] = v[rows[0] + 2, :, :length]
+    return kv.to(DEVICE)[1, 0, 0], kv.to(DEVICE)[1, 0, 1]
+
+
+@pytest.mark.parametrize("H, Hkv", [(4, 2), (6, 1), (4, 4)])
+def test_matches_decode_attention_and_the_reference(H, Hkv):
+    B, L, D, key_len = 7, 200, 16, 190
+    groups, prefix = [[0, 2, 5], [1, 6]], [70, 129]  # rows 3 and 4 in no group
+    lengths = tensor([150, 190, 71, 33, 1, 100, 130])
+    slots = torch.arange(B, device=DEVICE) + 2
+    k, v = shared_cache(B, Hkv, L, D, groups, prefix)
+    q = torch.randn(B, H, D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grouped = groups_of(groups, slots.tolist(), prefix, B, capacity=4, members=members_per_group(H, Hkv))
+    out = shared_prefix_decode_attention(q, k, v, lengths, key_len, slots, grouped)
+    plain = decode_attention(q, k, v, lengths, key_len, slots)
+    expected = reference(q, k[2:], v[2:], lengths, key_len)
+    assert torch.allclose(out.double(), expected, atol=1e-5)
+    assert torch.allclose(out, plain, atol=1e-5)
+
+
+def test_a_group_reads_only_its_chosen_slots_prefix():
+    """The prefix keys come from the group's slot alone: poisoning the members' own copies changes nothing, and
+    poisoning the group's slot changes every member."""
+    B, H, Hkv, L, D = 4, 4, 2, 64, 16
+    groups, prefix = [[0, 1, 3]], [40]
+    lengths, slots = tensor([50, 60, 45, 64]), torch.arange(B, device=DEVICE) + 2
+    k, v = shared_cache(B, Hkv, L, D, groups, prefix)
+    q = torch.randn(B, H, D, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    grouped = groups_of(groups, slots.tolist(), prefix, B, capacity=2, members=8)
+    before = shared_prefix_decode_attention(q, k, v, lengths, 64, slots, grouped)
+    chosen = int(grouped.slots[0])
+    for slot in (2, 3):  # rows 0 and 1: not the chosen slot (row 3's)
+        k[slot, :, :40] = 1e4
+    assert torch.equal(shared_prefix_decode_attention(q, k, v, lengths, 64, slots, grouped), before)
+    v[chosen, :, :40] += 1.0
+    after = shared_prefix_decode_attention(q, k, v, lengths, 64, slots, grouped)
+    assert all(not torch.allclose(after[row], before[row]) for row in (0, 1, 3))
+    assert torch.equal(after[2], before[2])  # row 2 is in no group
+
+
+def test_group_rows():
+    keys = [(7, 30), None, (7, 30), (9, 12), (7, 30), (7, 30), (9, 12), (5, 8)]
+    groups, starts = group_rows(keys, members=3)
+    assert groups == [[0, 2, 4], [3, 6]]  # row 5 would be alone in a second (7, 30) group; (5, 8) has one row
+    assert starts == [30, 0, 30, 12, 30, 0, 12, 0]
+    assert group_rows([None, None], members=4) == ([], [0, 0])
+    assert members_per_group(12, 2) == 10 and members_per_group(32, 8) == 16
+
+
+def test_rejects_groups_that_do_not_fit():
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    k = v = torch.zeros(2, 2, 8, 16, device=DEVICE)
+    too_wide = PrefixGroups(torch.full((1, 40), -1, dtype=torch.int64, device=DEVICE), tensor([0]), tensor([0]),
+                            tensor([0, 0]))
+    with pytest.raises(ValueError, match="at most 32 a group"):
+        shared_prefix_decode_attention(q, k, v, tensor([1, 1]), 8, tensor([0, 1]), too_wide)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_at_the_real_shape_matches_decode_attention():
+    """Qwen2.5-1.5B's decode shape (12 heads, 2 KV heads, D = 128), 90 rows in groups of 9 with prefixes of 300
+    keys, in bf16: as close to decode_attention as two summation orders of bf16 inputs are."""
+    B, H, Hkv, L, D, key_len = 90, 12, 2, 640, 128, 640
+    groups = [list(range(g, g + 9)) for g in range(0, 81, 9)]  # rows 81..89 in no group
+    prefix = [300] * len(groups)
+    k, v = shared_cache(B, Hkv, L, D, groups, prefix, dtype=torch.bfloat16)
+    lengths = torch.randint(301, key_len + 1, (B,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    slots = torch.arange(B, device=DEVICE) + 2
+    q = torch.randn(B, H, D, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
+    grouped = groups_of(groups, slots.tolist(), prefix, B, capacity=B // 2 + 1, members=members_per_group(H, Hkv))
+    out = shared_prefix_decode_attention(q, k, v, lengths, key_len, slots, grouped)
+    plain = decode_attention(q, k, v, lengths, key_len, slots)
+    diff = (out.float() - plain.float()).abs()
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert diff.mean().item() <= 1e-3 and diff.max().item() <= 2e-2, (diff.mean().item(), diff.max().item())
