@@ -68,6 +68,39 @@ def split_plan(batch: int, kv_heads: int, key_len: int, num_splits: int | None =
 
 
 @triton.jit
+def attend_chunk(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale, ROWS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Softmax attention of the query rows q [ROWS, BLOCK_D] over keys [start, end) of one (slot, KV head):
+    (o = acc / l [ROWS, BLOCK_D], lse = m + log2 l [ROWS]) in fp32; an empty range gives o = 0, lse = -inf."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.full([ROWS], 0.0, tl.float32)
+    acc = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        n_mask = n < end
+        # K^T block [D, N]: the scores are one [ROWS, D] @ [D, N] matmul.
+        k = tl.load(k_base + n[None, :] * stride_kn + offs_d[:, None],
+                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Key n0 is valid, so every row's new max is finite and the rescale factor is never NaN.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
 def _split_kernel(Q, K, V, Lengths, Starts, Slots, MidO, MidLse, qk_scale, key_len, chunk,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -80,7 +113,6 @@ def _split_kernel(Q, K, V, Lengths, Starts, Slots, MidO, MidLse, qk_scale, key_l
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
@@ -95,34 +127,10 @@ def _split_kernel(Q, K, V, Lengths, Starts, Slots, MidO, MidLse, qk_scale, key_l
     if HAS_STARTS:  # the row's keys begin at Starts[b] (those before are read elsewhere: a shared prefix)
         start = tl.maximum(start, tl.load(Starts + b).to(tl.int32))
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
-    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     k_base = K + slot * stride_kb + kv_head * stride_kh
     v_base = V + slot * stride_vb + kv_head * stride_vh
-    # An empty chunk (start >= end) skips the loop and leaves m_i = -inf, l_i = 0.
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + offs_n
-        n_mask = n < end
-        # K^T block [D, N]: the scores are one [G, D] @ [D, N] matmul.
-        k = tl.load(k_base + n[None, :] * stride_kn + offs_d[:, None],
-                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Key n0 is valid, so every row's new max is finite and the rescale factor is never NaN.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    has_keys = l_i > 0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    o, lse = attend_chunk(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale,
+                          ROWS=BLOCK_G, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     o_ptrs = MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, o.to(MidO.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)

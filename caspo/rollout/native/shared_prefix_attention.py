@@ -26,6 +26,7 @@ from caspo.rollout.native.decode_attention import (
     BLOCK_N,
     LOG2E,
     NUM_STAGES,
+    attend_chunk,
     launch_combine,
     launch_splits,
     split_plan,
@@ -54,38 +55,15 @@ def _prefix_kernel(Q, K, V, Members, Slots, Lengths, MidO, MidLse, qk_scale, chu
     valid = row >= 0
     heads = kv_head * GROUP + offs_q % GROUP
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(Q + row[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=valid[:, None] & d_mask[None, :], other=0.0)
 
     start = split * chunk
     end = tl.minimum(start + chunk, prefix)
-    m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_Q], 0.0, tl.float32)
-    acc = tl.full([BLOCK_Q, BLOCK_D], 0.0, tl.float32)
-    k_base = K + slot * stride_kb + kv_head * stride_kh
-    v_base = V + slot * stride_vb + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):  # as decode_attention's split kernel, for every row of the group
-        n = n0 + offs_n
-        n_mask = n < end
-        k = tl.load(k_base + n[None, :] * stride_kn + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :],
-                    other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    has_keys = l_i > 0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    o, lse = attend_chunk(q, K + slot * stride_kb + kv_head * stride_kh, V + slot * stride_vb + kv_head * stride_vh,
+                          start, end, stride_kn, stride_vn, qk_scale, ROWS=BLOCK_Q, HEAD_DIM=HEAD_DIM,
+                          BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     tl.store(MidO + row[:, None] * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :], o,
              mask=valid[:, None] & d_mask[None, :])
     tl.store(MidLse + row * stride_lb + heads * stride_lh + split, lse, mask=valid)
