@@ -79,7 +79,7 @@ class EngineStats:
     capture_s: float = 0.0  # host seconds spent capturing them
     # Where generate's host time goes: what is neither is the host's own work (scheduling, launches).
     generate_s: float = 0.0  # host seconds inside generate
-    prefill_s: float = 0.0  # of those, in admission rounds (their index copies wait for the steps queued before)
+    prefill_s: float = 0.0  # of those, in admission rounds: planning, K/V copies, launching forwards and samplers
     wait_s: float = 0.0  # of those, blocked until a decode step's tokens reached the host (the device is the bound)
 
 
@@ -99,7 +99,8 @@ class NativeEngine(PublishedWeights):
     recompute_budget: prompt positions an admission round may compute again so that prompts extending one
         another (Monte Carlo continuations from successive step boundaries) prefill in one wave of forwards
         instead of one per link (0: always copy). A prefill forward is launched layer by layer; at the
-        Qwen2.5-1.5B shape its host time is about the device time of ~4,096 positions (benchmarks/RESULTS.md).
+        Qwen2.5-1.5B shape its host time is roughly the device time of 4,096 positions (an estimate,
+        benchmarks/RESULTS.md).
     cuda_graphs: replay CUDA graphs of the decode step, captured per (rows, key length) on first use (CUDA only).
     sampler_graphs: with cuda_graphs, sample inside the decode step's graph (keyed by the sampling parameters
         too) and replay the sampler of freshly prefilled prompts as graphs of its own (false: launch the LM
