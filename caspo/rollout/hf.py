@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from caspo.rollout.base import Completion, OnFinish, Request, SamplingParams, asleep_error
 from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
+from caspo.rollout.stop_strings import StopStrings
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -94,6 +95,7 @@ class HFEngine(PublishedWeights):
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=device)
         budget = torch.tensor([r.max_new_tokens for r in requests], device=device)
         stop_ids = torch.tensor(sp.stop_token_ids or [-1], device=device)
+        stop_strings = StopStrings(sp.stop_strings, self.decode) if sp.stop_strings else None
 
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1,
@@ -114,7 +116,7 @@ class HFEngine(PublishedWeights):
                     continue
                 tokens[i].append(tok_list[i])
                 logps[i].append(lp_list[i])
-                if stop_list[i] or (sp.stop_strings and self._ends_with_stop(tokens[i], sp.stop_strings)):
+                if stop_list[i] or (stop_strings is not None and stop_strings.ended(tokens[i])):
                     finish[i] = "stop"
                 elif len(tokens[i]) >= requests[i].max_new_tokens:
                     finish[i] = "length"
@@ -127,6 +129,3 @@ class HFEngine(PublishedWeights):
             next_pos = next_pos + 1
         return [Completion(tokens[i], logps[i], finish[i] or "length", self.version) for i in range(B)]
 
-    def _ends_with_stop(self, token_ids: list[int], stops: list[str]) -> bool:
-        tail = self.decode(token_ids[-32:])
-        return any(tail.endswith(s) for s in stops)

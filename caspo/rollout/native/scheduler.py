@@ -27,8 +27,7 @@ from typing import Callable
 
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.native.prefix import PrefixIndex, SharedPrefix
-
-STOP_STRING_WINDOW = 32  # tokens decoded to look for a stop string, as HFEngine does
+from caspo.rollout.stop_strings import StopStrings
 
 
 @dataclass
@@ -90,8 +89,7 @@ class Scheduler:
         self.prefixes = PrefixIndex() if prefix_sharing else None
         self.max_prefill_tokens = max_prefill_tokens
         self.stop_ids = set(sampling.stop_token_ids)
-        self.stop_strings = sampling.stop_strings
-        self.decode = decode
+        self.stop_strings = StopStrings(sampling.stop_strings, decode) if sampling.stop_strings else None
         self.running: list[SequenceState] = []  # in the order of the rows of the next logits
 
     @property
@@ -225,8 +223,6 @@ class Scheduler:
     def _finish_reason(self, seq: SequenceState) -> str:
         if seq.tokens[-1] in self.stop_ids:
             return "stop"
-        if self.stop_strings:
-            tail = self.decode(seq.tokens[-STOP_STRING_WINDOW:])
-            if any(tail.endswith(s) for s in self.stop_strings):
-                return "stop"
+        if self.stop_strings is not None and self.stop_strings.ended(seq.tokens):
+            return "stop"
         return "length" if len(seq.tokens) >= seq.request.max_new_tokens else ""
