@@ -10,6 +10,9 @@ graph that holds it, so attention reads about the positions in use rather than w
 Graphs are captured on first use, with the step's real inputs already in the static buffers:
 the warm-up run that precedes a capture writes the same K/V the replay writes again.
 
+With shared-prefix attention the step's groups (`prefix_groups.PrefixGroups`) are static buffers too,
+loaded each step like the tokens, positions and slots.
+
 The sampler alone (`SamplerGraphs`) samples the logits of freshly prefilled prompts: the nucleus
 search at top-p < 1 is about a hundred kernels, which launched one by one cost the host more than
 the device runs them. Every kernel of the sampler works row by row, so the rows a graph pads with
@@ -88,7 +91,8 @@ class DecodeGraphs:
         rows = self.sizes[-1]
         self.tokens, self.positions, self.slots, self.seeds, self.steps = (
             torch.zeros(rows, dtype=torch.long, device=cache.device) for _ in range(5))
-        # Shared-prefix groups (prefix_members > 0: rows a group may hold): a graph of n rows has n // 2 of them.
+        # Shared-prefix groups (prefix_members > 0: rows a group may hold): a graph of n rows holds n // 2 + 1
+        # (a group has two rows or more), the unused ones empty.
         self.groups = None
         if prefix_members:
             long = dict(dtype=torch.long, device=cache.device)
