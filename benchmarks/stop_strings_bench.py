@@ -21,7 +21,8 @@ from caspo.rollout.stop_strings import WINDOW, StopStrings
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    parser.add_argument("--stop", action="append",
+                        help="a stop string with Python's escapes, e.g. '\\n' (repeatable)")
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--tokens", type=int, default=200, help="positions checked per solution")
     args = parser.parse_args()
