@@ -60,6 +60,9 @@ CASES = [  # (command line, the command, part of the message); {name} is a path 
     ("train tests train.output_dir={tmp}/run data.source={rows} data.eval_source=math500", "train",
      "rows.jsonl: 1 invalid row of 2 (rows-2); first: "),
     ("train tests train.output_dir={tmp}/run data.max_prompt_tokens=3", "train", "over data.max_prompt_tokens=3"),
+    ("train tests train.output_dir={tmp}/run model.device=cpu rollout.backend=native "
+     "rollout.shared_prefix_attention=true rollout.cuda_graphs=true", "train",
+     "rollout.cuda_graphs and rollout.shared_prefix_attention=true need a CUDA device; the policy is on cpu"),
     ("sft tests sft.lr=0 --output {tmp}/sft", "sft", "sft.lr must be > 0"),
     ("eval {tmp}/nothing --out {tmp}/out", "eval", "nothing: not a run folder"),
     ("eval embedded:tiny-arith --checkpoints step_3 --out {tmp}/out", "eval", "picks checkpoints of a run folder"),

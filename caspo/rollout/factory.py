@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from caspo.config import Config
+from caspo.config import Config, ConfigError
 from caspo.models.policy import stop_token_ids
 from caspo.precision import compute_dtype
 from caspo.rollout.base import SamplingParams
@@ -38,6 +38,12 @@ def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: i
         from caspo.rollout.native import NativeEngine
 
         device = next(policy.parameters()).device
+        if device.type != "cuda":  # options of the engine's CUDA path: refused before anything is built
+            named = [name for name, on in (("rollout.cuda_graphs", r.cuda_graphs),
+                                           ("rollout.shared_prefix_attention", r.shared_prefix_attention)) if on]
+            if named:
+                raise ConfigError(f"{' and '.join(named)}=true need a CUDA device; the policy is on {device}: "
+                                  "set model.device=cuda or turn them off")
         # An explicit capacity wins on any device; otherwise a GPU share, or one step's requests on the CPU.
         if r.capacity_tokens:
             sizing = {"capacity_tokens": r.capacity_tokens}
