@@ -1,0 +1,71 @@
+"""The decode-attention kernels compile for an H100/H200 (sm_90) without spilling registers, on any machine.
+
+Triton's interpreter (the CPU tests) runs a kernel's Python, not its compilation: a kernel it accepts may
+still fail to compile for the card, or spill registers to local memory. Triton compiles for an sm_90
+target without a GPU, and `cuobjdump -res-usage` reads the registers, stack and local memory of the
+result. The compilation runs in a fresh interpreter, outside the interpreter mode conftest.py sets.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+BUILD = r'''
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from caspo.rollout.native import decode_attention as da, shared_prefix_attention as spa
+
+TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Members": "*i64", "Slots": "*i64", "Lengths": "*i64",
+         "Starts": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "qk_scale": "fp32"}
+SHAPE = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)  # Qwen2.5-1.5B: 12 heads, 2 KV heads, D = 128
+KERNELS = {
+    "split": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=False), da.NUM_WARPS),
+    "split_from_starts": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=True), da.NUM_WARPS),
+    "combine": (da._combine_kernel, dict(GROUP=6, HEAD_DIM=128, BLOCK_G=8, BLOCK_S=4, BLOCK_D=128), 4),
+    "prefix": (spa._prefix_kernel, dict(SHAPE, MEMBERS=10, BLOCK_Q=64, PRECISION="tf32"), spa.PREFIX_WARPS),
+}
+usage = {}
+for name, (fn, constexprs, warps) in KERNELS.items():
+    signature = {arg: "constexpr" if arg in constexprs else TYPES.get(arg, "i32") for arg in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": da.NUM_STAGES})
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = os.path.join(folder, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        out = subprocess.run([sys.argv[1], "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    line = [l for l in out.splitlines() if "REG:" in l][-1]
+    usage[name] = dict(field.split(":") for field in line.split())
+print(json.dumps(usage))
+'''
+
+
+@pytest.fixture(scope="module")
+def usage():
+    cuobjdump = BIN / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip(f"triton has no CUDA toolchain here ({cuobjdump} is missing)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", BUILD, str(cuobjdump)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernel", ["split", "split_from_starts", "combine", "prefix"])
+def test_decode_attention_kernels_compile_for_sm90_without_spilling(usage, kernel):
+    resources = usage[kernel]
+    assert int(resources["REG"]) <= 255
+    assert resources["STACK"] == "0" and resources["LOCAL"] == "0", resources  # nothing spilled
