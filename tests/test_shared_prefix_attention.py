@@ -38,7 +38,8 @@ def shared_cache(B, Hkv, L, D, groups, prefix, seed=0, dtype=torch.float32):
         for row in rows[1:]:  # slot b + 2 holds row b (slots are not rows)
             k[row + 2, :, :length] = k[rows[0] + 2, :, :length]
             v[row + 2, :, :length] = v[rows[0] + 2, :, :length]
-    return kv.to(DEVICE)[1, 0, 0], kv.to(DEVICE)[1, 0, 1]
+    kv = kv.to(DEVICE)
+    return kv[1, 0, 0], kv[1, 0, 1]
 
 
 @pytest.mark.parametrize("H, Hkv", [(4, 2), (6, 1), (4, 4)])

@@ -63,7 +63,7 @@ def gae(
     packed_advantages = _discounted_suffix_sums(deltas, gamma * lam)
     advantages = packed_advantages.gather(1, packed_index.clamp(min=0))
     advantages = masked_fill_zero(advantages, keep).to(rewards.dtype)
-    returns = masked_fill_zero(advantages + masked_fill_zero(values.to(rewards.dtype), keep), keep)
+    returns = advantages + masked_fill_zero(values.to(rewards.dtype), keep)  # both 0 where m = 0
     return advantages, returns
 
 

@@ -113,16 +113,17 @@ class ModelRunner:
         """
         slots = [slot for _, slot, _ in ahead]
         positions = [position for _, _, position in ahead]
+        decoded = [seqs[row] for row, _, _ in ahead]
         tokens = sampled.index_select(0, self._tensor([row for row, _, _ in ahead]))
         slots_t, positions_t, key_len = self._tensor(slots), self._tensor(positions), max(positions) + 1
-        seeds = self._tensor([seqs[row].request.seed for row, _, _ in ahead])
-        steps = self._tensor([len(seqs[row].tokens) + 1 for row, _, _ in ahead])
+        seeds = self._tensor([seq.request.seed for seq in decoded])
+        steps = self._tensor([len(seq.tokens) + 1 for seq in decoded])
         size = len(ahead) if self.graphs is None else smallest_holding(self.graphs.sizes, len(ahead), "rows")
         if self.stats is not None:
             self.stats.decode_rows += size
         # The largest graph has as many rows as the cache has slots: a padded step leaves some slot unread.
         pad_slot = unread_slot(slots, self.cache.slots) if size > len(ahead) else 0
-        groups = self._prefix_groups([seqs[row] for row, _, _ in ahead], slots) if self.prefix_members else None
+        groups = self._prefix_groups(decoded, slots) if self.prefix_members else None
         if self.graphs is None:
             hidden = self.runner.decode(tokens, positions_t, slots_t, self.cache, key_len, groups)
         elif self.graph_sampler:
