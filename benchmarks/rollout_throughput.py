@@ -39,9 +39,10 @@ from caspo.rollout.sampling import sample_seed
 
 # native-graphs-sdpa: decode attention by masked SDPA; native-graphs-eager-sampler: the sampler's kernels
 # launched one by one after the decode graph, instead of replayed as a graph of their own;
-# native-graphs-eager-rope: eager RoPE and indexed K/V writes instead of the rope_store kernel (rope_kernel=False)
+# native-graphs-eager-rope: eager RoPE and indexed K/V writes instead of the rope_store kernel (rope_kernel=False);
+# native-graphs-prefix-attention: the G samples of a prompt read its K/V once a step (shared_prefix_attention)
 ENGINES = ("native", "native-graphs", "hf", "native-graphs-sdpa", "native-graphs-eager-sampler",
-           "native-graphs-eager-rope")
+           "native-graphs-eager-rope", "native-graphs-prefix-attention")
 
 
 def make_engine(name: str, model, args, max_seq_len: int):
@@ -52,6 +53,7 @@ def make_engine(name: str, model, args, max_seq_len: int):
                         decode_kernel=False if name.endswith("-sdpa") else None,
                         sampler_graphs=not name.endswith("-eager-sampler"),
                         rope_kernel=False if name.endswith("-eager-rope") else None,
+                        shared_prefix_attention=name.endswith("-prefix-attention"),
                         **kv_sizing(args, max_seq_len, args.prompts))
 
 
@@ -60,6 +62,8 @@ def main() -> None:
     add_model_args(parser)
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--samples", type=int, default=1,
+                        help="samples per prompt (G): --prompts / G distinct prompts, each G times")
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.9)
@@ -77,7 +81,10 @@ def main() -> None:
     sampling_module.NUCLEUS_COLLECT_AFTER = args.collect_after
 
     model = build_model(args)
-    prompts = random_prompts(args.prompts, args.prompt_len, args.vocab, args.seed)
+    if args.samples < 1 or args.prompts % args.samples:
+        parser.error(f"--samples must divide --prompts ({args.prompts}), got {args.samples}")
+    distinct = random_prompts(args.prompts // args.samples, args.prompt_len, args.vocab, args.seed)
+    prompts = [p for p in distinct for _ in range(args.samples)]
     requests = [Request(p, seed=sample_seed(args.seed, 0, i, 0), max_new_tokens=args.new_tokens)
                 for i, p in enumerate(prompts)]
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, stop_token_ids=[])  # EOS disabled
@@ -115,7 +122,8 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
 
-    print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+    print(f"{args.prompts} prompts ({args.samples} samples of each) x {args.prompt_len} tokens, "
+          f"{args.new_tokens} new tokens, "
           f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
           f"gathered after {args.collect_after} passes, {args.dtype} on {args.device}")
     print_table(["engine", "tokens/s", "tokens", "seconds", "setup s", "warm-up s", "peak GiB"], rows)
@@ -123,7 +131,8 @@ def main() -> None:
         if "profile" in result:
             print_table([f"kernel (one run of {name})", "calls", "ms", "share"], result["profile"])
     append_result(args.out, {"benchmark": "rollout_throughput", **environment(args),
-                             "shape": {"prompts": args.prompts, "prompt_len": args.prompt_len,
+                             "shape": {"prompts": args.prompts, "samples": args.samples,
+                                       "prompt_len": args.prompt_len,
                                        "new_tokens": args.new_tokens, "temperature": args.temperature,
                                        "top_p": args.top_p, "top_logprobs": args.top_logprobs,
                                        "logit_scale": args.logit_scale, "nucleus_top": args.nucleus_top,

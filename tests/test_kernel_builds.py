@@ -25,13 +25,14 @@ from triton.compiler import ASTSource
 from caspo.rollout.native import decode_attention as da, shared_prefix_attention as spa
 
 TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Members": "*i64", "Slots": "*i64", "Lengths": "*i64",
-         "Starts": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "qk_scale": "fp32"}
+         "Starts": "*i64", "Count": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "qk_scale": "fp32"}
 SHAPE = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)  # Qwen2.5-1.5B: 12 heads, 2 KV heads, D = 128
 KERNELS = {
     "split": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=False), da.NUM_WARPS),
     "split_from_starts": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=True), da.NUM_WARPS),
     "combine": (da._combine_kernel, dict(GROUP=6, HEAD_DIM=128, BLOCK_G=8, BLOCK_S=4, BLOCK_D=128), 4),
-    "prefix": (spa._prefix_kernel, dict(SHAPE, MEMBERS=10, BLOCK_Q=64, PRECISION="tf32"), spa.PREFIX_WARPS),
+    "prefix": (spa._prefix_kernel, dict(SHAPE, MEMBERS=10, BLOCK_Q=64, CHUNK=spa.PREFIX_CHUNK,
+                                                    PRECISION="tf32"), spa.PREFIX_WARPS),
 }
 usage = {}
 for name, (fn, constexprs, warps) in KERNELS.items():

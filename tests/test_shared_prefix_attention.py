@@ -18,15 +18,18 @@ def tensor(values):
 
 
 def groups_of(rows_per_group, slots, prefix, batch, capacity, members):
-    """PrefixGroups with `capacity` group entries (the unused ones empty) and `members` columns."""
-    table = torch.full((capacity, members), -1, dtype=torch.int64)
-    group_slots, lengths, starts = [0] * capacity, [0] * capacity, [0] * batch
+    """PrefixGroups with `capacity` group entries and `members` columns; the entries past the groups in use
+    hold garbage, which the kernel must never read."""
+    table = torch.full((capacity, members), 10**6, dtype=torch.int64)
+    group_slots, lengths, starts = [10**6] * capacity, [10**6] * capacity, [0] * batch
     for g, (rows, length) in enumerate(zip(rows_per_group, prefix)):
         table[g, :len(rows)] = torch.tensor(rows)
         group_slots[g], lengths[g] = slots[rows[-1]], length  # any member's slot holds the prefix
         for row in rows:
             starts[row] = length
-    return PrefixGroups(table.to(DEVICE), tensor(group_slots), tensor(lengths), tensor(starts))
+        table[g, len(rows):] = -1
+    return PrefixGroups(table.to(DEVICE), tensor(group_slots), tensor(lengths), tensor(starts),
+                        tensor([len(rows_per_group)]))
 
 
 def shared_cache(B, Hkv, L, D, groups, prefix, seed=0, dtype=torch.float32):
@@ -80,18 +83,45 @@ def test_a_group_reads_only_its_chosen_slots_prefix():
 
 def test_group_rows():
     keys = [(7, 30), None, (7, 30), (9, 12), (7, 30), (7, 30), (9, 12), (5, 8)]
-    groups, starts = group_rows(keys, members=3)
-    assert groups == [[0, 2, 4], [3, 6]]  # row 5 would be alone in a second (7, 30) group; (5, 8) has one row
-    assert starts == [30, 0, 30, 12, 30, 0, 12, 0]
-    assert group_rows([None, None], members=4) == ([], [0, 0])
+    groups = [-1 if key is None else key[0] for key in keys]
+    lengths = [0 if key is None else key[1] for key in keys]
+    table, starts = group_rows(groups, lengths, members=3)
+    # row 5 would be alone in a second (7, 30) group; (5, 8) has one row
+    assert sorted(map(list, table)) == [[0, 2, 4], [3, 6, -1]]
+    assert starts.tolist() == [30, 0, 30, 12, 30, 0, 12, 0]
+    table, starts = group_rows([-1, -1], [0, 0], members=4)
+    assert table.shape == (0, 4) and starts.tolist() == [0, 0]
+    # one prompt group with two prompt lengths is two keys; eight rows of one key in groups of three: 3 + 3 + 2
+    table, _ = group_rows([4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [9, 9, 9, 9, 9, 9, 9, 9, 5, 5], members=3)
+    assert sorted(map(list, table)) == [[0, 1, 2], [3, 4, 5], [6, 7, -1], [8, 9, -1]]
     assert members_per_group(12, 2) == 10 and members_per_group(32, 8) == 16
+
+
+def test_many_groups_over_few_programs():
+    """More (group, KV head, chunk) items than prefix programs, prefixes over several chunks, garbage entries past
+    the groups in use: the same attention as decode_attention."""
+    B, H, Hkv, L, D, key_len = 24, 4, 2, 700, 16, 700
+    groups = [[3 * g, 3 * g + 1, 3 * g + 2] for g in range(6)] + [[18, 20]]  # rows 19, 21..23 in none
+    prefix = [40, 300, 513, 256, 257, 1] + [600]
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor(prefix, dtype=torch.int64).repeat_interleave(3)[:B]
+    lengths = torch.cat([lengths[:18], torch.tensor([601, 90, 650, 700, 5, 333])])
+    lengths[:18] += torch.randint(1, 100, (18,), generator=g)
+    lengths = lengths.clamp(max=key_len).to(DEVICE)
+    slots = torch.arange(B, device=DEVICE) + 2
+    k, v = shared_cache(B, Hkv, L, D, groups, prefix, seed=4)
+    q = torch.randn(B, H, D, generator=g).to(DEVICE)
+    grouped = groups_of(groups, slots.tolist(), prefix, B, capacity=12, members=members_per_group(H, Hkv))
+    out = shared_prefix_decode_attention(q, k, v, lengths, key_len, slots, grouped)
+    assert torch.allclose(out, decode_attention(q, k, v, lengths, key_len, slots), atol=1e-5)
+    assert torch.allclose(out.double(), reference(q, k[2:], v[2:], lengths, key_len), atol=1e-5)
 
 
 def test_rejects_groups_that_do_not_fit():
     q = torch.zeros(2, 4, 16, device=DEVICE)
     k = v = torch.zeros(2, 2, 8, 16, device=DEVICE)
     too_wide = PrefixGroups(torch.full((1, 40), -1, dtype=torch.int64, device=DEVICE), tensor([0]), tensor([0]),
-                            tensor([0, 0]))
+                            tensor([0, 0]), tensor([0]))
     with pytest.raises(ValueError, match="at most 32 a group"):
         shared_prefix_decode_attention(q, k, v, tensor([1, 1]), 8, tensor([0, 1]), too_wide)
 

@@ -13,7 +13,8 @@ long keys most SMs sit idle. So the keys [0, key_len) are cut into `num_splits` 
         softmax (running max m, running sum l, accumulator acc, all fp32); it writes o = acc / l and
         lse = m + log(l) per query head to fp32 scratch. A chunk past lengths[b] writes lse = -inf.
     stage 2, grid (B, Hkv): out = sum_s exp(lse_s - M) · o_s / sum_s exp(lse_s - M), M = max_s lse_s,
-        so empty chunks weigh exactly 0. With a single split, stage 1 writes the output itself.
+        so empty chunks weigh exactly 0 (their o is not read). With a single split, stage 1 writes the
+        output itself.
 
 GQA folding: the G query heads of one KV head are the rows of one matrix [G, D] (padded to 16 rows
 for tl.dot), so each K/V block is loaded once and serves all G heads with two small matmuls.
@@ -158,9 +159,11 @@ def _combine_kernel(MidO, MidLse, Out, num_splits,
     total = tl.sum(tl.exp2(lse - top[:, None]), axis=1)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     for split in range(num_splits):
-        w = tl.exp2(tl.load(lse_ptrs + split, mask=g_mask, other=float("-inf")) - top)
+        split_lse = tl.load(lse_ptrs + split, mask=g_mask, other=float("-inf"))
+        w = tl.exp2(split_lse - top)
+        # A split without keys weighs 0 and its o is not read: it may never have been written.
         o = tl.load(MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=(g_mask & (split_lse > float("-inf")))[:, None] & d_mask[None, :], other=0.0)
         acc += w[:, None] * o
     y = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(Out + b * stride_yb + heads[:, None] * stride_yh + offs_d[None, :], y.to(Out.dtype.element_ty),

@@ -91,14 +91,15 @@ class DecodeGraphs:
         rows = self.sizes[-1]
         self.tokens, self.positions, self.slots, self.seeds, self.steps = (
             torch.zeros(rows, dtype=torch.long, device=cache.device) for _ in range(5))
-        # Shared-prefix groups (prefix_members > 0: rows a group may hold): a graph of n rows holds n // 2 + 1
-        # (a group has two rows or more), the unused ones empty.
+        # Shared-prefix groups (prefix_members > 0: rows a group may hold): a step of n rows has at most n // 2
+        # (a group has two rows or more); only the first `count` are read.
         self.groups = None
         if prefix_members:
             long = dict(dtype=torch.long, device=cache.device)
-            self.groups = PrefixGroups(torch.full((rows // 2 + 1, prefix_members), -1, **long),
-                                       torch.zeros(rows // 2 + 1, **long), torch.zeros(rows // 2 + 1, **long),
-                                       torch.zeros(rows, **long))
+            most = max(1, rows // 2)
+            self.groups = PrefixGroups(torch.full((most, prefix_members), -1, **long),
+                                       torch.zeros(most, **long), torch.zeros(most, **long),
+                                       torch.zeros(rows, **long), torch.zeros(1, **long))
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None  # one memory pool for all graphs: they never run concurrently
 
@@ -136,14 +137,13 @@ class DecodeGraphs:
         if (groups is not None) != (self.groups is not None):
             raise ValueError("these graphs were captured " + ("with" if self.groups is not None else "without")
                              + " shared-prefix groups; every step must match")
-        if groups is not None:  # padding rows and unused groups: empty (-1 members, prefix 0, own keys from 0)
+        if groups is not None:  # padding rows are in no group: their keys from 0
             used = groups.members.shape[0]
             static = self.groups
             static.members[:used].copy_(groups.members)
-            static.members[used:size // 2 + 1].fill_(-1)
             static.slots[:used].copy_(groups.slots)
             static.lengths[:used].copy_(groups.lengths)
-            static.lengths[used:size // 2 + 1].zero_()
+            static.count.copy_(groups.count)
             static.starts[:n].copy_(groups.starts)
             static.starts[n:size].zero_()
         return size, keys
@@ -158,9 +158,9 @@ class DecodeGraphs:
     def _step(self, size: int, keys: int, sp: SamplingParams | None):
         groups = None
         if self.groups is not None:
-            capacity = size // 2 + 1
+            capacity = max(1, size // 2)
             groups = PrefixGroups(self.groups.members[:capacity], self.groups.slots[:capacity],
-                                  self.groups.lengths[:capacity], self.groups.starts[:size])
+                                  self.groups.lengths[:capacity], self.groups.starts[:size], self.groups.count)
         hidden = self.runner.decode(self.tokens[:size], self.positions[:size], self.slots[:size], self.cache, keys,
                                     groups)
         if sp is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from caspo.rollout.base import SamplingParams
@@ -111,19 +112,25 @@ class ModelRunner:
         The step's row j is ahead[j]'s sequence, in its cache slot: only the sequences decoded are computed,
         whichever slots they hold.
         """
+        rows = [row for row, _, _ in ahead]
         slots = [slot for _, slot, _ in ahead]
         positions = [position for _, _, position in ahead]
-        decoded = [seqs[row] for row, _, _ in ahead]
-        tokens = sampled.index_select(0, self._tensor([row for row, _, _ in ahead]))
-        slots_t, positions_t, key_len = self._tensor(slots), self._tensor(positions), max(positions) + 1
-        seeds = self._tensor([seq.request.seed for seq in decoded])
-        steps = self._tensor([len(seq.tokens) + 1 for seq in decoded])
+        decoded = [seqs[row] for row in rows]
+        columns = [rows, slots, positions, [seq.request.seed for seq in decoded],
+                   [len(seq.tokens) + 1 for seq in decoded]]
+        grouped = self._prefix_groups(decoded, slots) if self.prefix_members else None
+        rows_t, slots_t, positions_t, seeds, steps, *group_columns = self._tensors(*columns, *(grouped or ()))
+        groups = None
+        if grouped is not None:
+            members, group_slots, lengths, starts, count = group_columns
+            groups = PrefixGroups(members.view(len(group_slots), self.prefix_members), group_slots, lengths, starts,
+                                  count)
+        tokens, key_len = sampled.index_select(0, rows_t), max(positions) + 1
         size = len(ahead) if self.graphs is None else smallest_holding(self.graphs.sizes, len(ahead), "rows")
         if self.stats is not None:
             self.stats.decode_rows += size
         # The largest graph has as many rows as the cache has slots: a padded step leaves some slot unread.
         pad_slot = unread_slot(slots, self.cache.slots) if size > len(ahead) else 0
-        groups = self._prefix_groups(decoded, slots) if self.prefix_members else None
         if self.graphs is None:
             hidden = self.runner.decode(tokens, positions_t, slots_t, self.cache, key_len, groups)
         elif self.graph_sampler:
@@ -136,16 +143,16 @@ class ModelRunner:
         picked, packed = pick(logits, seeds, steps, sp)
         return Decoded(slots, picked, packed, logits, sp)
 
-    def _prefix_groups(self, decoded: list[SequenceState], slots: list[int]) -> PrefixGroups | None:
-        """The step's rows that hold one prompt's K/V (`prompt_group`), grouped to read it once; None when no
-        two rows do and no graph needs the tensors."""
-        members, starts = group_rows([(s.prompt_group, len(s.prompt)) for s in decoded], self.prefix_members)
-        if not members and self.graphs is None:
+    def _prefix_groups(self, decoded: list[SequenceState], slots: list[int]) -> list[np.ndarray] | None:
+        """The step's rows that hold one prompt's K/V (`prompt_group`), grouped to read it once: the host
+        columns of PrefixGroups (members flattened); None when no two rows do and no graph needs them."""
+        table, starts = group_rows(np.fromiter((s.prompt_group for s in decoded), np.int64, len(decoded)),
+                                   np.fromiter((len(s.prompt) for s in decoded), np.int64, len(decoded)),
+                                   self.prefix_members)
+        if not len(table) and self.graphs is None:
             return None
-        table = [rows + [-1] * (self.prefix_members - len(rows)) for rows in members]
-        return PrefixGroups(self._tensor([r for rows in table for r in rows]).view(len(table), self.prefix_members),
-                            self._tensor([slots[rows[0]] for rows in members]),
-                            self._tensor([starts[rows[0]] for rows in members]), self._tensor(starts))
+        first = table[:, 0]
+        return [table.ravel(), np.asarray(slots)[first], starts[first], starts, np.array([len(table)])]
 
     # ------------------------------------------------------------ sampling
     def sample(self, seqs: list[SequenceState], logits: torch.Tensor, sp: SamplingParams, top_n: int) -> Picked:
@@ -160,14 +167,16 @@ class ModelRunner:
         return Picked(tokens, packed, top_logprobs(logits, sp, top_n))
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
-        """An int64 tensor on the device, copied without waiting for the work queued on it.
+        """An int64 tensor on the device, copied without waiting for the work queued on it."""
+        return self._tensors(values)[0]
 
-        (A copy from pageable host memory may synchronize with the stream; a pinned one does not.)
-        """
-        tensor = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+    def _tensors(self, *columns: Sequence[int] | np.ndarray) -> list[torch.Tensor]:
+        """Int64 device tensors of several columns, in one copy that does not wait for the work queued on the
+        device. (A copy from pageable host memory may synchronize with the stream; a pinned one does not.)"""
+        host = torch.from_numpy(np.concatenate([np.asarray(c, dtype=np.int64).reshape(-1) for c in columns]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return list(host.to(self.device, non_blocking=True).split([len(c) for c in columns]))
 
     # ------------------------------------------------------------ scoring
     def teacher_forced_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:

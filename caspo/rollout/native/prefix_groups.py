@@ -8,8 +8,8 @@ equal keys [0, P), and the shared-prefix kernel reads them once for the group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
+import numpy as np
 import torch
 
 QUERY_VECTORS = 64  # query vectors one prefix program scores: up to QUERY_VECTORS // G rows of a group
@@ -25,30 +25,37 @@ class PrefixGroups:
     """Rows of a decode step whose slots hold the same K/V in [0, P): each group's prefix is read once.
 
     members [NG, M] int64: the rows of each group, -1 past its last; slots [NG]: a slot holding the group's
-    prefix (any member's); lengths [NG]: P, 0 for an unused group; starts [B]: the first key a row reads
-    from its own slot (its group's P, or 0).
+    prefix (any member's); lengths [NG]: P; starts [B]: the first key a row reads from its own slot (its
+    group's P, or 0); count [1]: the groups in use, the first `count` of the NG (the rest are never read,
+    so a CUDA graph's static buffers need not be cleared past them).
     """
 
     members: torch.Tensor
     slots: torch.Tensor
     lengths: torch.Tensor
     starts: torch.Tensor
+    count: torch.Tensor
 
 
-def group_rows(keys: Sequence[tuple[int, int] | None], members: int) -> tuple[list[list[int]], list[int]]:
-    """Rows with equal keys (prompt group, prompt length), at least two, in groups of at most `members`;
-    and each row's prefix length in its group, 0 for a row in none. `keys[b]` None: row b shares nothing."""
-    by_key: dict[tuple[int, int], list[int]] = {}
-    for row, key in enumerate(keys):
-        if key is not None:
-            by_key.setdefault(key, []).append(row)
-    groups, starts = [], [0] * len(keys)
-    for (_, length), rows in by_key.items():
-        for first in range(0, len(rows), members):
-            chunk = rows[first:first + members]
-            if len(chunk) < 2:
-                continue  # alone, a row reads its own prefix as cheaply
-            groups.append(chunk)
-            for row in chunk:
-                starts[row] = length
-    return groups, starts
+def group_rows(groups: np.ndarray, lengths: np.ndarray, members: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with equal (prompt group, prompt length), at least two, in groups of at most `members`.
+
+    groups, lengths [B] int: each row's prompt group (-1: it shares nothing) and prompt length. Returns the
+    groups as a table [NG, members] of rows (-1 past a group's last), each group's rows in increasing order,
+    and each row's prefix length in its group [B], 0 for a row in none.
+    """
+    groups, lengths = np.asarray(groups, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    rows = np.flatnonzero(groups >= 0)
+    rows = rows[np.lexsort((rows, lengths[rows], groups[rows]))]  # runs of equal keys, each run by row
+    key_group, key_length = groups[rows], lengths[rows]
+    run_starts = np.r_[True, (key_group[1:] != key_group[:-1]) | (key_length[1:] != key_length[:-1])]
+    first_of_run = np.flatnonzero(run_starts)
+    place = np.arange(len(rows)) - first_of_run[np.cumsum(run_starts) - 1]  # each row's place in its run
+    chunk = np.cumsum(run_starts | (place % members == 0)) - 1  # runs cut into chunks of `members`
+    kept = np.bincount(chunk)[chunk] >= 2  # a row alone in its chunk reads its own prefix as cheaply
+    groups_kept, numbering = np.unique(chunk[kept], return_inverse=True)
+    table = np.full((len(groups_kept), members), -1, dtype=np.int64)
+    table[numbering, place[kept] % members] = rows[kept]
+    starts = np.zeros(len(groups), dtype=np.int64)
+    starts[rows[kept]] = key_length[kept]
+    return table, starts
