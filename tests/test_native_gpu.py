@@ -193,7 +193,8 @@ def test_waking_does_not_reserve_the_cache_beside_the_trainers_freed_blocks():
     base = torch.cuda.memory_reserved()
     activations = [torch.empty(size // 64 + 4096 * i, dtype=torch.uint8, device=CUDA) for i in range(64)]
     del activations  # as the policy phase leaves them: cached by the allocator, in segments smaller than the cache
-    assert torch.cuda.memory_reserved() >= base + size
+    # (Some may have landed in free holes of segments that earlier tests left in use, so count cached bytes.)
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= size
     engine.wake()
     assert torch.cuda.memory_reserved() < base + 1.5 * size
 

@@ -97,9 +97,9 @@ def test_group_rows():
     assert members_per_group(12, 2) == 10 and members_per_group(32, 8) == 16
 
 
-def test_many_groups_over_few_programs():
-    """More (group, KV head, chunk) items than prefix programs, prefixes over several chunks, garbage entries past
-    the groups in use: the same attention as decode_attention."""
+def test_many_groups_of_long_and_short_prefixes():
+    """Seven groups, prefixes of 1 to 600 keys over several blocks, rows in none, garbage entries past the groups
+    in use: the same attention as decode_attention and the reference."""
     B, H, Hkv, L, D, key_len = 24, 4, 2, 700, 16, 700
     groups = [[3 * g, 3 * g + 1, 3 * g + 2] for g in range(6)] + [[18, 20]]  # rows 19, 21..23 in none
     prefix = [40, 300, 513, 256, 257, 1] + [600]
