@@ -97,9 +97,11 @@ def test_group_rows():
     assert members_per_group(12, 2) == 10 and members_per_group(32, 8) == 16
 
 
-def test_many_groups_of_long_and_short_prefixes():
+@pytest.mark.parametrize("prefix_chunk", [None, 64, 100])
+def test_many_groups_of_long_and_short_prefixes(prefix_chunk):
     """Seven groups, prefixes of 1 to 600 keys over several blocks, rows in none, garbage entries past the groups
-    in use: the same attention as decode_attention and the reference."""
+    in use, prefix programs of the default or a forced number of keys: the same attention as decode_attention and
+    the reference."""
     B, H, Hkv, L, D, key_len = 24, 4, 2, 700, 16, 700
     groups = [[3 * g, 3 * g + 1, 3 * g + 2] for g in range(6)] + [[18, 20]]  # rows 19, 21..23 in none
     prefix = [40, 300, 513, 256, 257, 1] + [600]
@@ -112,7 +114,7 @@ def test_many_groups_of_long_and_short_prefixes():
     k, v = shared_cache(B, Hkv, L, D, groups, prefix, seed=4)
     q = torch.randn(B, H, D, generator=g).to(DEVICE)
     grouped = groups_of(groups, slots.tolist(), prefix, B, capacity=12, members=members_per_group(H, Hkv))
-    out = shared_prefix_decode_attention(q, k, v, lengths, key_len, slots, grouped)
+    out = shared_prefix_decode_attention(q, k, v, lengths, key_len, slots, grouped, prefix_chunk=prefix_chunk)
     assert torch.allclose(out, decode_attention(q, k, v, lengths, key_len, slots), atol=1e-5)
     assert torch.allclose(out.double(), reference(q, k[2:], v[2:], lengths, key_len), atol=1e-5)
 

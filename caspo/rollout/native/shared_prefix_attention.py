@@ -38,6 +38,7 @@ from caspo.rollout.native.prefix_groups import QUERY_VECTORS, PrefixGroups
 # At the Qwen2.5-1.5B shape (64 query vectors of 128) 4 warps need more than 255 registers a thread and spill;
 # 8 need 216 (sm_90; tests/test_kernel_builds.py).
 PREFIX_WARPS = 8
+PREFIX_BLOCK_N = BLOCK_N  # keys per block of a prefix program's loop (a module constant, so a benchmark can tune it)
 
 
 @triton.jit
@@ -76,11 +77,12 @@ def _prefix_kernel(Q, K, V, Members, Slots, Lengths, Count, MidO, MidLse, qk_sca
 
 def shared_prefix_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    lengths: torch.Tensor, key_len: int, slots: torch.Tensor, groups: PrefixGroups,
-                                   scale: float | None = None) -> torch.Tensor:
+                                   scale: float | None = None, prefix_chunk: int | None = None) -> torch.Tensor:
     """`decode_attention(q, k_cache, v_cache, lengths, key_len, slots)`, each group's prefix read once.
 
     q [B, H, D]; k_cache, v_cache [S, Hkv, L, D]; lengths, slots [B]; key_len a Python int bounding lengths.
     The members of a group must hold the same K/V at keys [0, P) of their slots, and P < their lengths.
+    prefix_chunk: keys per prefix program (tuning); by default split_plan's choice for the group entries.
     """
     B, H, D = q.shape
     kv_heads = k_cache.shape[1]
@@ -90,7 +92,10 @@ def shared_prefix_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                          f"members {tuple(groups.members.shape)} (at most {QUERY_VECTORS // group} a group)")
     scale = D ** -0.5 if scale is None else scale
     num_groups = groups.members.shape[0]
-    prefix_splits, prefix_chunk = split_plan(num_groups, kv_heads, key_len)
+    if prefix_chunk is None:
+        prefix_splits, prefix_chunk = split_plan(num_groups, kv_heads, key_len)
+    else:
+        prefix_splits = triton.cdiv(key_len, prefix_chunk)
     suffix_splits, suffix_chunk = split_plan(B, kv_heads, key_len)
     # The combine reads every split's lse, and the o of those with keys: a row in no group leaves its prefix
     # splits at lse = -inf.
@@ -103,7 +108,7 @@ def shared_prefix_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *mid_o.stride()[:3], mid_lse.stride(0),
         mid_lse.stride(1), groups.members.stride(0),
         GROUP=group, MEMBERS=groups.members.shape[1], HEAD_DIM=D, BLOCK_Q=max(16, triton.next_power_of_2(
-            groups.members.shape[1] * group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+            groups.members.shape[1] * group)), BLOCK_D=block_d, BLOCK_N=PREFIX_BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=PREFIX_WARPS, num_stages=NUM_STAGES)
     suffix_o = mid_o[:, :, prefix_splits:]
     launch_splits(q, k_cache, v_cache, lengths, slots, suffix_o, suffix_o.stride()[:3],
