@@ -173,10 +173,11 @@ class ModelRunner:
     def _tensors(self, *columns: Sequence[int] | np.ndarray) -> list[torch.Tensor]:
         """Int64 device tensors of several columns, in one copy that does not wait for the work queued on the
         device. (A copy from pageable host memory may synchronize with the stream; a pinned one does not.)"""
-        host = torch.from_numpy(np.concatenate([np.asarray(c, dtype=np.int64).reshape(-1) for c in columns]))
+        flat = [np.asarray(c, dtype=np.int64).reshape(-1) for c in columns]
+        host = torch.from_numpy(np.concatenate(flat))
         if self.device.type == "cuda":
             host = host.pin_memory()
-        return list(host.to(self.device, non_blocking=True).split([len(c) for c in columns]))
+        return list(host.to(self.device, non_blocking=True).split([len(c) for c in flat]))
 
     # ------------------------------------------------------------ scoring
     def teacher_forced_logits(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
