@@ -8,6 +8,7 @@ pytest.importorskip("triton")
 
 from test_decode_attention import DEVICE, reference  # noqa: E402
 
+import caspo.rollout.native.shared_prefix_attention as spa  # noqa: E402
 from caspo.rollout.native.decode_attention import decode_attention  # noqa: E402
 from caspo.rollout.native.prefix_groups import PrefixGroups, group_rows, members_per_group  # noqa: E402
 from caspo.rollout.native.shared_prefix_attention import shared_prefix_decode_attention  # noqa: E402
@@ -97,11 +98,12 @@ def test_group_rows():
     assert members_per_group(12, 2) == 10 and members_per_group(32, 8) == 16
 
 
-@pytest.mark.parametrize("prefix_chunk", [None, 64, 100])
-def test_many_groups_of_long_and_short_prefixes(prefix_chunk):
+@pytest.mark.parametrize("prefix_chunk, heads_first", [(None, True), (64, True), (100, True), (None, False)])
+def test_many_groups_of_long_and_short_prefixes(prefix_chunk, heads_first, monkeypatch):
     """Seven groups, prefixes of 1 to 600 keys over several blocks, rows in none, garbage entries past the groups
-    in use, prefix programs of the default or a forced number of keys: the same attention as decode_attention and
-    the reference."""
+    in use, prefix programs of the default or a forced number of keys, in either program order: the same attention
+    as decode_attention and the reference."""
+    monkeypatch.setattr(spa, "PREFIX_HEADS_FIRST", heads_first)
     B, H, Hkv, L, D, key_len = 24, 4, 2, 700, 16, 700
     groups = [[3 * g, 3 * g + 1, 3 * g + 2] for g in range(6)] + [[18, 20]]  # rows 19, 21..23 in none
     prefix = [40, 300, 513, 256, 257, 1] + [600]
