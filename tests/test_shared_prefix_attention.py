@@ -108,9 +108,8 @@ def test_many_groups_of_long_and_short_prefixes(prefix_chunk, heads_first, monke
     groups = [[3 * g, 3 * g + 1, 3 * g + 2] for g in range(6)] + [[18, 20]]  # rows 19, 21..23 in none
     prefix = [40, 300, 513, 256, 257, 1] + [600]
     g = torch.Generator().manual_seed(3)
-    lengths = torch.tensor(prefix, dtype=torch.int64).repeat_interleave(3)[:B]
-    lengths = torch.cat([lengths[:18], torch.tensor([601, 90, 650, 700, 5, 333])])
-    lengths[:18] += torch.randint(1, 100, (18,), generator=g)
+    lengths = torch.tensor([p for p in prefix[:6] for _ in range(3)] + [601, 90, 650, 700, 5, 333])
+    lengths[:18] += torch.randint(1, 100, (18,), generator=g)  # the six groups of three: past their prefix
     lengths = lengths.clamp(max=key_len).to(DEVICE)
     slots = torch.arange(B, device=DEVICE) + 2
     k, v = shared_cache(B, Hkv, L, D, groups, prefix, seed=4)

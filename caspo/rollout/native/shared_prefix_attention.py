@@ -36,7 +36,7 @@ from caspo.rollout.native.decode_attention import (
 from caspo.rollout.native.prefix_groups import QUERY_VECTORS, PrefixGroups
 
 # At the Qwen2.5-1.5B shape (64 query vectors of 128) 4 warps need more than 255 registers a thread and spill;
-# 8 need 216 (sm_90; tests/test_kernel_builds.py).
+# 8 need 254 and do not (sm_90; tests/test_kernel_builds.py): one program fits an SM.
 PREFIX_WARPS = 8
 PREFIX_BLOCK_N = BLOCK_N  # keys per block of a prefix program's loop (a module constant, so a benchmark can tune it)
 # Program order: the grid holds an entry for every group the step could have, most of them past the count in
