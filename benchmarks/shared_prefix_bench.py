@@ -7,13 +7,11 @@ query tile holds members × G query vectors). The group buffers have the engine'
 entries, the unused ones past the count). Each call is timed as a CUDA-graph replay cycling over
 --layers cache layers, so K/V come from HBM rather than L2; "bound" is the time to read the K/V bytes
 each variant must read once at --bandwidth. Variants: the split kernel alone (`decode_attention`), then
-shared-prefix attention for each combination of --warps, --block-n, --chunks (keys per prefix program;
-"auto" is split_plan's choice) and --orders (the prefix grid's program order: "heads" first or "groups"
-first). Prints a table and appends one JSON line per variant to --out. CUDA only.
+shared-prefix attention for each combination of --warps, --block-n and --chunks (keys per prefix program;
+"auto" is split_plan's choice). Prints a table and appends one JSON line per variant to --out. CUDA only.
 
     python benchmarks/shared_prefix_bench.py --out benchmarks/results.jsonl --commit $COMMIT
-    python benchmarks/shared_prefix_bench.py --warps 4,8 --block-n 32,64 --chunks auto,64,128 --members 5,10 \
-        --orders heads,groups
+    python benchmarks/shared_prefix_bench.py --warps 4,8 --block-n 32,64 --chunks auto,64,128 --members 5,10
 """
 
 from __future__ import annotations
@@ -60,8 +58,6 @@ def main() -> None:
     parser.add_argument("--key-len", type=int, default=1024, help="the graph's key bucket (bounds every length)")
     parser.add_argument("--warps", default=str(spa.PREFIX_WARPS), help="prefix programs' warps, comma-separated")
     parser.add_argument("--block-n", default=str(spa.PREFIX_BLOCK_N), help="keys a loop step, comma-separated")
-    parser.add_argument("--orders", default="heads" if spa.PREFIX_HEADS_FIRST else "groups",
-                        help="the prefix grid's program order, heads or groups first, comma-separated")
     parser.add_argument("--chunks", default="auto", help="keys per prefix program: auto or numbers, comma-separated")
     parser.add_argument("--layers", type=int, default=4, help="cache layers cycled through, to defeat L2")
     parser.add_argument("--calls", type=int, default=28, help="calls captured in one CUDA graph")
@@ -109,18 +105,18 @@ def main() -> None:
         kv[..., :args.prefix, :] = kv[:, :, first, :, :args.prefix]  # a group's slots hold one copy of its prefix
         starts = groups.starts.cpu()
         read_keys = int(groups.count) * args.prefix + B * args.suffix + int((starts == 0).sum()) * args.prefix
-        for warps, block_n, chunk, order in itertools.product(args.warps.split(","), args.block_n.split(","),
-                                                              args.chunks.split(","), args.orders.split(",")):
-            spa.PREFIX_WARPS, spa.PREFIX_BLOCK_N, spa.PREFIX_HEADS_FIRST = int(warps), int(block_n), order == "heads"
+        for warps, block_n, chunk in itertools.product(args.warps.split(","), args.block_n.split(","),
+                                                       args.chunks.split(",")):
+            spa.PREFIX_WARPS, spa.PREFIX_BLOCK_N = int(warps), int(block_n)
             prefix_chunk = None if chunk == "auto" else int(chunk)
 
             def shared(layer: int) -> torch.Tensor:
                 return spa.shared_prefix_decode_attention(q, kv[layer, 0], kv[layer, 1], lengths, L, slots, groups,
                                                           prefix_chunk=prefix_chunk)
 
-            measure(f"shared prefix: <= {members} a group, {warps} warps, {block_n} keys a step, chunk {chunk}, "
-                    f"{order} first", shared, read_keys,
-                    {"members": members, "warps": int(warps), "block_n": int(block_n), "chunk": chunk, "order": order})
+            measure(f"shared prefix: <= {members} a group, {warps} warps, {block_n} keys a step, chunk {chunk}",
+                    shared, read_keys,
+                    {"members": members, "warps": int(warps), "block_n": int(block_n), "chunk": chunk})
 
     print(f"{B} rows, {args.share} a prefix, prefix {args.prefix} + suffix {args.suffix} keys, key bucket {L}, "
           f"H={H}, Hkv={Hkv}, D={D}, {args.dtype}; {torch.cuda.get_device_name(device)}, triton {triton.__version__}; "

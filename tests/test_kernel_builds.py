@@ -31,7 +31,7 @@ KERNELS = {
     "split": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=False), da.NUM_WARPS),
     "split_from_starts": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=True), da.NUM_WARPS),
     "combine": (da._combine_kernel, dict(GROUP=6, HEAD_DIM=128, BLOCK_G=8, BLOCK_S=4, BLOCK_D=128), 4),
-    "prefix": (spa._prefix_kernel, dict(SHAPE, MEMBERS=10, BLOCK_Q=64, PRECISION="tf32", HEADS_FIRST=True),
+    "prefix": (spa._prefix_kernel, dict(SHAPE, MEMBERS=10, BLOCK_Q=64, BLOCK_N=spa.PREFIX_BLOCK_N, PRECISION="tf32"),
                spa.PREFIX_WARPS),
 }
 usage = {}

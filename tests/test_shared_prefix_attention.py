@@ -98,12 +98,12 @@ def test_group_rows():
     assert members_per_group(12, 2) == 10 and members_per_group(32, 8) == 16
 
 
-@pytest.mark.parametrize("prefix_chunk, heads_first", [(None, True), (64, True), (100, True), (None, False)])
-def test_many_groups_of_long_and_short_prefixes(prefix_chunk, heads_first, monkeypatch):
+@pytest.mark.parametrize("prefix_chunk, block_n", [(None, 32), (64, 32), (100, 32), (100, 64)])
+def test_many_groups_of_long_and_short_prefixes(prefix_chunk, block_n, monkeypatch):
     """Seven groups, prefixes of 1 to 600 keys over several blocks, rows in none, garbage entries past the groups
-    in use, prefix programs of the default or a forced number of keys, in either program order: the same attention
-    as decode_attention and the reference."""
-    monkeypatch.setattr(spa, "PREFIX_HEADS_FIRST", heads_first)
+    in use, prefix programs of the default or a forced number of keys, walked in blocks of 32 or 64 keys: the same
+    attention as decode_attention and the reference."""
+    monkeypatch.setattr(spa, "PREFIX_BLOCK_N", block_n)
     B, H, Hkv, L, D, key_len = 24, 4, 2, 700, 16, 700
     groups = [[3 * g, 3 * g + 1, 3 * g + 2] for g in range(6)] + [[18, 20]]  # rows 19, 21..23 in none
     prefix = [40, 300, 513, 256, 257, 1] + [600]

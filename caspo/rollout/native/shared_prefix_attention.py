@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from caspo.rollout.native.decode_attention import (
-    BLOCK_N,
     LOG2E,
     NUM_STAGES,
     attend_chunk,
@@ -35,14 +34,11 @@ from caspo.rollout.native.decode_attention import (
 )
 from caspo.rollout.native.prefix_groups import QUERY_VECTORS, PrefixGroups
 
-# At the Qwen2.5-1.5B shape (64 query vectors of 128) 4 warps need more than 255 registers a thread and spill;
-# 8 need 254 and do not (sm_90; tests/test_kernel_builds.py): one program fits an SM.
-PREFIX_WARPS = 8
-PREFIX_BLOCK_N = BLOCK_N  # keys per block of a prefix program's loop (a module constant, so a benchmark can tune it)
-# Program order: the grid holds an entry for every group the step could have, most of them past the count in
-# use. With the KV head first, the programs of the groups in use are the first the card schedules; with the
-# group first, each KV head's programs in use wait behind the previous head's empty ones.
-PREFIX_HEADS_FIRST = True
+# At the Qwen2.5-1.5B shape (64 query vectors of 128), 4 warps over blocks of 32 keys need 244 registers a thread
+# and do not spill (sm_90; tests/test_kernel_builds.py), so two programs fit an SM; on an H200 they beat 8 warps
+# over 64 keys by 10% (benchmarks/shared_prefix_bench.py). Module constants, so that the benchmark can tune them.
+PREFIX_WARPS = 4
+PREFIX_BLOCK_N = 32
 
 
 @triton.jit
@@ -50,13 +46,11 @@ def _prefix_kernel(Q, K, V, Members, Slots, Lengths, Count, MidO, MidLse, qk_sca
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_mg,
                    GROUP: tl.constexpr, MEMBERS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    if HEADS_FIRST:
-        kv_head = tl.program_id(0)
-        g = tl.program_id(1)
-    else:
-        g = tl.program_id(0)
-        kv_head = tl.program_id(1)
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    # The KV head first: the grid holds an entry for every group a step could have, most of them past the count
+    # in use, and this way the card schedules the programs of the groups in use first.
+    kv_head = tl.program_id(0)
+    g = tl.program_id(1)
     split = tl.program_id(2)
     used = g < tl.load(Count)  # entries past the groups in use are stale: they count as empty groups
     prefix = tl.where(used, tl.load(Lengths + g), 0).to(tl.int32)
@@ -110,16 +104,14 @@ def shared_prefix_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     mid_o = torch.empty(B, H, prefix_splits + suffix_splits, D, dtype=torch.float32, device=q.device)
     mid_lse = torch.full((B, H, prefix_splits + suffix_splits), float("-inf"), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
-    grid = (kv_heads, num_groups, prefix_splits) if PREFIX_HEADS_FIRST else (num_groups, kv_heads, prefix_splits)
-    _prefix_kernel[grid](
+    _prefix_kernel[(kv_heads, num_groups, prefix_splits)](
         q, k_cache, v_cache, groups.members, groups.slots, groups.lengths, groups.count, mid_o, mid_lse, scale * LOG2E,
         prefix_chunk, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *mid_o.stride()[:3], mid_lse.stride(0),
         mid_lse.stride(1), groups.members.stride(0),
         GROUP=group, MEMBERS=groups.members.shape[1], HEAD_DIM=D, BLOCK_Q=max(16, triton.next_power_of_2(
             groups.members.shape[1] * group)), BLOCK_D=block_d, BLOCK_N=PREFIX_BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FIRST=PREFIX_HEADS_FIRST,
-        num_warps=PREFIX_WARPS, num_stages=NUM_STAGES)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=PREFIX_WARPS, num_stages=NUM_STAGES)
     suffix_o = mid_o[:, :, prefix_splits:]
     launch_splits(q, k_cache, v_cache, lengths, slots, suffix_o, suffix_o.stride()[:3],
                   mid_lse[:, :, prefix_splits:], scale, key_len, suffix_splits, suffix_chunk, starts=groups.starts)
