@@ -2,7 +2,8 @@
 
 The Qwen2.5-1.5B decode shape (12 query heads, 2 KV heads, head_dim 128, bf16): --rows rows, each --share
 of them holding one copy of a prefix of --prefix keys (VinePPO's K continuations of one prefix), each row
---suffix keys of its own after it. Rows sharing a prefix are grouped by at most --members (the kernel's
+--suffix keys of its own after it; --rows, --prefix and --suffix take comma-separated lists, and every
+combination is timed. Rows sharing a prefix are grouped by at most --members (the kernel's
 query tile holds members × G query vectors). The group buffers have the engine's capacity (rows // 2
 entries, the unused ones past the count). Each call is timed as a CUDA-graph replay cycling over
 --layers cache layers, so K/V come from HBM rather than L2; "bound" is the time to read the K/V bytes
@@ -12,6 +13,7 @@ shared-prefix attention for each combination of --warps, --block-n and --chunks 
 
     python benchmarks/shared_prefix_bench.py --out benchmarks/results.jsonl --commit $COMMIT
     python benchmarks/shared_prefix_bench.py --warps 4,8 --block-n 32,64 --chunks auto,64,128 --members 5,10
+    python benchmarks/shared_prefix_bench.py --rows 256 --share 8 --prefix 64,256,1024 --suffix 64,512 --key-len 0
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--rows", type=int, default=960)
+    parser.add_argument("--rows", default="960", help="rows of the step, comma-separated")
     parser.add_argument("--share", type=int, default=9, help="rows holding one prefix (K)")
     parser.add_argument("--members", default="10", help="the most rows a group holds, comma-separated")
-    parser.add_argument("--prefix", type=int, default=300, help="keys of each group's shared prefix")
-    parser.add_argument("--suffix", type=int, default=300, help="keys of each row's own after the prefix")
+    parser.add_argument("--prefix", default="300", help="keys of each group's shared prefix, comma-separated")
+    parser.add_argument("--suffix", default="300", help="keys of each row's own after the prefix, comma-separated")
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--key-len", type=int, default=1024, help="the graph's key bucket (bounds every length)")
+    parser.add_argument("--key-len", type=int, default=1024,
+                        help="the graph's key bucket (bounds every length); 0: prefix + suffix, rounded up to 64")
     parser.add_argument("--warps", default=str(spa.PREFIX_WARPS), help="prefix programs' warps, comma-separated")
     parser.add_argument("--block-n", default=str(spa.PREFIX_BLOCK_N), help="keys a loop step, comma-separated")
     parser.add_argument("--chunks", default="auto", help="keys per prefix program: auto or numbers, comma-separated")
@@ -68,22 +71,37 @@ def main() -> None:
     args = parser.parse_args()
     if torch.device(args.device).type != "cuda":
         raise SystemExit("this benchmark times CUDA kernels; run it on a CUDA device")
-    if args.prefix + args.suffix > args.key_len:
-        parser.error(f"--prefix + --suffix ({args.prefix + args.suffix}) must fit --key-len ({args.key_len})")
+    numbers = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    rows = []
+    for B, prefix, suffix in itertools.product(numbers(args.rows), numbers(args.prefix), numbers(args.suffix)):
+        key_len = args.key_len or 64 * -(-(prefix + suffix) // 64)
+        if prefix + suffix > key_len:
+            parser.error(f"--prefix + --suffix ({prefix + suffix}) must fit --key-len ({key_len})")
+        rows += measure_shape(args, B, prefix, suffix, key_len)
+        torch.cuda.empty_cache()  # the last shape's caches
+    print(f"{args.share} rows a prefix, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}; "
+          f"{torch.cuda.get_device_name(args.device)}, triton {triton.__version__}; "
+          f"bound at {args.bandwidth / 1e12:.1f} TB/s; 'saved': the share of the split kernel's keys not read")
+    print_table(["rows", "prefix", "suffix", "variant", "µs a call", "bound µs", "of bound", "saved",
+                 "max|Δ| vs split"], rows)
 
+
+def measure_shape(args, B: int, prefix: int, suffix: int, L: int) -> list[list]:
+    """The table rows of one step shape: the split kernel, then each shared-prefix variant."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    B, H, Hkv, D, L = args.rows, args.heads, args.kv_heads, args.head_dim, args.key_len
+    H, Hkv, D = args.heads, args.kv_heads, args.head_dim
     torch.manual_seed(0)
     kv = torch.randn(args.layers, 2, B, Hkv, L, D, device=device, dtype=dtype)
     q = torch.randn(B, H, D, device=device, dtype=dtype)
-    lengths = torch.full((B,), args.prefix + args.suffix, device=device, dtype=torch.int64)
+    lengths = torch.full((B,), prefix + suffix, device=device, dtype=torch.int64)
     slots = torch.arange(B, device=device)
     record = {"benchmark": "shared_prefix_attention", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "card": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
               "commit": args.commit, "dtype": args.dtype,
-              "shape": {"rows": B, "heads": H, "kv_heads": Hkv, "head_dim": D, "prefix": args.prefix,
-                        "suffix": args.suffix, "key_len": L}}
+              "shape": {"rows": B, "heads": H, "kv_heads": Hkv, "head_dim": D, "prefix": prefix,
+                        "suffix": suffix, "key_len": L, "share": args.share}}
     bytes_per_key = Hkv * D * dtype.itemsize * 2  # K and V
+    all_keys = B * (prefix + suffix)
 
     def split(layer: int) -> torch.Tensor:
         return decode_attention(q, kv[layer, 0], kv[layer, 1], lengths, L, slots)
@@ -94,17 +112,19 @@ def main() -> None:
         diff = (call(0).float() - split(0).float()).abs().max().item()
         ms = graph_ms(call, args.layers, args.calls, args.replays)
         bound = read_keys * bytes_per_key / args.bandwidth * 1e3
-        rows.append([name, f"{ms * 1e3:.1f}", f"{bound * 1e3:.1f}", f"{bound / ms:.0%}", f"{diff:.1e}"])
+        rows.append([B, prefix, suffix, name, f"{ms * 1e3:.1f}", f"{bound * 1e3:.1f}", f"{bound / ms:.0%}",
+                     f"{1 - read_keys / all_keys:.0%}", f"{diff:.1e}"])
         append_result(args.out, {**record, "variant": name, **extra, "us": round(ms * 1e3, 2),
-                                 "bound_us": round(bound * 1e3, 2), "max_abs_diff": diff})
+                                 "bound_us": round(bound * 1e3, 2), "read_keys": read_keys, "all_keys": all_keys,
+                                 "max_abs_diff": diff})
 
-    measure("split kernel", split, B * (args.prefix + args.suffix), {})
+    measure("split kernel", split, all_keys, {})
     for members in (int(m) for m in args.members.split(",")):
-        groups = engine_groups(B, args.share, members, args.prefix, device)
+        groups = engine_groups(B, args.share, members, prefix, device)
         first = torch.arange(B, device=device) // args.share * args.share
-        kv[..., :args.prefix, :] = kv[:, :, first, :, :args.prefix]  # a group's slots hold one copy of its prefix
+        kv[..., :prefix, :] = kv[:, :, first, :, :prefix]  # a group's slots hold one copy of its prefix
         starts = groups.starts.cpu()
-        read_keys = int(groups.count) * args.prefix + B * args.suffix + int((starts == 0).sum()) * args.prefix
+        read_keys = int(groups.count) * prefix + B * suffix + int((starts == 0).sum()) * prefix
         for warps, block_n, chunk in itertools.product(args.warps.split(","), args.block_n.split(","),
                                                        args.chunks.split(",")):
             spa.PREFIX_WARPS, spa.PREFIX_BLOCK_N = int(warps), int(block_n)
@@ -117,11 +137,7 @@ def main() -> None:
             measure(f"shared prefix: <= {members} a group, {warps} warps, {block_n} keys a step, chunk {chunk}",
                     shared, read_keys,
                     {"members": members, "warps": int(warps), "block_n": int(block_n), "chunk": chunk})
-
-    print(f"{B} rows, {args.share} a prefix, prefix {args.prefix} + suffix {args.suffix} keys, key bucket {L}, "
-          f"H={H}, Hkv={Hkv}, D={D}, {args.dtype}; {torch.cuda.get_device_name(device)}, triton {triton.__version__}; "
-          f"bound at {args.bandwidth / 1e12:.1f} TB/s")
-    print_table(["variant", "µs a call", "bound µs", "of bound", "max|Δ| vs split"], rows)
+    return rows
 
 
 if __name__ == "__main__":
