@@ -109,6 +109,7 @@ def main() -> None:
         rounds = engine.stats.prefill_rounds - before.prefill_rounds
         forwards = engine.stats.prefill_forwards - before.prefill_forwards
         steps = engine.stats.decode_steps - before.decode_steps
+        grouped = engine.stats.grouped_steps - before.grouped_steps
         captures = engine.stats.graph_captures - before.graph_captures
         capture_s = engine.stats.capture_s - before.capture_s
         split = {name: round(getattr(engine.stats, name) - getattr(before, name), 3)
@@ -118,7 +119,8 @@ def main() -> None:
         outputs[mode] = [c.tokens for c in completions]
         results[mode] = {"prefill_tokens": computed, "shared_tokens": shared, "prefill_rounds": rounds,
                          "prefill_forwards": forwards,
-                         "admit_batch": engine.admit_batch, "decode_steps": steps, "graph_captures": captures,
+                         "admit_batch": engine.admit_batch, "decode_steps": steps, "grouped_steps": grouped,
+                         "graph_captures": captures,
                          "capture_s": round(capture_s, 3), **split, "seconds": round(seconds, 3),
                          "generated_tokens": generated, "peak_bytes": peak}
         if args.profile and mode == modes[0]:
@@ -127,7 +129,7 @@ def main() -> None:
         if args.host_profile and mode == modes[0]:
             host_profile(partial(engine.generate, requests, sampling))
         rows.append([mode, len(requests), f"{computed:,}", f"{shared:,}", f"{rounds:,}", f"{forwards:,}", f"{steps:,}",
-                     f"{generated / max(steps, 1):.0f}", f"{captures} in {capture_s:.1f} s",
+                     f"{grouped:,}", f"{generated / max(steps, 1):.0f}", f"{captures} in {capture_s:.1f} s",
                      "/".join(f"{split[k]:.1f}" for k in ("prefill_s", "wait_s", "host_s")), f"{seconds:.2f}",
                      f"{generated / seconds:,.0f}", f"{peak / 2**30:.1f}" if peak else "-"])
         del engine, completions
@@ -139,8 +141,8 @@ def main() -> None:
           f" + {args.stride}·j) x K={args.k} continuations of up to {args.new_tokens} tokens (EOS rate "
           f"{args.eos_rate}), {args.dtype} on {args.device}")
     print_table(["mode", "requests", "prefill computed", "prefill shared", "prefill rounds", "prefill forwards",
-                 "decode steps", "rows/step", "graphs captured", "prefill/wait/host s", "seconds", "tokens/s",
-                 "peak GiB"], rows)
+                 "decode steps", "grouped", "rows/step", "graphs captured", "prefill/wait/host s", "seconds",
+                 "tokens/s", "peak GiB"], rows)
     if args.profile:
         print_table([f"kernel (one more run of {modes[0]})", "calls", "ms", "share"], results[modes[0]]["profile"])
     comparison = {}

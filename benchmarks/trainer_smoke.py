@@ -149,8 +149,9 @@ def main() -> None:
             tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
             s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.nproc * args.peak_tflops * 1e12)
         print_table(["method", "step", *PHASES, "resp len", "steps", "MC tokens", "MC gen s", "MC score s",
-                     "MC rounds (forwards)", "MC prefill/wait/host s", "MC rows/step of decoded", "MC graphs",
-                     "MC shared", "|Δ logp|", "policy MFU", "peak GiB", "reserved GiB", "compiled", "retries"],
+                     "MC rounds (forwards)", "MC prefill/wait/host s", "MC rows/step of decoded", "MC grouped steps",
+                     "MC graphs", "MC shared", "|Δ logp|", "policy MFU", "peak GiB", "reserved GiB", "compiled",
+                     "retries"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
                       f"{s.get('steps_per_response', 0):.1f}", s.get("mc_tokens", "-"),
                       *(f"{s[k]:.1f}" if k in s else "-" for k in ("t_mc_generate", "t_mc_score")),
@@ -159,6 +160,7 @@ def main() -> None:
                       if "t_mc_wait" in s else "-",
                       f"{s['mc_tokens'] / s['mc_decode_steps']:.0f} of {s['mc_decode_rows'] / s['mc_decode_steps']:.0f}"
                       if s.get("mc_decode_steps") else "-",
+                      f"{s['mc_grouped_steps']} of {s['mc_decode_steps']}" if "mc_grouped_steps" in s else "-",
                       f"{s['mc_graph_captures']} in {s['t_mc_capture']:.1f} s" if "mc_graph_captures" in s else "-",
                       f"{s['mc_prefill_shared_frac']:.0%}" if "mc_prefill_shared_frac" in s else "-",
                       f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{s['policy_mfu']:.0%}",

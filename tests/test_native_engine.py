@@ -195,9 +195,13 @@ def test_decode_rows_in_any_slot_order_give_the_same_hidden_states(model, kernel
     assert torch.allclose(shuffled, in_order[order], atol=1e-6)
 
 
-def test_shared_prefix_attention_gives_the_same_completions(monkeypatch):
+@pytest.mark.parametrize("min_keys_saved, grouped", [(0, "every step"), (50, "some steps"), (None, "no step")])
+def test_shared_prefix_attention_gives_the_same_completions(monkeypatch, min_keys_saved, grouped):
     """K continuations of each of two prefixes and G samples of a prompt, with each group's prompt K/V read once
-    (the kernels interpreted on the CPU): the tokens of every row reading its own copy."""
+    (the kernels interpreted on the CPU) in the steps where that saves enough reads: the tokens of every row
+    reading its own copy. The first step saves 2 × 12 + 2 × 40 + 3 × 3 = 113 keys a layer, the last (the
+    samples' fifth token alone) 9; at the default threshold this tiny model's steps are never grouped."""
+    from caspo.rollout.native import prefix_groups
     from caspo.rollout.native import runner as runner_module
 
     model = build(qwen2_untied())
@@ -214,9 +218,19 @@ def test_shared_prefix_attention_gives_the_same_completions(monkeypatch):
     shared = runner_module.shared_prefix_decode_attention
     monkeypatch.setattr(runner_module, "shared_prefix_decode_attention", spy)
     kernels = dict(decode_kernel=True, rope_kernel=True, max_seq_len=56, capacity_tokens=56 * 16)
-    on = engine(model, shared_prefix_attention=True, **kernels).generate(reqs, sp)
+    grouping = engine(model, shared_prefix_attention=True, **kernels)
+    if min_keys_saved is not None:
+        monkeypatch.setattr(prefix_groups, "MIN_BYTES_SAVED", min_keys_saved * grouping.model_runner.bytes_per_key)
+    on = grouping.generate(reqs, sp)
     off = engine(model, **kernels).generate(reqs, sp)
-    assert max(grouped_rows) == 10  # every row of the first step is in a group: 2 × 3 continuations, 4 samples
+    steps, grouped_steps = grouping.stats.decode_steps, grouping.stats.grouped_steps
+    assert len(grouped_rows) == grouped_steps * model.config.num_hidden_layers  # the spy sees each layer
+    if grouped == "every step":  # every row of the first step is in a group: 2 × 3 continuations, 4 samples
+        assert max(grouped_rows) == 10 and grouped_steps == steps == 4
+    elif grouped == "some steps":
+        assert max(grouped_rows) == 10 and 0 < grouped_steps < steps
+    else:
+        assert grouped_steps == 0
     for a, b in zip(on, off):
         assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

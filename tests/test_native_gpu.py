@@ -145,10 +145,15 @@ def test_schedules_agree_with_graphs_fp32(family):
         assert_equal_up_to_near_tie(model, reqs, scheduled, reference, sp, TIE_TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("min_keys_saved", [0, 150])
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_shared_prefix_attention_agrees_fp32(family, cuda_graphs):
+def test_shared_prefix_attention_agrees_fp32(family, cuda_graphs, min_keys_saved, monkeypatch):
     """K continuations of three prefixes and G samples of a prompt: each group's prompt K/V read once, eager and
-    in the decode graphs (groups in static buffers), against every row reading its own copy."""
+    in the decode graphs (groups in static buffers), against every row reading its own copy. With a threshold of
+    150 keys a layer, steps holding the 50-token prefix's group (200 keys saved) are grouped and the samples'
+    steps (21) are not: grouped and plain graphs alternate."""
+    from caspo.rollout.native import prefix_groups
+
     model = build(family, torch.float32)
     sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
     response = list(range(10, 60))
@@ -157,8 +162,13 @@ def test_shared_prefix_attention_agrees_fp32(family, cuda_graphs):
     reference = native(model, cuda_graphs=cuda_graphs).generate(reqs, sp)
     for max_running in (16, 7):
         shared = native(model, cuda_graphs=cuda_graphs, max_running=max_running, shared_prefix_attention=True)
+        monkeypatch.setattr(prefix_groups, "MIN_BYTES_SAVED", min_keys_saved * shared.model_runner.bytes_per_key)
         assert_equal_up_to_near_tie(model, reqs, shared.generate(reqs, sp), reference, sp,
                                     TIE_TOLERANCE[torch.float32])
+        stats = shared.stats
+        assert 0 < stats.grouped_steps <= stats.decode_steps
+        if min_keys_saved:
+            assert stats.grouped_steps < stats.decode_steps
 
 
 def test_publication_and_sleep_keep_graphs_valid(family):

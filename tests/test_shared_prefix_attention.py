@@ -1,6 +1,7 @@
 """Decode attention with shared prefixes read once per group, against decode_attention and a float64 reference;
 on CPU through Triton's interpreter (conftest.py sets TRITON_INTERPRET=1)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,24 @@ def test_group_rows():
     table, _ = group_rows([4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [9, 9, 9, 9, 9, 9, 9, 9, 5, 5], members=3)
     assert sorted(map(list, table)) == [[0, 1, 2], [3, 4, 5], [6, 7, -1], [8, 9, -1]]
     assert members_per_group(12, 2) == 10 and members_per_group(32, 8) == 16
+
+
+def test_a_step_is_grouped_only_where_the_reads_saved_pay():
+    from caspo.rollout.native.prefix_groups import keys_saved, worth_grouping
+
+    # groups [0, 2, 4] of P = 30 and [3, 6] of P = 12: 2 × 30 + 1 × 12 keys a layer not read
+    table, starts = group_rows([7, -1, 7, 9, 7, 7, 9, 5], [30, 0, 30, 12, 30, 30, 12, 8], members=3)
+    assert keys_saved(table, starts) == 72
+    assert keys_saved(*group_rows([-1, -1], [0, 0], members=4)) == 0
+    qwen_1_5b = 2 * 2 * 128 * 2  # bytes a key of one layer: K and V of 2 KV heads of 128, bf16
+    # a Monte Carlo step: 960 rows, K = 9 continuations of prefixes of 300 keys, 106 groups of 9 and one of 6:
+    # (106 × 8 + 5) × 300 keys saved, 250 MiB a layer
+    table, starts = group_rows(np.arange(960) // 9, np.full(960, 300), members_per_group(12, 2))
+    assert keys_saved(table, starts) == (106 * 8 + 5) * 300 and worth_grouping(table, starts, qwen_1_5b)
+    # a rollout step of 32 prompts × G = 8: 32 × 7 × P keys, 28 MiB at P = 128 (slower grouped), 112 at 512
+    for prompt, pays in ((128, False), (512, True)):
+        table, starts = group_rows(np.arange(256) // 8, np.full(256, prompt), members_per_group(12, 2))
+        assert keys_saved(table, starts) == 32 * 7 * prompt and worth_grouping(table, starts, qwen_1_5b) == pays
 
 
 @pytest.mark.parametrize("prefix_chunk, block_n", [(None, 32), (64, 32), (100, 32), (100, 64)])

@@ -88,6 +88,7 @@ class MonteCarloValues(MethodState):
             out["mc_prefill_rounds"] = engine_stats.prefill_rounds - before.prefill_rounds
             out["mc_prefill_forwards"] = engine_stats.prefill_forwards - before.prefill_forwards
             out["mc_decode_steps"] = engine_stats.decode_steps - before.decode_steps
+            out["mc_grouped_steps"] = engine_stats.grouped_steps - before.grouped_steps  # shared_prefix_attention
             out["mc_decode_rows"] = engine_stats.decode_rows - before.decode_rows
             out["mc_graph_captures"] = engine_stats.graph_captures - before.graph_captures
             out["t_mc_capture"] = engine_stats.capture_s - before.capture_s

@@ -73,6 +73,7 @@ class EngineStats:
     shared_tokens: int = 0  # prompt positions copied from a resident slot instead of computed
     prefill_forwards: int = 0  # forwards of the decoder over prompt pieces, each launched layer by layer
     decode_steps: int = 0
+    grouped_steps: int = 0  # of those, steps that read shared prefixes once a group (shared_prefix_attention)
     decode_rows: int = 0  # rows the decode steps computed: the sequences decoded and a graph's padding rows
     generated_tokens: int = 0
     graph_captures: int = 0  # decode graphs captured (on first use of a shape, again after each wake)
@@ -109,7 +110,8 @@ class NativeEngine(PublishedWeights):
         (default: on CUDA; it reads each sequence's K/V once, where SDPA reads them at ~1/3 of the bandwidth).
     shared_prefix_attention: with decode_kernel, rows whose slots hold one prompt's K/V (copied by prefix
         sharing: the K continuations of a Monte Carlo prefix, the G samples of a prompt) read it once per
-        decode step for all of them (`shared_prefix_attention.py`) instead of once each (default off).
+        decode step for all of them (`shared_prefix_attention.py`) instead of once each, in each step where
+        that saves more reads than its extra kernels cost (`prefix_groups.worth_grouping`; default off).
     rope_kernel: RoPE and the K/V-cache write in one Triton kernel (`rope_store`) instead of eager
         RoPE and two indexed writes: the same numbers, one launch a layer instead of several (default: on
         CUDA; +4.6% rollout tokens/s on an H200, benchmarks/RESULTS.md).

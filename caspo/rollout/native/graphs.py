@@ -11,7 +11,8 @@ Graphs are captured on first use, with the step's real inputs already in the sta
 the warm-up run that precedes a capture writes the same K/V the replay writes again.
 
 With shared-prefix attention the step's groups (`prefix_groups.PrefixGroups`) are static buffers too,
-loaded each step like the tokens, positions and slots.
+loaded each step like the tokens, positions and slots; a step the engine does not group (too little
+shared to pay) replays a graph of the plain step, so the key also says whether the step is grouped.
 
 The sampler alone (`SamplerGraphs`) samples the logits of freshly prefilled prompts: the nucleus
 search at top-p < 1 is about a hundred kernels, which launched one by one cost the host more than
@@ -109,7 +110,7 @@ class DecodeGraphs:
         [0, key_len), each of `groups` reading its prefix once; valid until the next call. The graph's padding
         rows write into `pad_slot`, a slot whose K/V no one reads again."""
         size, keys = self._load(tokens, positions, slots, pad_slot, key_len, groups)
-        return self._replay((size, keys))[: tokens.shape[0]]
+        return self._replay((size, keys, groups is not None))[: tokens.shape[0]]
 
     def run_and_sample(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int,
                        key_len: int, seeds: torch.Tensor, steps: torch.Tensor, sp: SamplingParams,
@@ -120,7 +121,7 @@ class DecodeGraphs:
         size, keys = self._load(tokens, positions, slots, pad_slot, key_len, groups)
         self.seeds[:n].copy_(seeds)
         self.steps[:n].copy_(steps)
-        logits, picked, packed = self._replay((size, keys, *sampling_key(sp)), sp)
+        logits, picked, packed = self._replay((size, keys, groups is not None, *sampling_key(sp)), sp)
         return logits[:n], picked[:n], packed[:n]
 
     def _load(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int,
@@ -134,9 +135,9 @@ class DecodeGraphs:
         self.positions[n:size].zero_()
         self.slots[:n].copy_(slots)
         self.slots[n:size].fill_(pad_slot)
-        if (groups is not None) != (self.groups is not None):
-            raise ValueError("these graphs were captured " + ("with" if self.groups is not None else "without")
-                             + " shared-prefix groups; every step must match")
+        if groups is not None and self.groups is None:
+            raise ValueError("these graphs were built without shared-prefix groups (prefix_members=0); "
+                             "build them with the engine's prefix_members to decode grouped steps")
         if groups is not None:  # padding rows are in no group: their keys from 0
             used = groups.members.shape[0]
             static = self.groups
@@ -150,14 +151,14 @@ class DecodeGraphs:
 
     def _replay(self, key: tuple, sp: SamplingParams | None = None):
         if key not in self.graphs:
-            self.graphs[key] = self._capture(key[0], key[1], sp)
+            self.graphs[key] = self._capture(*key[:3], sp)
         graph, output = self.graphs[key]
         graph.replay()
         return output
 
-    def _step(self, size: int, keys: int, sp: SamplingParams | None):
+    def _step(self, size: int, keys: int, grouped: bool, sp: SamplingParams | None):
         groups = None
-        if self.groups is not None:
+        if grouped:
             capacity = max(1, size // 2)
             groups = PrefixGroups(self.groups.members[:capacity], self.groups.slots[:capacity],
                                   self.groups.lengths[:capacity], self.groups.starts[:size], self.groups.count)
@@ -168,9 +169,10 @@ class DecodeGraphs:
         logits = self.runner.logits(hidden)
         return (logits, *pick(logits, self.seeds[:size], self.steps[:size], sp))
 
-    def _capture(self, size: int, keys: int, sp: SamplingParams | None) -> tuple[torch.cuda.CUDAGraph, object]:
+    def _capture(self, size: int, keys: int, grouped: bool, sp: SamplingParams | None
+                 ) -> tuple[torch.cuda.CUDAGraph, object]:
         started = time.perf_counter()
-        graph, output = capture(lambda: self._step(size, keys, sp), self.cache.device, self.pool)
+        graph, output = capture(lambda: self._step(size, keys, grouped, sp), self.cache.device, self.pool)
         self.pool = graph.pool()
         if self.stats is not None:
             self.stats.graph_captures += 1

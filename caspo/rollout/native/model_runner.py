@@ -22,7 +22,7 @@ import torch
 from caspo.rollout.base import SamplingParams
 from caspo.rollout.native.graphs import DecodeGraphs, SamplerGraphs, default_key_lengths, pick, smallest_holding
 from caspo.rollout.native.kv_cache import KVCache
-from caspo.rollout.native.prefix_groups import PrefixGroups, group_rows, members_per_group
+from caspo.rollout.native.prefix_groups import PrefixGroups, group_rows, members_per_group, worth_grouping
 from caspo.rollout.native.runner import Batch, Runner
 from caspo.rollout.native.scheduler import PrefillWave, PromptPiece, SequenceState
 from caspo.rollout.native.spec import DecoderSpec
@@ -35,6 +35,7 @@ class ModelRunner:
         self.runner, self.cache, self.spec, self.stats = runner, cache, spec, stats
         # Rows a shared-prefix group may hold; 0: every row reads its own prompt K/V.
         self.prefix_members = members_per_group(spec.num_heads, spec.num_kv_heads) if shared_prefix else 0
+        self.bytes_per_key = 2 * spec.num_kv_heads * spec.head_dim * cache.dtype.itemsize  # K and V, one layer
         self.device, self.max_seq_len = cache.device, max_seq_len
         self.graph_batch_sizes = graph_batch_sizes  # None: no CUDA graphs
         self.graph_sampler = graph_batch_sizes is not None and sampler_graphs
@@ -145,12 +146,14 @@ class ModelRunner:
 
     def _prefix_groups(self, decoded: list[SequenceState], slots: list[int]) -> list[np.ndarray] | None:
         """The step's rows that hold one prompt's K/V (`prompt_group`), grouped to read it once: the host
-        columns of PrefixGroups (members flattened); None when no two rows do and no graph needs them."""
+        columns of PrefixGroups (members flattened); None where grouping would not pay (`worth_grouping`)."""
         table, starts = group_rows(np.fromiter((s.prompt_group for s in decoded), np.int64, len(decoded)),
                                    np.fromiter((len(s.prompt) for s in decoded), np.int64, len(decoded)),
                                    self.prefix_members)
-        if not len(table) and self.graphs is None:
+        if not worth_grouping(table, starts, self.bytes_per_key):
             return None
+        if self.stats is not None:
+            self.stats.grouped_steps += 1
         first = table[:, 0]
         return [table.ravel(), np.asarray(slots)[first], starts[first], starts, np.array([len(table)])]
 

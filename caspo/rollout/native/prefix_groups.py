@@ -3,6 +3,10 @@
 Prefix sharing copies a prompt's K/V byte for byte into the slot of every sequence with that whole
 prompt (the K continuations of one Monte Carlo prefix, the G samples of one prompt): such rows hold
 equal keys [0, P), and the shared-prefix kernel reads them once for the group.
+
+Reading a prefix once costs two kernels more a layer (the prefix pass and the combine), so a step is
+grouped only where the reads it saves outweigh them (`worth_grouping`): the long prefixes of Monte Carlo
+continuations, not the short prompts of a rollout's G samples.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import numpy as np
 import torch
 
 QUERY_VECTORS = 64  # query vectors one prefix program scores: up to QUERY_VECTORS // G rows of a group
+# K/V bytes a layer's grouped step must read less than the split kernel alone for its two extra kernels to
+# pay: on an H200 at the Qwen2.5-1.5B shape they cost ~11-17 µs a layer, what 64 MiB take at 4.8 TB/s; over 80
+# step shapes this rule picked the faster path but where the two were within 3 µs (benchmarks/RESULTS.md).
+MIN_BYTES_SAVED = 64 << 20
 
 
 def members_per_group(num_heads: int, kv_heads: int) -> int:
@@ -35,6 +43,16 @@ class PrefixGroups:
     lengths: torch.Tensor
     starts: torch.Tensor
     count: torch.Tensor
+
+
+def keys_saved(table: np.ndarray, starts: np.ndarray) -> int:
+    """Keys a layer reads less when `group_rows`' groups read their prefix once: (rows - 1) × P a group."""
+    return int(starts.sum() - starts[table[:, 0]].sum()) if len(table) else 0
+
+
+def worth_grouping(table: np.ndarray, starts: np.ndarray, bytes_per_key: int) -> bool:
+    """Whether a step of these groups is faster reading each prefix once than every row reading its own."""
+    return keys_saved(table, starts) * bytes_per_key >= MIN_BYTES_SAVED
 
 
 def group_rows(groups: np.ndarray, lengths: np.ndarray, members: int) -> tuple[np.ndarray, np.ndarray]:
