@@ -80,8 +80,8 @@ class ModelRunner:
                 self.cache.copy_prefix(shared.slot, seq.slot, shared.length)
             exact = [(seq.slot, shared.slot) for seq, shared in wave.shares if shared.exact]
             if exact:  # a wave's donors are resident or earlier waves', never its own members: one copy
-                into, donors = zip(*exact)
-                self.prompt_hidden[self._tensor(into)] = self.prompt_hidden[self._tensor(donors)]
+                into, donors = self._tensors(*zip(*exact))
+                self.prompt_hidden[into] = self.prompt_hidden[donors]
             for pieces in wave.forwards:
                 self._forward_prompts(pieces)
         return self.runner.logits(self.prompt_hidden[self._tensor([s.slot for s in seqs])])
@@ -90,17 +90,17 @@ class ModelRunner:
         """One prefill forward of prompt pieces, padded to the longest; keeps the hidden state of finished prompts."""
         width = max(p.count for p in pieces)
         tokens = [t for p in pieces for t in p.seq.prompt[p.start:p.start + p.count] + [0] * (width - p.count)]
-        starts = self._tensor([p.start for p in pieces])
+        done = [(i, p.seq.slot, p.count - 1) for i, p in enumerate(pieces) if p.start + p.count == len(p.seq.prompt)]
+        tokens, starts, slots, *finished = self._tensors(tokens, [p.start for p in pieces],  # one copy for all
+                                                         [p.seq.slot for p in pieces], *zip(*done))
         # Padding positions run past the prompt: their K/V land in the slot's own future positions
         # (clamped into the slot), which decoding overwrites before any query reads them.
         positions = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=self.max_seq_len - 1)
         key_len = max(p.start + p.count for p in pieces)
-        slots = self._tensor([p.seq.slot for p in pieces])
         batch = Batch.build(slots, positions, key_len, self.spec.kv_groups, rope_kernel=self.runner.rope_kernel)
-        hidden = self.runner(self._tensor(tokens).view(len(pieces), width), batch, self.cache)
-        done = [(i, p.seq.slot, p.count - 1) for i, p in enumerate(pieces) if p.start + p.count == len(p.seq.prompt)]
-        if done:
-            rows, done_slots, last = (self._tensor(column) for column in zip(*done))
+        hidden = self.runner(tokens.view(len(pieces), width), batch, self.cache)
+        if finished:
+            rows, done_slots, last = finished
             self.prompt_hidden[done_slots] = hidden[rows, last]
 
     # ------------------------------------------------------------ decode
