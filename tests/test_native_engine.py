@@ -249,7 +249,13 @@ def test_graph_padding_writes_into_a_slot_no_row_reads():
 
 # ---------------------------------------------------------------- stopping
 def test_stop_tokens_stop_strings_and_per_request_budgets(model):
-    native = engine(model, decode=lambda ids: "".join(chr(65 + i % 26) for i in ids))
+    decoded = []
+
+    def decode(ids):
+        decoded.append(list(ids))
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    native = engine(model, decode=decode)
     reqs = requests(6, max_new=8)
     free = native.generate(reqs, SamplingParams(temperature=1.0))
     assert all(c.finish_reason == "length" and len(c.tokens) == r.max_new_tokens for c, r in zip(free, reqs))
@@ -258,9 +264,14 @@ def test_stop_tokens_stop_strings_and_per_request_budgets(model):
     cut = free[0].tokens.index(stop_id) + 1
     assert (by_id.tokens, by_id.finish_reason) == (free[0].tokens[:cut], "stop")
     stop = chr(65 + free[0].tokens[2] % 26)  # appears at the third token at the latest
+    before = len(decoded)
     by_string = native.generate(reqs[:1], SamplingParams(temperature=1.0, stop_strings=[stop]))[0]
     assert by_string.finish_reason == "stop" and len(by_string.tokens) <= 3
     assert by_string.tokens == free[0].tokens[:len(by_string.tokens)]
+    # the second call with these stop strings decodes no token's own text again, only the windows
+    first_call = len(decoded) - before
+    assert native.generate(reqs[:1], SamplingParams(temperature=1.0, stop_strings=[stop]))[0] == by_string
+    assert len(decoded) - before - first_call == first_call - len(set(by_string.tokens))
     with pytest.raises(ValueError, match="decode function"):
         engine(model).generate(reqs, SamplingParams(stop_strings=["x"]))
 
@@ -325,7 +336,7 @@ def test_a_chain_over_the_recompute_budget_copies_link_by_link():
     resident, *chain = (Request(prompt[:n], seed=n, max_new_tokens=4) for n in (16, 32, 48, 48))
     for budget, copies_from in ((16, {1: 0, 2: 0, 3: 2}), (15, {1: 0, 2: 1, 3: 2})):
         scheduler = Scheduler([resident], slots=4, prefix_sharing=True, max_prefill_tokens=64,
-                              sampling=sp, decode=None, admit_batch=1, recompute_budget=budget)
+                              sampling=sp, admit_batch=1, recompute_budget=budget)
         scheduler.plan_prefill(scheduler.admit())  # the 16-token prompt is resident before the others arrive
         scheduler.waiting.extend(enumerate(chain, start=1))
         plan = scheduler.plan_prefill(scheduler.admit())
@@ -346,7 +357,7 @@ def test_batched_admission_waits_for_free_slots_and_changes_no_token(model):
         assert stats.prefill_tokens + stats.shared_tokens == 2 * 20
 
     scheduler = Scheduler(reqs[:7], slots=4, prefix_sharing=False, max_prefill_tokens=64, sampling=sp,
-                          decode=None, admit_batch=2)
+                          admit_batch=2)
     assert [s.index for s in scheduler.admit()] == [0, 1, 2, 3]  # nothing runs: every free slot is taken
     scheduler.free.append(scheduler.running.pop(0).slot)
     assert scheduler.admit() == []  # one slot free, three waiting: wait for a second
@@ -363,7 +374,7 @@ def test_prefill_forwards_group_pieces_of_similar_width():
     where packing in request order would pad a 5-token prompt to 100 in every forward."""
     sp = SamplingParams(temperature=1.0)
     reqs = [Request(list(range(3, 3 + n)), seed=i, max_new_tokens=2) for i, n in enumerate((100, 5, 100, 5))]
-    scheduler = Scheduler(reqs, slots=4, prefix_sharing=False, max_prefill_tokens=200, sampling=sp, decode=None)
+    scheduler = Scheduler(reqs, slots=4, prefix_sharing=False, max_prefill_tokens=200, sampling=sp)
     (wave,) = scheduler.plan_prefill(scheduler.admit())
     assert [[(p.seq.index, p.count) for p in pieces] for pieces in wave.forwards] == [[(0, 100), (2, 100)],
                                                                                       [(1, 5), (3, 5)]]

@@ -48,6 +48,7 @@ from caspo.rollout.native.runner import (
 from caspo.rollout.native.scheduler import Scheduler, SequenceState
 from caspo.rollout.native.spec import LoopedSpec, decoder_spec
 from caspo.rollout.publication import Publication, PublishedWeights
+from caspo.rollout.stop_strings import StopStrings
 
 
 @dataclass
@@ -181,6 +182,7 @@ class NativeEngine(PublishedWeights):
                 raise ValueError(f"graph_batch_sizes end at {self.graph_batch_sizes[-1]}, below "
                                  f"max_running={self.max_running}: larger decode batches would have no graph")
         self.decode = decode
+        self._stop_checks: dict[tuple[str, ...], StopStrings] = {}
         self.version = 0
         self.stats = EngineStats()
         self._publication: Publication | None = None
@@ -246,11 +248,20 @@ class NativeEngine(PublishedWeights):
                 raise ValueError(f"request {i}: prompt {len(r.prompt_ids)} + max_new_tokens {r.max_new_tokens} "
                                  f"exceeds max_seq_len={self.max_seq_len}")
 
+    def _stop_strings(self, strings: list[str]) -> StopStrings | None:
+        """The check of these stop strings, kept across calls: each token's text is decoded once an engine."""
+        if not strings:
+            return None
+        if tuple(strings) not in self._stop_checks:
+            self._stop_checks[tuple(strings)] = StopStrings(strings, self.decode)
+        return self._stop_checks[tuple(strings)]
+
     def _generate(self, requests: list[Request], sp: SamplingParams, top_logprobs: int,
                   on_finish: OnFinish | None) -> list[NativeCompletion]:
         results: list[NativeCompletion | None] = [None] * len(requests)
         scheduler = Scheduler(requests, slots=self.max_running, prefix_sharing=self.prefix_sharing,
-                              max_prefill_tokens=self.max_prefill_tokens, sampling=sp, decode=self.decode,
+                              max_prefill_tokens=self.max_prefill_tokens, sampling=sp,
+                              stop_strings=self._stop_strings(sp.stop_strings),
                               admit_batch=self.admit_batch, recompute_budget=self.recompute_budget)
         upcoming = None  # the next tokens of scheduler.running, sampled by the last decode step
         started = time.perf_counter()

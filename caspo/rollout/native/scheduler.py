@@ -23,7 +23,6 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.native.prefix import PrefixIndex, SharedPrefix
@@ -79,7 +78,7 @@ class PrefillWave:
 
 class Scheduler:
     def __init__(self, requests: list[Request], *, slots: int, prefix_sharing: bool, max_prefill_tokens: int,
-                 sampling: SamplingParams, decode: Callable[[list[int]], str] | None, admit_batch: int = 1,
+                 sampling: SamplingParams, stop_strings: StopStrings | None = None, admit_batch: int = 1,
                  recompute_budget: int = 0):
         self.waiting = deque(enumerate(requests))
         self.admit_batch = admit_batch
@@ -89,7 +88,9 @@ class Scheduler:
         self.prefixes = PrefixIndex() if prefix_sharing else None
         self.max_prefill_tokens = max_prefill_tokens
         self.stop_ids = set(sampling.stop_token_ids)
-        self.stop_strings = StopStrings(sampling.stop_strings, decode) if sampling.stop_strings else None
+        if bool(sampling.stop_strings) != (stop_strings is not None):
+            raise ValueError("pass the StopStrings of sampling.stop_strings, and only those")
+        self.stop_strings = stop_strings
         self.running: list[SequenceState] = []  # in the order of the rows of the next logits
 
     @property
