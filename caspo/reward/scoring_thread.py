@@ -38,15 +38,13 @@ class ScoringThread:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._queue.put(self._DONE)
-        self._thread.join()
+        self._stop()
 
     def put(self, i: int, text: str, label: str, finished: bool) -> None:
         self._queue.put((i, text, label, finished))
 
     def rewards(self) -> list[float]:
-        self._queue.put(self._DONE)
-        self._thread.join()
+        self._stop()
         if self._error is not None:
             raise self._error
         missing = [i for i, r in enumerate(self._scores) if r is None]
@@ -54,6 +52,12 @@ class ScoringThread:
             raise RuntimeError(f"{len(missing)} of {self.count} responses were never handed to the scorer "
                                f"(first: {missing[0]}); the engine did not report them finished")
         return self._scores
+
+    def _stop(self) -> None:
+        """Score what is queued, then end the thread (once: `rewards()` and leaving the block both call it)."""
+        if self._thread.is_alive():
+            self._queue.put(self._DONE)
+            self._thread.join()
 
     def _run(self) -> None:
         done = False
