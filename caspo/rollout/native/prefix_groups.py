@@ -18,8 +18,8 @@ import torch
 
 QUERY_VECTORS = 64  # query vectors one prefix program scores: up to QUERY_VECTORS // G rows of a group
 # K/V bytes a layer's grouped step must read less than the split kernel alone for its two extra kernels to
-# pay: on an H200 at the Qwen2.5-1.5B shape they cost ~11-17 µs a layer, what 64 MiB take at 4.8 TB/s; over 80
-# step shapes this rule picked the faster path but where the two were within 3 µs (benchmarks/RESULTS.md).
+# pay: on an H200 at the Qwen2.5-1.5B shape they cost ~11-17 µs a layer, what 64 MiB take at 4.8 TB/s. Over 80
+# step shapes it picked the faster path in 76, and lost at most 1.9 µs in the others (benchmarks/RESULTS.md).
 MIN_BYTES_SAVED = 64 << 20
 
 
