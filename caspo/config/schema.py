@@ -90,7 +90,7 @@ class RolloutConfig:
     capacity_tokens: int = 0
     cuda_graphs: bool = False
     # native engine on CUDA: sequences holding one prompt's K/V (a Monte Carlo prefix's K continuations, a
-    # prompt's samples) read it once per decode step instead of once each
+    # prompt's samples) read it once per decode step instead of once each, in the steps where that pays
     shared_prefix_attention: bool = False
     prompts_per_step: int = 32
     samples_per_prompt: int = 4
