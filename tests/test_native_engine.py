@@ -195,12 +195,12 @@ def test_decode_rows_in_any_slot_order_give_the_same_hidden_states(model, kernel
     assert torch.allclose(shuffled, in_order[order], atol=1e-6)
 
 
-@pytest.mark.parametrize("min_keys_saved, grouped", [(0, "every step"), (50, "some steps"), (None, "no step")])
-def test_shared_prefix_attention_gives_the_same_completions(monkeypatch, min_keys_saved, grouped):
+def test_shared_prefix_attention_gives_the_same_completions(monkeypatch):
     """K continuations of each of two prefixes and G samples of a prompt, with each group's prompt K/V read once
     (the kernels interpreted on the CPU) in the steps where that saves enough reads: the tokens of every row
     reading its own copy. The first step saves 2 × 12 + 2 × 40 + 3 × 3 = 113 keys a layer, the last (the
-    samples' fifth token alone) 9; at the default threshold this tiny model's steps are never grouped."""
+    samples' fifth token alone) 9: a threshold of 0 keys groups every step, one of 50 some, and the default
+    (64 MiB a layer) none of this tiny model's."""
     from caspo.rollout.native import prefix_groups
     from caspo.rollout.native import runner as runner_module
 
@@ -218,22 +218,25 @@ def test_shared_prefix_attention_gives_the_same_completions(monkeypatch, min_key
     shared = runner_module.shared_prefix_decode_attention
     monkeypatch.setattr(runner_module, "shared_prefix_decode_attention", spy)
     kernels = dict(decode_kernel=True, rope_kernel=True, max_seq_len=56, capacity_tokens=56 * 16)
-    grouping = engine(model, shared_prefix_attention=True, **kernels)
-    if min_keys_saved is not None:
-        monkeypatch.setattr(prefix_groups, "MIN_BYTES_SAVED", min_keys_saved * grouping.model_runner.bytes_per_key)
-    on = grouping.generate(reqs, sp)
     off = engine(model, **kernels).generate(reqs, sp)
-    steps, grouped_steps = grouping.stats.decode_steps, grouping.stats.grouped_steps
-    assert len(grouped_rows) == grouped_steps * model.config.num_hidden_layers  # the spy sees each layer
-    if grouped == "every step":  # every row of the first step is in a group: 2 × 3 continuations, 4 samples
-        assert max(grouped_rows) == 10 and grouped_steps == steps == 4
-    elif grouped == "some steps":
-        assert max(grouped_rows) == 10 and 0 < grouped_steps < steps
-    else:
-        assert grouped_steps == 0
-    for a, b in zip(on, off):
-        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    default = prefix_groups.MIN_BYTES_SAVED
+    for min_keys_saved, grouped in ((0, "every step"), (50, "some steps"), (None, "no step")):
+        grouping = engine(model, shared_prefix_attention=True, **kernels)
+        threshold = default if min_keys_saved is None else min_keys_saved * grouping.model_runner.bytes_per_key
+        monkeypatch.setattr(prefix_groups, "MIN_BYTES_SAVED", threshold)
+        grouped_rows.clear()
+        on = grouping.generate(reqs, sp)
+        steps, grouped_steps = grouping.stats.decode_steps, grouping.stats.grouped_steps
+        assert len(grouped_rows) == grouped_steps * model.config.num_hidden_layers  # the spy sees each layer
+        if grouped == "every step":  # every row of the first step is in a group: 2 × 3 continuations, 4 samples
+            assert max(grouped_rows) == 10 and grouped_steps == steps == 4
+        elif grouped == "some steps":
+            assert max(grouped_rows) == 10 and 0 < grouped_steps < steps
+        else:
+            assert grouped_steps == 0
+        for a, b in zip(on, off):
+            assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     with pytest.raises(ValueError, match="needs decode_kernel and prefix_sharing"):
         engine(model, shared_prefix_attention=True, decode_kernel=False)
 
