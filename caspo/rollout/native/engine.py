@@ -252,9 +252,10 @@ class NativeEngine(PublishedWeights):
         """The check of these stop strings, kept across calls: each token's text is decoded once an engine."""
         if not strings:
             return None
-        if tuple(strings) not in self._stop_checks:
-            self._stop_checks[tuple(strings)] = StopStrings(strings, self.decode)
-        return self._stop_checks[tuple(strings)]
+        key = tuple(strings)
+        if key not in self._stop_checks:
+            self._stop_checks[key] = StopStrings(strings, self.decode)
+        return self._stop_checks[key]
 
     def _generate(self, requests: list[Request], sp: SamplingParams, top_logprobs: int,
                   on_finish: OnFinish | None) -> list[NativeCompletion]:
