@@ -2,10 +2,13 @@
 
 A random-init Qwen2.5-1.5B-shaped policy (fp32 masters, bf16 autocast) and a synthetic batch shaped like a
 rollout: --rows responses of --response-len tokens after prompts of random length (mean --prompt-len).
-Three timings of one minibatch (all rows), each after a warm-up, on the same rows and micro-batches:
+Four timings of one minibatch (all rows), each after a warm-up, on the same rows and micro-batches:
 
     update        caspo's policy update (train/update.py): GRPO's clipped loss with KL to a reference, the
                   head-chunked log-probs and entropy, gradient accumulation, clipping and the AdamW step
+    update, logits recomputed
+                  the same with the loss's gradient taken in the head's backward, which computes each chunk's
+                  logits again, instead of in its forward (`caspo.train.update.GRADIENT_IN_FORWARD`)
     plain         transformers' forward with full logits, cross-entropy on the response tokens, backward
                   and the same AdamW step, on the same padded micro-batches
     plain packed  the same, on rows without padding (every prompt --prompt-len long): the padding's cost
@@ -35,6 +38,7 @@ from caspo.methods import resolve_method
 from caspo.models.policy import compile_blocks, enable_recompute
 from caspo.precision import LossScaler, autocast
 from caspo.rollout.base import Completion
+from caspo.train import update as update_module
 from caspo.train.method_state import MethodState
 from caspo.train.optim import allocate_state, learner
 from caspo.train.update import update
@@ -111,12 +115,17 @@ def main() -> None:
     tokens = int(batch.attention_mask.sum())
     generator, scaler = torch.Generator().manual_seed(0), LossScaler(precision, cfg.train.loss_scale)
 
-    def run_update():
-        update(actor, batch, cfg, method, MethodState(), generator, scaler)
+    def run_update(gradient_in_forward: bool = True):
+        saved, update_module.GRADIENT_IN_FORWARD = update_module.GRADIENT_IN_FORWARD, gradient_in_forward
+        try:
+            update(actor, batch, cfg, method, MethodState(), generator, scaler)
+        finally:
+            update_module.GRADIENT_IN_FORWARD = saved
 
     packed = synthetic_batch(args, device, packed=True)
     rows = []
     for name, fn, counted in (("update", run_update, tokens),
+                              ("update, logits recomputed", lambda: run_update(False), tokens),
                               ("plain", lambda: plain_step(model, actor.optimizer, batch, args, precision), tokens),
                               ("plain packed", lambda: plain_step(model, actor.optimizer, packed, args, precision),
                                int(packed.attention_mask.sum()))):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from caspo.algo import head_categorical_kl, head_token_logprobs, token_entropy, token_logprobs
+from caspo.algo import head_categorical_kl, head_token_logprobs, head_token_loss, token_entropy, token_logprobs
 
 
 def inputs(dtype=torch.float32, B=3, T=5, H=6, V=17, seed=0):
@@ -87,6 +87,54 @@ def test_bf16_equals_the_bf16_head_then_the_chunked_log_softmax():
     for got, want in zip(grads, grads_before):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def clipped_surrogate(logp, advantages, old, mask):
+    """A PPO-clip loss, token-mean over the mask: each token's term reads its own log-prob only."""
+    ratio = torch.exp(torch.clamp(logp - old, -20, 20))
+    per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
+    return torch.where(mask, per_token, 0.0).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+@pytest.mark.parametrize("dtype,backend", [(torch.float32, None), (torch.float64, None), (torch.bfloat16, None),
+                                           (torch.float32, "aot_eager")])
+def test_a_token_separable_loss_has_the_same_gradient_taken_in_the_forward(chunk_size, dtype, backend):
+    hidden, weight, tokens = inputs(dtype, B=3, T=7, V=37)
+    gen = torch.Generator().manual_seed(2)
+    advantages, old = torch.randn(tokens.shape, generator=gen), torch.randn(tokens.shape, generator=gen) - 3.5
+    mask = torch.rand(tokens.shape, generator=gen) > 0.25
+    runs = []
+    for in_forward in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if in_forward:
+            loss, logp, entropy = head_token_loss(h, w, tokens, lambda x: clipped_surrogate(x, advantages, old, mask),
+                                                  0.6, chunk_size, with_entropy=True, compile_backend=backend)
+            assert not logp.requires_grad and not entropy.requires_grad
+        else:
+            logp, entropy = head_token_logprobs(h, w, tokens, 0.6, chunk_size, with_entropy=True,
+                                                compile_backend=backend)
+            loss = clipped_surrogate(logp, advantages, old, mask)
+        # an incoming gradient of 2 (a power of two: scaling the products before or after them rounds alike)
+        runs.append((loss.detach(), logp.detach(), entropy, *torch.autograd.grad(2.0 * loss, (h, w))))
+    assert runs[0][3].abs().max() > 0
+    for got, want in zip(runs[1], runs[0]):  # the same operations on the same numbers: equal bit for bit
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_a_loss_that_reads_other_tokens_needs_the_backward():
+    # a sequence-level ratio: a token's gradient reads its row's other log-probs, which the forward does not
+    # know yet when it takes the token's chunk (they stand at 0 there), so the two ways differ
+    hidden, weight, tokens = inputs()
+
+    def sequence_level(logp):
+        return logp.mean(-1).exp().sum()
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = torch.autograd.grad(sequence_level(head_token_logprobs(h, w, tokens, 1.0, 2)[0]), h)[0]
+    loss, _, _ = head_token_loss(h, w, tokens, sequence_level, 1.0, 2)
+    torch.testing.assert_close(loss, sequence_level(head_token_logprobs(h, w, tokens, 1.0, 2)[0]).detach())
+    assert not torch.allclose(torch.autograd.grad(loss, h)[0], expected, atol=1e-3)
 
 
 def test_keeps_no_logits_sized_tensor_for_backward():

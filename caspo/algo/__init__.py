@@ -1,7 +1,7 @@
 """Advantages, KL estimators, losses and masked statistics as pure tensor functions."""
 
 from caspo.algo.advantages import TERMINAL_SCOPES, gae, group_advantages, step_td, terminal_advantages
-from caspo.algo.head_logprobs import head_categorical_kl, head_token_logprobs
+from caspo.algo.head_logprobs import head_categorical_kl, head_token_logprobs, head_token_loss
 from caspo.algo.kl import KL_KINDS, kl
 from caspo.algo.logprobs import token_entropy, token_logprobs
 from caspo.algo.losses import (
@@ -35,6 +35,7 @@ __all__ = [
     "group_advantages",
     "head_categorical_kl",
     "head_token_logprobs",
+    "head_token_loss",
     "kl",
     "masked_fill_zero",
     "masked_mean",

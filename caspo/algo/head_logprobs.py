@@ -4,7 +4,10 @@ At the 1.5B shape one micro-batch of 8 × 2,048 response tokens has 2.5 GB of bf
 logits over Qwen's 151,936-token vocabulary, and autograd would keep them (and an
 fp32 copy for the log-softmax) until the backward. Here the head's matmul runs
 ``chunk_size`` rows at a time: the forward keeps one log-normaliser per row, and
-the backward recomputes each chunk's logits from the saved hidden states.
+the backward recomputes each chunk's logits from the saved hidden states. When the
+loss is known in the forward and each token's term reads only its own log-prob
+(`head_token_loss`), each chunk's gradients are taken from the logits at hand
+instead, and nothing is recomputed.
 
 The matmul runs in the dtype of its inputs (the caller casts them to the autocast
 dtype, as `nn.Linear` would be under autocast); the softmax math is fp32 (fp64 for
@@ -14,6 +17,7 @@ fp64 inputs), so values equal `token_logprobs(hidden @ weight.T, ...)` to roundi
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -80,6 +84,66 @@ class _HeadSelectiveLogSoftmax(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class _HeadTokenLoss(torch.autograd.Function):
+    """L = Σ_i ℓ_i(logp_i), a loss in which each token's term reads only its own log-prob, with its gradient
+    taken in the forward, chunk by chunk, from the logits the log-probs came from.
+
+    g_i = ∂L/∂logp_i is known once token i's chunk has its log-probs, so that chunk's z serves the products
+    `_HeadSelectiveLogSoftmax.backward` would recompute it for:
+
+        ∂L/∂z_i = g_i · (onehot(a_i) − p_i),   ∂L/∂h_i = (∂L/∂z_i) W / τ,   ∂L/∂W = Σ_i (∂L/∂z_i)ᵀ h_i / τ
+
+    The backward scales them by the incoming gradient: one [n, H] × [H, V] product a token fewer.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, token_loss, temperature, chunk_size, with_entropy, compile_backend):
+        stats, grad_logits = _chunk_functions(compile_backend)
+        dtype = _softmax_dtype(hidden.dtype)
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=dtype, device=hidden.device)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=dtype) if ctx.needs_input_grad[1] else None
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = hidden[rows] @ weight.T
+            logp[rows], lse, chunk_entropy = stats(logits, tokens[rows], temperature, with_entropy)
+            if with_entropy:
+                entropy[rows] = chunk_entropy
+            if grad_hidden is None and grad_weight is None:
+                continue
+            grad_z = grad_logits(logits, lse, tokens[rows], _rows_gradient(token_loss, logp, rows), temperature)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_z @ weight
+            if grad_weight is not None:
+                grad_weight += (grad_z.T @ hidden[rows]).to(dtype)
+        # kept on ctx, not saved: the backward scales them in place
+        ctx.grad_hidden, ctx.grad_weight = grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
+        ctx.mark_non_differentiable(logp, entropy)
+        return token_loss(logp).detach(), logp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        grad_hidden, grad_weight = ctx.grad_hidden, ctx.grad_weight
+        ctx.grad_hidden = ctx.grad_weight = None
+        # this call's own buffers, scaled in place: no second copy of the weight's gradient
+        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(grad_loss)
+        grad_weight = None if grad_weight is None else grad_weight.mul_(grad_loss)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _rows_gradient(token_loss, logp: torch.Tensor, rows: slice) -> torch.Tensor:
+    """∂L/∂logp at `rows` for a token-separable L = token_loss(logp) whose other rows are not known yet: they
+    are set to 0, which such a loss's gradient at `rows` does not read."""
+    with torch.enable_grad():
+        live = torch.zeros_like(logp)
+        live[rows] = logp[rows]
+        live.requires_grad_()
+        return torch.autograd.grad(token_loss(live), live)[0][rows]
 
 
 def _chunk_stats(logits, tokens, temperature: float, with_entropy: bool):
@@ -161,6 +225,35 @@ def head_token_logprobs(
     logp, entropy = _HeadSelectiveLogSoftmax.apply(flat, weight, tokens.reshape(-1).long(), float(temperature),
                                                    int(chunk_size), bool(with_entropy), compile_backend)
     return logp.view(tokens.shape), entropy.view(tokens.shape) if with_entropy else None
+
+
+def head_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    token_loss: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    compile_backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(L, logp, entropy or None) for L = token_loss(logp), logp = `head_token_logprobs(...)`: L's value, and
+    its gradient with respect to ``hidden`` and ``weight`` taken in the forward (`_HeadTokenLoss`).
+
+    ``token_loss`` maps log-probs shaped like ``tokens`` to a scalar, and must be token-separable: its
+    gradient at a token reads that token's log-prob only (a sum of per-token terms with weights fixed
+    beforehand, as every PPO-family loss and KL estimator here is). It is called once per chunk with the
+    log-probs known so far, and once more on all of them. logp and entropy carry no gradient. With
+    a separable loss the gradients equal those of ``token_loss(head_token_logprobs(...)[0])``.
+    """
+    _check(hidden, weight, temperature, chunk_size)
+    if hidden.shape[:-1] != tokens.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and tokens {tuple(tokens.shape)} disagree on the leading dims")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    loss, logp, entropy = _HeadTokenLoss.apply(flat, weight, tokens.reshape(-1).long(),
+                                               lambda x: token_loss(x.view(tokens.shape)), float(temperature),
+                                               int(chunk_size), bool(with_entropy), compile_backend)
+    return loss, logp.view(tokens.shape), entropy.view(tokens.shape) if with_entropy else None
 
 
 @torch.no_grad()

@@ -7,9 +7,11 @@ neither a long prompt nor a 150k vocabulary costs a ``[tokens × vocab]`` tensor
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from caspo.algo import head_categorical_kl, head_token_logprobs
+from caspo.algo import head_categorical_kl, head_token_logprobs, head_token_loss
 from caspo.batch import RolloutBatch
 
 LOGIT_CHUNK_TOKENS = 1024  # rows of logits alive at once: 1024 × 151,936 × 4 B = 622 MB in fp32
@@ -62,6 +64,16 @@ def hidden_logprobs(model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.
     hidden, weight = as_compute(hidden, head_weight(model))
     return head_token_logprobs(hidden, weight, tokens, temperature, LOGIT_CHUNK_TOKENS, with_entropy,
                                compile_backend=head_compile_backend(model))
+
+
+def hidden_token_loss(model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
+                      token_loss: Callable[[torch.Tensor], torch.Tensor], temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(token_loss(logp), logp, entropy or None) through `model`'s head, chunked, the loss's gradient taken in the
+    forward (`caspo.algo.head_token_loss`: token_loss must be token-separable)."""
+    hidden, weight = as_compute(hidden, head_weight(model))
+    return head_token_loss(hidden, weight, tokens, token_loss, temperature, LOGIT_CHUNK_TOKENS, with_entropy,
+                           compile_backend=head_compile_backend(model))
 
 
 def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:

@@ -33,10 +33,18 @@ class LossInputs:
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """A loss and what it reads: the sampled tokens' log-probs, or the whole vocabulary's."""
+    """A loss and what it reads: the sampled tokens' log-probs, or the whole vocabulary's.
+
+    token_separable: the loss's gradient at a token reads that token's log-prob alone (per-token terms,
+    summed with weights fixed beforehand), so the update may take it chunk by chunk in the head's forward
+    (`caspo.algo.head_token_loss`) instead of recomputing the logits in the backward. Each loss here is;
+    a new one (a sequence-level ratio, say) leaves it False, and tests/test_head_gradient_in_forward.py
+    checks every registered method's loss both ways.
+    """
 
     fn: Callable[[LossInputs, MethodConfig], tuple[torch.Tensor, dict]]
     full_vocab: bool = False
+    token_separable: bool = False
 
 
 def _clip(m: MethodConfig) -> dict:
@@ -71,8 +79,8 @@ def divergence_gate(x: LossInputs, m: MethodConfig):
                                      threshold=m.gate_threshold, agg=m.loss_agg, denom=x.denom)
 
 
-PPO_CLIP = PolicyLoss(ppo_clip)
-DECOUPLED = PolicyLoss(decoupled)
-DPPO_TV = PolicyLoss(dppo_binary("tv"))
-DPPO_KL = PolicyLoss(dppo_binary("kl"))
-DIVERGENCE_GATE = PolicyLoss(divergence_gate, full_vocab=True)
+PPO_CLIP = PolicyLoss(ppo_clip, token_separable=True)
+DECOUPLED = PolicyLoss(decoupled, token_separable=True)
+DPPO_TV = PolicyLoss(dppo_binary("tv"), token_separable=True)
+DPPO_KL = PolicyLoss(dppo_binary("kl"), token_separable=True)
+DIVERGENCE_GATE = PolicyLoss(divergence_gate, full_vocab=True, token_separable=True)

@@ -11,6 +11,7 @@ contiguous block of the minibatch's rows; every rank holds the whole batch, so
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ import torch
 from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config
-from caspo.models.forward import hidden_kl, hidden_logprobs, response_hidden
+from caspo.models.forward import hidden_kl, hidden_logprobs, hidden_token_loss, response_hidden
 from caspo.precision import LossScaler, autocast
 from caspo.train import distributed, fsdp
 from caspo.train.method_state import LearnerLoss, MethodState
@@ -39,29 +40,57 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
 
     With `batch.old_is_current` (the proximal policy is the one being trained, see
     `old_is_current`), this forward's detached log-probs are the old ones, and are
-    written into `batch.old_logprobs` for the caller.
+    written into `batch.old_logprobs` for the caller. A token-separable loss has its
+    gradient taken in the head's forward (`head_gradient_in_forward`).
     """
     m, T = cfg.method, cfg.rollout.temperature
     hidden = response_hidden(model, batch)
-    logp, entropy = hidden_logprobs(model, hidden, batch.responses, T, with_entropy=True)
-    if batch.old_is_current:
-        batch.old_logprobs = logp.detach()
-    batch.update_ratios = (logp.detach() - batch.old_logprobs).exp() * batch.response_mask
-    inputs = LossInputs(logp=logp, batch=batch, denom=denom)
+    inputs = LossInputs(logp=None, batch=batch, denom=denom)
     if method.loss.full_vocab:
         old = state.frozen_old_policy()
         with torch.no_grad():
             old_hidden = response_hidden(old, batch)
             inputs.frozen_old_logp = hidden_logprobs(old, old_hidden, batch.responses, T)[0]
             inputs.divergence = hidden_kl(old, old_hidden, model, hidden.detach(), T)
-    loss, metrics = method.loss.fn(inputs, m)
-    metrics = dict(metrics, pg_loss=loss.detach(), entropy=algo.masked_mean(entropy, batch.response_mask))
-    if m.kl_coef > 0:
+
+    def terms(logp):
+        """(the method's loss, the KL term or None, the loss's metrics) at these log-probs."""
+        if batch.old_is_current:
+            batch.old_logprobs = logp.detach()
+        loss, metrics = method.loss.fn(dataclasses.replace(inputs, logp=logp), m)
+        if not m.kl_coef > 0:
+            return loss, None, metrics
         kl = algo.kl(logp, batch.ref_logprobs, m.kl_estimator)
-        kl_loss = algo.aggregate(kl, batch.response_mask, m.loss_agg, norm_len=norm_len, denom=denom)
-        loss = loss + m.kl_coef * kl_loss
+        return loss, algo.aggregate(kl, batch.response_mask, m.loss_agg, norm_len=norm_len, denom=denom), metrics
+
+    def total(logp):
+        loss, kl_loss, _ = terms(logp)
+        return loss if kl_loss is None else loss + m.kl_coef * kl_loss
+
+    if head_gradient_in_forward(method, cfg):
+        loss, logp, entropy = hidden_token_loss(model, hidden, batch.responses, total, T, with_entropy=True)
+        with torch.no_grad():
+            pg_loss, kl_loss, metrics = terms(logp)
+    else:
+        logp, entropy = hidden_logprobs(model, hidden, batch.responses, T, with_entropy=True)
+        pg_loss, kl_loss, metrics = terms(logp)
+        loss = pg_loss if kl_loss is None else pg_loss + m.kl_coef * kl_loss
+    batch.update_ratios = (logp.detach() - batch.old_logprobs).exp() * batch.response_mask
+    metrics = dict(metrics, pg_loss=pg_loss.detach(), entropy=algo.masked_mean(entropy, batch.response_mask))
+    if kl_loss is not None:
         metrics["kl"] = kl_loss.detach()
     return loss, metrics
+
+
+# Off: the head recomputes each chunk's logits in the backward, for any loss (benchmarks time both).
+GRADIENT_IN_FORWARD = True
+
+
+def head_gradient_in_forward(method: "Method", cfg: Config) -> bool:
+    """Whether the update takes the policy loss's gradient in the head's forward (`caspo.algo.head_token_loss`):
+    for a token-separable loss, except under fp16, whose loss scale must reach the head's half-precision
+    gradients, which that forward would compute unscaled."""
+    return GRADIENT_IN_FORWARD and method.loss.token_separable and cfg.train.precision != "fp16"
 
 
 def actor_loss(method: "Method", state: MethodState, norm_len: int) -> LearnerLoss:

@@ -1,0 +1,109 @@
+"""The policy loss's gradient taken in the head's forward equals the one the head's backward gives."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from caspo.algo import AGG_MODES
+from caspo.config import load_config
+from caspo.methods import METHODS, get_method
+from caspo.precision import LossScaler
+from caspo.train import loop, update
+from caspo.train.policy_losses import PolicyLoss
+from caspo.train.update import accumulate_gradients, actor_loss, head_gradient_in_forward
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory):
+    cfg = load_config("tests", ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                                f"train.output_dir={tmp_path_factory.mktemp('run')}"])
+    tr = loop.build_trainer(cfg)
+    with tr.pool:
+        batch = loop.generate(tr, tr.cursor.take(4))
+    generator = torch.Generator().manual_seed(0)
+    scored = loop.score(tr.policy, batch, cfg)
+    # old and reference log-probs off the current ones, advantages of both signs: ratios away from 1, some clipped
+    batch.old_logprobs = scored + 0.3 * torch.randn(scored.shape, generator=generator)
+    batch.ref_logprobs = scored - 0.05
+    batch.advantages = torch.randn(scored.shape, generator=generator) * batch.response_mask
+    # a frozen old policy that differs from the policy, so the divergence gate blocks some tokens
+    old = copy.deepcopy(tr.policy)
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    state = type("FrozenOld", (), {"frozen_old_policy": lambda self: old})()
+    return tr, batch, state
+
+
+def gradients(tr, batch, state, method, overrides: list[str], in_forward: bool):
+    cfg = load_config("tests", ["train.minibatch_size=8", "train.micro_batch_size=4", "method.kl_coef=0.1",
+                                *overrides])
+    saved = update.GRADIENT_IN_FORWARD
+    update.GRADIENT_IN_FORWARD = in_forward
+    try:
+        assert head_gradient_in_forward(method, cfg) is in_forward
+        tr.policy.zero_grad(set_to_none=True)
+        batch.update_ratios = torch.zeros_like(batch.response_mask)
+        written = ("old_logprobs", "update_ratios") if batch.old_is_current else ("update_ratios",)  # as `update`
+        metrics = accumulate_gradients(tr.policy, batch, torch.arange(8), cfg, LossScaler("fp32"),
+                                       batch.responses.shape[1], actor_loss(method, state, batch.responses.shape[1]),
+                                       written)
+    finally:
+        update.GRADIENT_IN_FORWARD = saved
+    return [p.grad.clone() for p in tr.policy.parameters()], metrics
+
+
+LOSS_ROWS = {method.loss: name for name, method in reversed(METHODS.items())}  # each loss row, by a method using it
+
+
+@pytest.mark.parametrize("name", sorted(set(LOSS_ROWS.values())))
+def test_each_loss_row_has_the_same_gradient_both_ways(rollout, name):
+    tr, batch, state = rollout
+    method = get_method(name)
+    assert method.loss.token_separable, f"{name}'s loss is not marked token-separable; this test covers those"
+    overrides = ["method.gate_threshold=0.001"] if method.loss.full_vocab else []
+    recomputed, metrics_backward = gradients(tr, batch, state, method, overrides, in_forward=False)
+    taken, metrics_forward = gradients(tr, batch, state, method, overrides, in_forward=True)
+    assert max(g.abs().max() for g in recomputed) > 0
+    for a, b in zip(taken, recomputed):
+        assert torch.equal(a, b), name
+    for a, b in zip(metrics_forward, metrics_backward):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), (name, key)
+    if method.loss.full_vocab:  # the gate blocked some tokens, and not all
+        assert all(0 < float(m["blocked_frac"]) < 1 for m in metrics_forward)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_every_aggregation_and_the_skipped_old_pass(rollout, mode):
+    """Each loss aggregation, and π_old taken from the update's own forward (written back into the batch)."""
+    tr, batch, state = rollout
+    saved = batch.old_logprobs, batch.old_is_current
+    results = {}
+    try:
+        for in_forward in (False, True):
+            batch.old_is_current = True
+            batch.old_logprobs = torch.full_like(saved[0], float("nan"))  # what the forwards write replaces
+            results[in_forward] = (gradients(tr, batch, state, get_method("grpo"), [f"method.loss_agg={mode}"],
+                                             in_forward)[0], batch.old_logprobs.clone(), batch.update_ratios.clone())
+    finally:
+        batch.old_logprobs, batch.old_is_current = saved
+    (taken, old_taken, ratios_taken), (recomputed, old_recomputed, ratios_recomputed) = results[True], results[False]
+    assert all(torch.equal(a, b) for a, b in zip(taken, recomputed)), mode
+    mask = batch.response_mask.bool()
+    assert torch.equal(old_taken[mask], old_recomputed[mask]) and not old_taken[mask].isnan().any()  # all written
+    assert torch.equal(ratios_taken, ratios_recomputed)
+
+
+def test_the_backward_recomputes_for_a_loss_not_token_separable_and_under_fp16():
+    sequence_level = PolicyLoss(lambda x, m: (x.logp.sum(-1).exp().mean(), {}))  # reads every token of a row
+    grpo = get_method("grpo")
+    cfg = load_config("tests")
+    assert head_gradient_in_forward(grpo, cfg)
+    assert not head_gradient_in_forward(dataclasses.replace(grpo, loss=sequence_level), cfg)
+    assert not head_gradient_in_forward(grpo, load_config("tests", ["train.precision=fp16"]))
