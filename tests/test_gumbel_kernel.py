@@ -92,6 +92,61 @@ def test_a_near_tie_is_ranked_in_float64():
     assert fused_gumbel_pick(logits.to(device), 1.0, None, row_hash, margin=0.0)[0].item() == i
 
 
+try:  # CPU builds of torch come without triton: the test below then skips
+    import triton
+    import triton.language as tl
+
+    from caspo.rollout.gumbel_kernel import _online_logsumexp
+
+    @triton.jit
+    def _fold_both_ways(X, Out, n, LANES: tl.constexpr):
+        """The running (max, sum) of each lane's entries by `_online_logsumexp`, and by exponentiating both
+        differences from the new max (what it replaced)."""
+        lanes = tl.arange(0, LANES)
+        top = tl.full([LANES], float("-inf"), tl.float32)
+        total = tl.zeros([LANES], tl.float32)
+        two_top = tl.full([LANES], float("-inf"), tl.float32)
+        two_total = tl.zeros([LANES], tl.float32)
+        for i in range(0, n):
+            s = tl.load(X + i * LANES + lanes)
+            top, total = _online_logsumexp(top, total, s)
+            new_top = tl.maximum(two_top, s)
+            anchor = tl.where(new_top == float("-inf"), 0.0, new_top)
+            two_total = two_total * tl.exp(two_top - anchor) + tl.exp(s - anchor)
+            two_top = new_top
+        tl.store(Out + lanes, top)
+        tl.store(Out + LANES + lanes, total)
+        tl.store(Out + 2 * LANES + lanes, two_top)
+        tl.store(Out + 3 * LANES + lanes, two_total)
+except ImportError:
+    _fold_both_ways = None
+
+
+def test_the_online_logsumexp_takes_one_exponential_for_two():
+    """The pick's running (max, sum) with e = exp(-|s - top|) an entry equals the fold that exponentiates both
+    differences from the new max, through rising, falling, equal and -inf entries (bit for bit in the interpreter;
+    on a card to a rounding, as the compiler may fuse either multiply-add), and the float64 logsumexp."""
+    device = device_for_triton()
+
+    inf = float("inf")
+    lanes = [[-inf] * 6, [-inf, 3.0, 1.0, 5.0, 5.0, -inf], [4.0, 2.0, -1.0, -inf, -3.0, -7.5],
+             [0.5, 0.5, 0.5, 0.5, 0.5, 0.5], [-inf, -inf, 2.0, -inf, 9.0, 8.0]]
+    lanes += torch.randn(11, 6, generator=torch.Generator().manual_seed(0)).mul(4).tolist()
+    x = torch.tensor(lanes, dtype=torch.float32).T.contiguous()  # [steps, lanes]
+    out = torch.empty(4, 16, dtype=torch.float32, device=device)
+    _fold_both_ways[(1,)](x.to(device), out, x.shape[0], LANES=16)
+    top, total, two_top, two_total = out.cpu()
+    assert torch.equal(top, two_top)
+    if device == "cpu":
+        assert torch.equal(total, two_total)
+    else:
+        torch.testing.assert_close(total, two_total, atol=0, rtol=2e-7)
+    assert top[0] == -inf and total[0] == 0
+    finite = top > -inf
+    expected = torch.logsumexp(x.T.double(), -1)
+    torch.testing.assert_close((top + total.log())[finite].double(), expected[finite], atol=1e-6, rtol=1e-6)
+
+
 def check_noise32(counters: torch.Tensor, device: str) -> float:
     """The largest |float32 G - float64 G| over the counter values k [n]."""
     from caspo.rollout.gumbel_kernel import gumbel_noise32

@@ -84,10 +84,14 @@ def _gumbel32(h):
 
 @triton.jit
 def _online_logsumexp(top, total, s):
-    """Fold s into per-lane (max, sum of exp(s - max)); lanes that saw only -inf keep (-inf, 0)."""
-    new_top = tl.maximum(top, s)
-    anchor = tl.where(new_top == float("-inf"), 0.0, new_top)
-    return new_top, total * tl.exp(top - anchor) + tl.exp(s - anchor)
+    """Fold s into per-lane (max, sum of exp(s - max)) with one exponential an entry, e = exp(-|s - top|): the
+    rescaling of the sum when s is a new max (the term of s is then exp(0) = 1), s's own term otherwise (the
+    rescaling is then by exp(0) = 1): the sums of exponentiating both differences from the new max, with one
+    exponential fewer. Lanes that saw only -inf keep (-inf, 0)."""
+    rises = s > top
+    e = tl.exp(tl.where(rises, top - s, s - top))
+    e = tl.where(s == float("-inf"), 0.0, e)  # -inf - (-inf) is nan; a -inf entry adds nothing
+    return tl.maximum(top, s), tl.where(rises, total * e + 1.0, total + e)
 
 
 @triton.jit
