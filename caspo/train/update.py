@@ -63,9 +63,11 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
         kl = algo.kl(logp, batch.ref_logprobs, m.kl_estimator)
         return loss, algo.aggregate(kl, batch.response_mask, m.loss_agg, norm_len=norm_len, denom=denom), metrics
 
-    def total(logp):
-        loss, kl_loss, _ = terms(logp)
+    def combined(loss, kl_loss):
         return loss if kl_loss is None else loss + m.kl_coef * kl_loss
+
+    def total(logp):
+        return combined(*terms(logp)[:2])
 
     if head_gradient_in_forward(method, cfg):
         loss, logp, entropy = hidden_token_loss(model, hidden, batch.responses, total, T, with_entropy=True)
@@ -74,7 +76,7 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
     else:
         logp, entropy = hidden_logprobs(model, hidden, batch.responses, T, with_entropy=True)
         pg_loss, kl_loss, metrics = terms(logp)
-        loss = pg_loss if kl_loss is None else pg_loss + m.kl_coef * kl_loss
+        loss = combined(pg_loss, kl_loss)
     batch.update_ratios = (logp.detach() - batch.old_logprobs).exp() * batch.response_mask
     metrics = dict(metrics, pg_loss=pg_loss.detach(), entropy=algo.masked_mean(entropy, batch.response_mask))
     if kl_loss is not None:
