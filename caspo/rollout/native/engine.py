@@ -35,16 +35,10 @@ from transformers import AutoConfig
 from caspo.rollout.base import Completion, OnFinish, Request, SamplingParams, asleep_error
 from caspo.rollout.native.graphs import default_batch_sizes
 from caspo.rollout.native.kv_cache import CapacityReport, KVCache
+from caspo.rollout.native.loading import build_runner, fused_modules, read_checkpoint, weights_dtype
 from caspo.rollout.native.looped_runner import LoopedCausalLM
 from caspo.rollout.native.model_runner import ModelRunner
-from caspo.rollout.native.runner import (
-    CausalLM,
-    build_runner,
-    decode_attention,
-    fused_modules,
-    read_checkpoint,
-    weights_dtype,
-)
+from caspo.rollout.native.runner import CausalLM, decode_attention
 from caspo.rollout.native.scheduler import Scheduler, SequenceState
 from caspo.rollout.native.spec import LoopedSpec, decoder_spec
 from caspo.rollout.publication import Publication, PublishedWeights

@@ -56,7 +56,7 @@ class LoopedBackbone(nn.Module):
 
 
 class LoopedCausalLM(Runner):
-    """The looped decoder. Build it with `runner.build_runner(LoopedCausalLM, spec, ...)`."""
+    """The looped decoder. Build it with `loading.build_runner(LoopedCausalLM, spec, ...)`."""
 
     def __init__(self, spec: LoopedSpec, dtype: torch.dtype):
         super().__init__(spec, dtype)
