@@ -13,6 +13,8 @@ of --modes, and appends one JSON line to --out:
                  (shared_prefix_attention=True; CUDA)
     unshared     every prompt computed
 
+Modes combine with "+": `prefix-attention+admit-128` is shared-prefix attention with rounds of 128 admissions.
+
 --eos-rate plants an end-of-sequence token in the random model (benchmarks/_common.plant_rates), so that
 continuations end one or two a step, as a policy's do, rather than all at their budget.
 
@@ -75,9 +77,10 @@ def main() -> None:
     parser.add_argument("--modes", default="shared,admit-1,unshared", help=f"some of {', '.join(MODES)}")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in ("shared", "prefix-attention", "unshared")
+    if unknown := [m for mode in modes for m in mode.split("+") if m not in ("shared", "prefix-attention", "unshared")
                    and not re.fullmatch(r"admit-[1-9]\d*|recompute-\d+", m)]:
-        raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)} (N a positive integer)")
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)} (N a positive integer), "
+                         "joined with + to combine")
 
     model = build_model(args)
     if args.eos_rate:
@@ -95,12 +98,8 @@ def main() -> None:
     rows, results, outputs = [], {}, {}
     for mode in modes:
         engine = NativeEngine(model, max_seq_len=max_seq_len, max_running=args.max_running,
-                              prefix_sharing=mode != "unshared",
-                              admit_batch=int(mode.removeprefix("admit-")) if mode.startswith("admit-") else None,
-                              **({"recompute_budget": int(mode.removeprefix("recompute-"))}
-                                 if mode.startswith("recompute-") else {}),
-                              shared_prefix_attention=mode == "prefix-attention",
-                              cuda_graphs=args.cuda_graphs, **kv_sizing(args, max_seq_len, args.max_running))
+                              cuda_graphs=args.cuda_graphs, **engine_options(mode),
+                              **kv_sizing(args, max_seq_len, args.max_running))
         engine.generate([Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]], sampling)  # warm-up
         before = dataclasses.replace(engine.stats)
         completions, seconds, peak = timed(args.device, partial(engine.generate, requests, sampling))
@@ -158,6 +157,21 @@ def main() -> None:
                                        "new_tokens": args.new_tokens, "max_running": args.max_running,
                                        "cuda_graphs": args.cuda_graphs, "eos_rate": args.eos_rate},
                              "modes": results, "against_first": comparison})
+
+
+def engine_options(mode: str) -> dict:
+    """NativeEngine's keyword arguments for a mode, or for several joined with "+"."""
+    options = {}
+    for part in mode.split("+"):
+        if part == "unshared":
+            options["prefix_sharing"] = False
+        elif part == "prefix-attention":
+            options["shared_prefix_attention"] = True
+        elif part.startswith("admit-"):
+            options["admit_batch"] = int(part.removeprefix("admit-"))
+        elif part.startswith("recompute-"):
+            options["recompute_budget"] = int(part.removeprefix("recompute-"))
+    return options
 
 
 def host_profile(fn, top: int = 40) -> None:
