@@ -179,6 +179,7 @@ def test_config_is_the_bottom_layer():
     ("sft.heads=3", "sft.hidden=128 must be a multiple of sft.heads=3"),
     ("eval.top_p=1.5", r"eval.top_p must be in \(0, 1\], got 1.5"),
     ("data.heldout_fraction=-0.1", r"data.heldout_fraction must be in \(0, 1\), or 0 \(off\), got -0.1"),
+    ("rollout.admit_batch=-1", r"rollout.admit_batch must be >= 0 \(0 = a sixteenth of the running slots\)"),
 ])
 def test_out_of_range_values_name_the_key_and_the_range(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -232,3 +233,12 @@ def test_invalid_yaml_is_a_config_error_naming_where(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match=r"override 'train.steps=\[1': not valid YAML .*; quote a value"):
         load_config("tests", ["train.steps=[1"])
+
+
+def test_admit_batch_is_the_native_engines_and_fits_its_slots():
+    with pytest.raises(ConfigError, match="rollout.admit_batch=8 sets the native engine's admissions; it needs "
+                                          "rollout.backend=native"):
+        load_config("tests", ["rollout.backend=hf", "rollout.admit_batch=8"])
+    with pytest.raises(ConfigError, match="rollout.admit_batch=8 exceeds rollout.max_batch=4"):
+        load_config("tests", ["rollout.backend=native", "rollout.max_batch=4", "rollout.admit_batch=8"])
+    assert load_config("tests", ["rollout.backend=native", "rollout.admit_batch=8"]).rollout.admit_batch == 8

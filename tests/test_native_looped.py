@@ -180,6 +180,10 @@ def test_build_engine_serves_a_looped_policy_natively():
     tokenizer = SimpleNamespace(decode=lambda ids: "", pad_token_id=0, eos_token_id=1)
     native = build_engine(cfg, policy, tokenizer, max_seq_len=64)
     assert isinstance(native.runner, LoopedCausalLM) and native.cache.planes == 2
+    assert native.admit_batch == max(1, native.max_running // 16)  # rollout.admit_batch=0: the engine's default
+    admitting = build_engine(load_config("tests", ["rollout.backend=native", "rollout.admit_batch=3"]), policy,
+                             tokenizer, max_seq_len=64)
+    assert admitting.admit_batch == 3
     sp = SamplingParams(temperature=1.0)
     assert [c.tokens for c in native.generate(requests(6), sp)] == [
         c.tokens for c in engine(policy).generate(requests(6), sp)]

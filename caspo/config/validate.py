@@ -88,6 +88,7 @@ RANGES: dict[str, Range] = {
     "rollout.top_p": TOP_P,
     "rollout.top_k": at_least(0, "0 = off"),
     "rollout.max_batch": at_least(0, "0 = all requests of a step at once"),
+    "rollout.admit_batch": at_least(0, "0 = a sixteenth of the running slots"),
     "rollout.staleness": at_least(0, "0 = on-policy"),
     "reward.workers": at_least(0, "0 = score in the trainer's process"),
     "reward.timeout_s": POSITIVE,
@@ -242,6 +243,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
     if r.shared_prefix_attention and r.backend != "native":
         raise ConfigError("rollout.shared_prefix_attention=true needs rollout.backend=native")
+    if r.admit_batch and r.backend != "native":
+        raise ConfigError(f"rollout.admit_batch={r.admit_batch} sets the native engine's admissions; it needs "
+                          "rollout.backend=native")
+    if r.admit_batch and r.max_batch and r.admit_batch > r.max_batch:
+        raise ConfigError(f"rollout.admit_batch={r.admit_batch} exceeds rollout.max_batch={r.max_batch}, the "
+                          "slots there are: lower it, or raise max_batch")
     if t.compile and r.backend != "native":  # the hf engine would generate through the compiled blocks
         raise ConfigError("train.compile=true needs rollout.backend=native: the hf engine generates with the "
                           "policy's own blocks")

@@ -52,6 +52,7 @@ def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: i
         else:
             sizing = {"capacity_tokens": max_seq_len * (r.max_batch or cfg.responses_per_step)}
         return NativeEngine(policy, max_seq_len=max_seq_len, max_running=r.max_batch or None,
+                            admit_batch=r.admit_batch or None,
                             cuda_graphs=r.cuda_graphs, shared_prefix_attention=r.shared_prefix_attention,
                             dtype=engine_dtype(cfg), device=device,
                             decode=tokenizer.decode, **sizing)
