@@ -38,8 +38,8 @@ class PolicyLoss:
     token_separable: the loss's gradient at a token reads that token's log-prob alone (per-token terms,
     summed with weights fixed beforehand), so the update may take it chunk by chunk in the head's forward
     (`caspo.algo.head_token_loss`) instead of recomputing the logits in the backward. Each loss here is;
-    a new one (a sequence-level ratio, say) leaves it False, and tests/test_head_gradient_in_forward.py
-    checks every registered method's loss both ways.
+    a new one (a sequence-level ratio, say) leaves it False. tests/test_head_gradient_in_forward.py checks
+    the gradient of every registered method's token-separable loss both ways.
     """
 
     fn: Callable[[LossInputs, MethodConfig], tuple[torch.Tensor, dict]]
