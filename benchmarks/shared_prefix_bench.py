@@ -71,9 +71,9 @@ def main() -> None:
     args = parser.parse_args()
     if torch.device(args.device).type != "cuda":
         raise SystemExit("this benchmark times CUDA kernels; run it on a CUDA device")
-    numbers = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     rows = []
-    for B, prefix, suffix in itertools.product(numbers(args.rows), numbers(args.prefix), numbers(args.suffix)):
+    for B, prefix, suffix in itertools.product(*(map(int, text.split(",")) for text in (args.rows, args.prefix,
+                                                                                      args.suffix))):
         key_len = args.key_len or 64 * -(-(prefix + suffix) // 64)
         if prefix + suffix > key_len:
             parser.error(f"--prefix + --suffix ({prefix + suffix}) must fit --key-len ({key_len})")

@@ -117,41 +117,34 @@ def test_the_backward_recomputes_for_a_loss_not_token_separable_and_under_fp16()
 
 
 @pytest.mark.gpu
-def test_on_cuda_under_bf16_autocast_with_the_compiled_head():
+def test_on_cuda_under_bf16_autocast_with_the_compiled_head(monkeypatch):
     """The trainer's GPU path: bf16 autocast over fp32 weights, the head's chunk math through inductor."""
-    from caspo.batch import RolloutBatch
+    from test_algo_head_logprobs import clipped_surrogate
+    from test_compile import tiny_batch
+
     from caspo.models.forward import compile_head, hidden_logprobs, hidden_token_loss, response_hidden
     from caspo.models.policy import load_policy
     from caspo.precision import autocast
-    from caspo.rollout.base import Completion
 
+    monkeypatch.setattr(forward, "LOGIT_CHUNK_TOKENS", 5)  # several chunks in the batch
     model = load_policy("embedded:tiny-arith", "cuda")
     compile_head(model)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (5, 3, 7, 4)]
-    completions = [Completion(torch.randint(3, 20, (n,), generator=g).tolist(), [-1.0] * n, "length", 0)
-                   for n in (40, 61, 2, 33)]
-    batch = RolloutBatch.from_completions(prompts, completions, group_ids=[0, 0, 1, 1], example_ids=list("abcd"),
-                                          sample_seeds=[0, 1, 2, 3], texts=[""] * 4, pad_token_id=0).to("cuda")
+    batch = tiny_batch().to("cuda")
     mask = batch.response_mask.bool()
+    g = torch.Generator().manual_seed(0)
     advantages = torch.randn(mask.shape, generator=g).cuda()
     old = torch.randn(mask.shape, generator=g).cuda() * 0.2 - 2.0
-
-    def loss_fn(logp):
-        ratio = torch.exp(torch.clamp(logp - old, -20, 20))
-        per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
-        return torch.where(mask, per_token, 0.0).sum() / mask.sum()
-
     runs = []
     for in_forward in (False, True):
         model.zero_grad(set_to_none=True)
         with autocast("bf16", torch.device("cuda")):
             hidden = response_hidden(model, batch)
             if in_forward:
-                loss, logp, _ = hidden_token_loss(model, hidden, batch.responses, loss_fn, 0.7)
+                loss, logp, _ = hidden_token_loss(model, hidden, batch.responses,
+                                                  lambda x: clipped_surrogate(x, advantages, old, mask), 0.7)
             else:
                 logp = hidden_logprobs(model, hidden, batch.responses, 0.7)[0]
-                loss = loss_fn(logp)
+                loss = clipped_surrogate(logp, advantages, old, mask)
         loss.backward()
         runs.append((loss.detach(), logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss_b, logp_b, grads_b), (loss_f, logp_f, grads_f) = runs
