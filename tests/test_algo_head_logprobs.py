@@ -183,3 +183,28 @@ def test_bad_arguments_are_named():
         head_token_logprobs(hidden, weight, tokens[:, :2])
     with pytest.raises(ValueError, match="temperature"):
         head_token_logprobs(hidden, weight, tokens, temperature=0.0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_head_adds_its_weight_gradient_into_fp32_inside_the_gemm():
+    """bf16 on CUDA: each chunk's ∂L/∂W is added to the fp32 total by the GEMM (addmm's out_dtype form) rather
+    than rounded to bf16 first, so the total equals the sum of the chunks' exact products to fp32 rounding."""
+    from caspo.algo.head_logprobs import _chunk_grad_logits, _chunk_stats, _gemm_adds_into_fp32
+
+    if not hasattr(torch.ops.aten.addmm, "dtype_out"):
+        pytest.skip(f"torch {torch.__version__} has no addmm with out_dtype (from 2.8)")
+    device = torch.device("cuda")
+    assert _gemm_adds_into_fp32(device, torch.bfloat16), f"torch {torch.__version__}'s CUDA addmm refuses out_dtype"
+    hidden, weight, tokens = (t.to(device) for t in inputs(torch.bfloat16, B=4, T=64, H=32, V=512))
+    w = weight.clone().requires_grad_()
+    logp, _ = head_token_logprobs(hidden, w, tokens, 0.8, chunk_size=16)
+    (grad_weight,) = torch.autograd.grad(logp.sum(), (w,))
+    # the head's own per-chunk ∂L/∂z (bf16), their products summed in float64
+    h, flat, z_grads = hidden.reshape(-1, 32), tokens.reshape(-1), []
+    for start in range(0, h.shape[0], 16):
+        logits, rows = h[start:start + 16] @ weight.T, flat[start:start + 16]
+        lse = _chunk_stats(logits, rows, 0.8, False)[1]
+        z_grads.append(_chunk_grad_logits(logits, lse, rows, torch.ones_like(lse), 0.8))
+    exact = torch.cat(z_grads).double().T @ h.double()
+    # one bf16 rounding at the end (the gradient's dtype), none per chunk
+    torch.testing.assert_close(grad_weight, exact.to(torch.bfloat16), atol=0, rtol=2 ** -7)

@@ -80,7 +80,7 @@ class _HeadSelectiveLogSoftmax(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight
             if grad_weight is not None:
-                grad_weight += (grad_z.T @ hidden[rows]).to(lse.dtype)
+                _add_weight_gradient(grad_weight, grad_z, hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
@@ -119,7 +119,7 @@ class _HeadTokenLoss(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight
             if grad_weight is not None:
-                grad_weight += (grad_z.T @ hidden[rows]).to(dtype)
+                _add_weight_gradient(grad_weight, grad_z, hidden[rows])
         # kept on ctx, not saved: the backward scales them in place
         ctx.grad_hidden, ctx.grad_weight = grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
         ctx.mark_non_differentiable(logp, entropy)
@@ -134,6 +134,35 @@ class _HeadTokenLoss(torch.autograd.Function):
         grad_hidden = None if grad_hidden is None else grad_hidden.mul_(grad_loss)
         grad_weight = None if grad_weight is None else grad_weight.mul_(grad_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _add_weight_gradient(grad_weight: torch.Tensor, grad_z: torch.Tensor, hidden_rows: torch.Tensor) -> None:
+    """grad_weight += grad_zᵀ · hidden_rows, with grad_weight in the softmax dtype (fp32 for bf16 inputs).
+
+    Where the GEMM can add into an fp32 matrix from half-precision inputs (CUDA's addmm with ``out_dtype``), it
+    does: its fp32 accumulator goes straight into grad_weight, and no [V, H] half-precision product is written
+    and read back, ~2.8 GB of traffic a chunk of rows at Qwen's vocabulary. Elsewhere the product is rounded to
+    the inputs' dtype, then added."""
+    if grad_z.dtype != grad_weight.dtype and _gemm_adds_into_fp32(grad_z.device, grad_z.dtype):
+        torch.addmm(grad_weight, grad_z.T, hidden_rows, out_dtype=grad_weight.dtype, out=grad_weight)
+    else:
+        grad_weight += (grad_z.T @ hidden_rows).to(grad_weight.dtype)
+
+
+@functools.cache
+def _gemm_adds_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch's addmm, on `device`, adds a product of `dtype` matrices into an fp32 matrix in place.
+    CUDA builds from 2.8 have the ``out_dtype`` overload; some of them still require the added matrix in the
+    inputs' dtype, so it is tried once on a 2 × 2 case."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    total = torch.ones(2, 2, device=device)
+    try:
+        torch.addmm(total, torch.ones(2, 3, device=device, dtype=dtype), torch.ones(3, 2, device=device, dtype=dtype),
+                    out_dtype=torch.float32, out=total)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((total == 4).all())
 
 
 def _rows_gradient(token_loss, logp: torch.Tensor, rows: slice) -> torch.Tensor:
