@@ -116,17 +116,16 @@ def test_the_backward_recomputes_for_a_loss_not_token_separable_and_under_fp16()
     assert not head_gradient_in_forward(grpo, load_config("tests", ["train.precision=fp16"]))
 
 
-@pytest.mark.gpu
-def test_on_cuda_under_bf16_autocast_with_the_compiled_head(monkeypatch):
-    """The trainer's GPU path: bf16 autocast over fp32 weights, the head's chunk math through inductor."""
+def cuda_head_case(monkeypatch):
+    """The trainer's GPU path on the tiny policy: fp32 weights, the head's chunk math through inductor, chunks of
+    5 positions (several a batch). Returns (model, batch, the clipped surrogate's token loss, its mask)."""
     from test_algo_head_logprobs import clipped_surrogate
     from test_compile import tiny_batch
 
-    from caspo.models.forward import compile_head, hidden_logprobs, hidden_token_loss, response_hidden
+    from caspo.models.forward import compile_head
     from caspo.models.policy import load_policy
-    from caspo.precision import autocast
 
-    monkeypatch.setattr(forward, "LOGIT_CHUNK_TOKENS", 5)  # several chunks in the batch
+    monkeypatch.setattr(forward, "LOGIT_CHUNK_TOKENS", 5)
     model = load_policy("embedded:tiny-arith", "cuda")
     compile_head(model)
     batch = tiny_batch().to("cuda")
@@ -134,17 +133,26 @@ def test_on_cuda_under_bf16_autocast_with_the_compiled_head(monkeypatch):
     g = torch.Generator().manual_seed(0)
     advantages = torch.randn(mask.shape, generator=g).cuda()
     old = torch.randn(mask.shape, generator=g).cuda() * 0.2 - 2.0
+    return model, batch, lambda logp: clipped_surrogate(logp, advantages, old, mask)
+
+
+@pytest.mark.gpu
+def test_on_cuda_under_bf16_autocast_with_the_compiled_head(monkeypatch):
+    """Under bf16 autocast over fp32 weights, with inductor's head: the same gradients both ways."""
+    from caspo.models.forward import hidden_logprobs, hidden_token_loss, response_hidden
+    from caspo.precision import autocast
+
+    model, batch, token_loss = cuda_head_case(monkeypatch)
     runs = []
     for in_forward in (False, True):
         model.zero_grad(set_to_none=True)
         with autocast("bf16", torch.device("cuda")):
             hidden = response_hidden(model, batch)
             if in_forward:
-                loss, logp, _ = hidden_token_loss(model, hidden, batch.responses,
-                                                  lambda x: clipped_surrogate(x, advantages, old, mask), 0.7)
+                loss, logp, _ = hidden_token_loss(model, hidden, batch.responses, token_loss, 0.7)
             else:
                 logp = hidden_logprobs(model, hidden, batch.responses, 0.7)[0]
-                loss = clipped_surrogate(logp, advantages, old, mask)
+                loss = token_loss(logp)
         loss.backward()
         runs.append((loss.detach(), logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss_b, logp_b, grads_b), (loss_f, logp_f, grads_f) = runs
@@ -152,3 +160,24 @@ def test_on_cuda_under_bf16_autocast_with_the_compiled_head(monkeypatch):
     assert max(g.abs().max() for g in grads_b.values()) > 0
     for name, grad in grads_b.items():  # the same products, from the forward's logits instead of recomputed ones
         torch.testing.assert_close(grads_f[name], grad, atol=1e-6, rtol=1.6e-2, msg=name)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_head_never_waits_for_the_device(monkeypatch):
+    """Chunk after chunk, the head's forward with the loss's gradient and its backward launch work without
+    synchronizing with the device: a wait would idle the card while the host builds each chunk's loss graph."""
+    from caspo.models.forward import hidden_token_loss, response_hidden
+    from caspo.precision import autocast
+
+    model, batch, token_loss = cuda_head_case(monkeypatch)
+    for check in (False, True):  # the first call compiles the chunk math and probes the GEMM once
+        with autocast("bf16", torch.device("cuda")):
+            hidden = response_hidden(model, batch).detach().requires_grad_()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if check else "default")
+            try:
+                loss, _, _ = hidden_token_loss(model, hidden, batch.responses, token_loss, 0.7, with_entropy=True)
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert hidden.grad.abs().max() > 0
