@@ -1,5 +1,6 @@
 """Models loaded for CUDA run attention without cuDNN (caspo.models.policy.attention_without_cudnn): a padded
-batch takes the memory-efficient kernel, forward and backward, never cuDNN's and never the math fallback."""
+batch takes the memory-efficient kernel, forward and backward, never cuDNN's and never the math fallback; the
+trainer's forward, its rows shifted to column 0 (`response_states`), takes the flash kernel."""
 
 import pytest
 import torch
@@ -54,3 +55,24 @@ def test_a_padded_batch_on_cuda_takes_the_memory_efficient_kernel(cudnn_flag, tm
     assert "aten::_scaled_dot_product_efficient_attention" in ops, attention
     assert "aten::_efficient_attention_backward" in ops, attention
     assert not any("cudnn" in op or "math" in op for op in attention), attention
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_trainers_forward_on_cuda_takes_the_flash_kernel(cudnn_flag, tmp_path):
+    from test_compile import tiny_batch
+
+    from caspo.models.forward import response_hidden
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    tiny().save_pretrained(tmp_path)
+    model = load_policy(str(tmp_path), "cuda")
+    batch = tiny_batch().to("cuda")  # prompts of 5, 3 and 7 tokens: left padding in the batch's layout
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autocast("cuda", torch.bfloat16):
+            hidden = response_hidden(model, batch)
+        hidden.float().square().mean().backward()
+    attention = {event.key for event in prof.key_averages() if "attention" in event.key}
+    assert "aten::_scaled_dot_product_flash_attention" in attention, attention
+    assert any("flash_attention_backward" in op for op in attention), attention
+    assert not any("efficient" in op or "cudnn" in op or "math" in op for op in attention), attention

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from caspo.batch import RolloutBatch
+from caspo.models.forward import response_states
 from caspo.models.looped import LoopedForValue
 from caspo.models.looped_upstream import load_upstream, upstream_config
 from caspo.models.policy import resolve_model_path
@@ -36,9 +37,4 @@ def load_critic(spec: str, device: str | torch.device = "cpu", init_head: bool =
 
 def critic_values(critic: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
     """[B, R] V(s_t): the value of the state from which response token t is generated."""
-    hidden = critic.base_model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state
-    P, R = batch.prompt_width, batch.responses.shape[1]
-    return critic.score(hidden[:, P - 1:P + R - 1]).squeeze(-1).float()
+    return critic.score(response_states(critic.base_model, batch)).squeeze(-1).float()

@@ -28,16 +28,27 @@ def head_compile_backend(model: torch.nn.Module) -> str | None:
     return getattr(model, _HEAD_BACKEND, None)
 
 
-def response_hidden(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-    """[B, R, H] last hidden states at the positions that predict each response token."""
-    hidden = model.get_decoder()(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state
+def response_states(decoder: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """[B, R, H]: `decoder`'s last hidden states at the positions that predict each response token.
+
+    The batch's rows are a left-padded prompt, then a right-padded response. Each row runs shifted left by its
+    prompt's padding, so that its tokens fill columns 0, 1, ... and every pad comes after them. A causal
+    forward without a mask then gives each real token the keys and the positions it has in the padded layout:
+    no real token attends to a later column. Without a mask, PyTorch's SDPA may take its flash kernel, where a
+    padding mask leaves it the memory-efficient one alone.
+    """
     P, R = batch.prompt_width, batch.responses.shape[1]
-    return hidden[:, P - 1:P + R - 1]
+    columns = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
+    prompt_lengths = batch.attention_mask[:, :P].sum(-1, keepdim=True)
+    shifted = batch.input_ids.gather(1, (columns + P - prompt_lengths) % columns.numel())
+    hidden = decoder(input_ids=shifted, use_cache=False).last_hidden_state
+    predicting = prompt_lengths - 1 + columns[:R]  # the prompt's last token predicts the response's first
+    return hidden.gather(1, predicting[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def response_hidden(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """[B, R, H] last hidden states of a causal LM at the positions that predict each response token."""
+    return response_states(model.get_decoder(), batch)
 
 
 def head_weight(model: torch.nn.Module) -> torch.Tensor:

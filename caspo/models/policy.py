@@ -67,9 +67,10 @@ def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtyp
 
 def attention_without_cudnn() -> None:
     """Leave cuDNN out of the backends of PyTorch's scaled_dot_product_attention, for the whole process: padded
-    batches then take the memory-efficient kernel, unpadded ones flash. cuDNN builds an execution graph for
-    every new input shape, and each micro-batch, scoring pass and prefill brings new shapes: on an H200 the
-    builds took 1.0 ms of host time per forward call and 1.7 ms per backward, 8 s of a 29 s step."""
+    batches then take the memory-efficient kernel, unpadded ones (the trainer's, `forward.response_states`) flash.
+    cuDNN builds an execution graph for every new input shape, and each micro-batch, scoring pass and prefill
+    brings new shapes: on an H200 the builds took 1.0 ms of host time per forward call and 1.7 ms per backward,
+    8 s of a 29 s step."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
