@@ -36,24 +36,30 @@ def tiny():
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_padded_batch_on_cuda_takes_the_memory_efficient_kernel(cudnn_flag, tmp_path):
+def attention_ops(tmp_path, loss_of) -> set[str]:
+    """The attention operators of `loss_of(model)` and its backward, for the tiny model loaded for CUDA with
+    cuDNN's attention allowed beforehand (loading turns it off), under bf16 autocast."""
     torch.backends.cuda.enable_cudnn_sdp(True)
     tiny().save_pretrained(tmp_path)
     model = load_policy(str(tmp_path), "cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = loss_of(model)
+        loss.backward()
+    return {event.key for event in prof.key_averages() if "attention" in event.key}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_padded_batch_on_cuda_takes_the_memory_efficient_kernel(cudnn_flag, tmp_path):
     ids = torch.randint(0, 256, (4, 96), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :17] = 0  # left padding, as prompts are
     mask[2, 80:] = 0  # right padding, as responses are
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with torch.autocast("cuda", torch.bfloat16):
-            logits = model(input_ids=ids, attention_mask=mask).logits
-        logits.float().square().mean().backward()
-    ops = {event.key for event in prof.key_averages()}
-    attention = {op for op in ops if "attention" in op}
-    assert "aten::_scaled_dot_product_efficient_attention" in ops, attention
-    assert "aten::_efficient_attention_backward" in ops, attention
+    attention = attention_ops(tmp_path, lambda model: model(input_ids=ids, attention_mask=mask).logits.float()
+                              .square().mean())
+    assert "aten::_scaled_dot_product_efficient_attention" in attention, attention
+    assert "aten::_efficient_attention_backward" in attention, attention
     assert not any("cudnn" in op or "math" in op for op in attention), attention
 
 
@@ -64,15 +70,8 @@ def test_the_trainers_forward_on_cuda_takes_the_flash_kernel(cudnn_flag, tmp_pat
 
     from caspo.models.forward import response_hidden
 
-    torch.backends.cuda.enable_cudnn_sdp(True)
-    tiny().save_pretrained(tmp_path)
-    model = load_policy(str(tmp_path), "cuda")
     batch = tiny_batch().to("cuda")  # prompts of 5, 3 and 7 tokens: left padding in the batch's layout
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with torch.autocast("cuda", torch.bfloat16):
-            hidden = response_hidden(model, batch)
-        hidden.float().square().mean().backward()
-    attention = {event.key for event in prof.key_averages() if "attention" in event.key}
+    attention = attention_ops(tmp_path, lambda model: response_hidden(model, batch).float().square().mean())
     assert "aten::_scaled_dot_product_flash_attention" in attention, attention
     assert any("flash_attention_backward" in op for op in attention), attention
     assert not any("efficient" in op or "cudnn" in op or "math" in op for op in attention), attention
