@@ -261,7 +261,7 @@ def test_engine_with_sampler_graphs_samples_as_without(family, sp):
     engine = native(model, cuda_graphs=True)
     graphed = engine.generate(reqs, sp)
     keys = list(engine.model_runner.graphs.graphs)
-    assert keys and all(len(key) == 5 for key in keys)  # every decode graph samples: (rows, keys, T, k, p)
+    assert keys and all(len(key) == 6 for key in keys)  # every decode graph samples: (rows, keys, grouped, T, k, p)
     assert len(engine.model_runner.sampler_graphs.graphs) >= 1  # the prefilled prompts' first tokens
     assert [c.tokens for c in graphed] == [c.tokens for c in eager]
     for a, b in zip(graphed, eager):

@@ -99,13 +99,18 @@ def test_group_rows():
     assert members_per_group(12, 2) == 10 and members_per_group(32, 8) == 16
 
 
-def test_a_step_is_grouped_only_where_the_reads_saved_pay():
+def test_a_step_is_grouped_only_where_the_reads_saved_pay(monkeypatch):
+    from caspo.rollout.native import prefix_groups
     from caspo.rollout.native.prefix_groups import keys_saved, worth_grouping
 
     # groups [0, 2, 4] of P = 30 and [3, 6] of P = 12: 2 × 30 + 1 × 12 keys a layer not read
     table, starts = group_rows([7, -1, 7, 9, 7, 7, 9, 5], [30, 0, 30, 12, 30, 30, 12, 8], members=3)
     assert keys_saved(table, starts) == 72
     assert keys_saved(*group_rows([-1, -1], [0, 0], members=4)) == 0
+    monkeypatch.setattr(prefix_groups, "MIN_BYTES_SAVED", 0)  # whatever the threshold, no group: not grouped
+    assert not worth_grouping(*group_rows([-1, 3], [0, 5], members=4), bytes_per_key=1)
+    assert worth_grouping(table, starts, bytes_per_key=1)
+    monkeypatch.undo()
     qwen_1_5b = 2 * 2 * 128 * 2  # bytes a key of one layer: K and V of 2 KV heads of 128, bf16
     # a Monte Carlo step: 960 rows, K = 9 continuations of prefixes of 300 keys, 106 groups of 9 and one of 6:
     # (106 × 8 + 5) × 300 keys saved, 250 MiB a layer

@@ -51,8 +51,9 @@ def keys_saved(table: np.ndarray, starts: np.ndarray) -> int:
 
 
 def worth_grouping(table: np.ndarray, starts: np.ndarray, bytes_per_key: int) -> bool:
-    """Whether a step of these groups is faster reading each prefix once than every row reading its own."""
-    return keys_saved(table, starts) * bytes_per_key >= MIN_BYTES_SAVED
+    """Whether a step of these groups is faster reading each prefix once than every row reading its own (never
+    for a step without a group: the grouped kernels would have nothing to read once)."""
+    return len(table) > 0 and keys_saved(table, starts) * bytes_per_key >= MIN_BYTES_SAVED
 
 
 def group_rows(groups: np.ndarray, lengths: np.ndarray, members: int) -> tuple[np.ndarray, np.ndarray]:
