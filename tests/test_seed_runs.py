@@ -33,9 +33,9 @@ from caspo.value.train import TrainSpec, train_value
 pytestmark = pytest.mark.timeout(300)
 
 SHRUNK = ["model.device=cpu", "model.threads=1", "rollout.backend=hf", "rollout.cuda_graphs=false",
-          "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
-          "train.minibatch_size=4", "train.micro_batch_size=2", "train.steps=2", "reward.workers=1",
-          "eval.before=false", "eval.heldout_size=2", "eval.max_new_tokens=12", "optim.lr=1e-4"]
+          "rollout.shared_prefix_attention=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+          "rollout.max_new_tokens=12", "train.minibatch_size=4", "train.micro_batch_size=2", "train.steps=2",
+          "reward.workers=1", "eval.before=false", "eval.heldout_size=2", "eval.max_new_tokens=12", "optim.lr=1e-4"]
 
 PLANTED = {"6": 1 / 4, "\n": 1 / 4, "<|endoftext|>": 1 / 8}  # next-token probabilities at every position
 PHASE1 = CollectSpec(prompts=6, k=4, j=2, boundaries=2)  # K rollouts of 6 prompts, J continuations, S boundaries
