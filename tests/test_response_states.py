@@ -20,14 +20,16 @@ def padded_forward(decoder, batch):
     return hidden[:, P - 1:P + R - 1]
 
 
-def models():
-    looped = LoopedForCausalLM(tiny_looped_config(32, layout="ouro", depth=2, hidden=16, layers=2, heads=2))
-    return {"qwen2": tiny().eval(), "looped": looped.eval()}
+MODELS = {
+    "qwen2": lambda: tiny().eval(),
+    "looped": lambda: LoopedForCausalLM(tiny_looped_config(32, layout="ouro", depth=2, hidden=16, layers=2,
+                                                           heads=2)).eval(),
+}
 
 
-@pytest.mark.parametrize("name", ["qwen2", "looped"])
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_response_token_gets_the_padded_forwards_hidden_state(name):
-    model = models()[name]
+    model = MODELS[name]()
     batch = tiny_batch()  # prompts of 5, 3 and 7 tokens, responses of 4, 6 and 2
     assert len(set(batch.attention_mask[:, :batch.prompt_width].sum(-1).tolist())) == 3
     got = response_hidden(model, batch)
