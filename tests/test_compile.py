@@ -192,7 +192,25 @@ def test_new_lengths_and_row_counts_compile_no_new_graph():
         model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
         return counters["stats"]["unique_graphs"] - before
 
-    # the first sizes avoid the model's own (8 = head_dim): dynamo would take a row count equal to one as that size
     assert graphs_built(6, 20) > 0
     assert [graphs_built(rows, length) for rows, length in [(6, 31), (5, 17), (3, 40)]] == [0, 0, 0]
     assert graphs_built(1, 12) > 0
+
+
+def test_a_first_micro_batch_at_the_models_own_sizes_is_not_taken_as_fixed():
+    """Rows = head_dim (8) and length = hidden size (32) in the first micro-batch: with sizes unified as dynamo
+    does by default, they would be compiled as those fixed sizes and the next micro-batch would compile again."""
+    from torch._dynamo.utils import counters
+    from transformers import Qwen2ForCausalLM
+
+    from caspo.models.policy import tiny_qwen2_config
+
+    torch._dynamo.reset()
+    model = Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=32, layers=2, heads=4))
+    compile_blocks(model, **EAGER_GRAPH)
+    built = []
+    for rows, length in [(8, 32), (8, 33), (5, 32), (3, 17)]:
+        before = counters["stats"]["unique_graphs"]
+        model(input_ids=torch.randint(0, 64, (rows, length)), use_cache=False).logits.sum().backward()
+        built.append(counters["stats"]["unique_graphs"] - before)
+    assert built[0] > 0 and built[1:] == [0, 0, 0]

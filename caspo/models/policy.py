@@ -140,9 +140,12 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
 
     The blocks compile with dynamic shapes from their first call: micro-batches of other row counts and
     lengths reuse the graph. (Left to dynamo's default, the first graph is specialised to its shapes and
-    the first new length, then the first new row count, each compile the block again, mid-run; a micro-batch
-    of one row still gets a graph of its own, as does a first micro-batch whose row count or length equals
-    one of the model's sizes, which dynamo's duck sizing then ties to it.)"""
+    the first new length, then the first new row count, each compile the block again, mid-run.) Sizes are
+    not unified ("duck sizing", off for the whole process): it would take a first micro-batch whose row count
+    or length equals one of the model's sizes (a length of 1,536 at Qwen2.5-1.5B's width) as that fixed size,
+    and compile again at the next. A micro-batch of one row still gets a graph of its own."""
+    from torch.fx.experimental import _config as shapes_config
+
     from caspo.models.looped import LoopedPreTrainedModel
 
     if isinstance(model, LoopedPreTrainedModel):  # a block's call takes its loop index: one graph per index
@@ -152,6 +155,7 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
     if not isinstance(layers, torch.nn.ModuleList):
         raise ConfigError(f"{type(model).__name__} has no `layers` list of decoder blocks to compile; set "
                           "train.compile=false")
+    shapes_config.use_duck_shape = False  # read when a graph is compiled, at its first call
     for block in layers:
         block.compile(**{"dynamic": True, **options})
     compile_head(model, options.get("backend", "inductor"))
