@@ -172,6 +172,28 @@ def test_the_blocks_share_their_graphs():
     assert graphs_of(1) == graphs_of(12) == 2
 
 
+def test_the_blocks_code_compiles_past_dynamos_default_limit():
+    """Ten models of other widths share the blocks' code object, each needing a graph of its own: all ten are
+    compiled (dynamo's default limit, 8, would run the ninth and tenth eagerly)."""
+    from transformers import Qwen2ForCausalLM
+
+    from caspo.models.policy import tiny_qwen2_config
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    for width in range(8, 88, 8):
+        model = Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=width, layers=1, heads=4))
+        compile_blocks(model, backend=counting)
+        with torch.no_grad():
+            model.base_model(input_ids=torch.randint(0, 64, (2, 9)), use_cache=False)
+    assert len(graphs) == 10
+
+
 def test_new_lengths_and_row_counts_compile_no_new_graph():
     """After the first micro-batch, others of new lengths and row counts run through the same graphs; only a
     micro-batch of one row (a size dynamo always specialises) builds its own."""

@@ -131,6 +131,12 @@ def enable_recompute(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+# Graphs dynamo may build for one code object before it runs new shapes of it eagerly, with only a logged
+# warning. Every model's blocks share one (policy, reference, critic, φ; each in two grad modes, with a
+# one-row micro-batch's graph and, on CUDA, inductor's graphs per length alignment): more than the default 8.
+BLOCK_GRAPH_LIMIT = 64
+
+
 def compile_blocks(model: torch.nn.Module, **options) -> None:
     """torch.compile each decoder block in place (`options` go to `nn.Module.compile`), so the element-wise
     work between its GEMMs (RMSNorm, SiLU · up, residual adds, autocast's casts) runs fused, and the softmax
@@ -143,7 +149,8 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
     the first new length, then the first new row count, each compile the block again, mid-run.) Sizes are
     not unified ("duck sizing", off for the whole process): it would take a first micro-batch whose row count
     or length equals one of the model's sizes (a length of 1,536 at Qwen2.5-1.5B's width) as that fixed size,
-    and compile again at the next. A micro-batch of one row still gets a graph of its own."""
+    and compile again at the next. A micro-batch of one row still gets a graph of its own. Dynamo may build up
+    to BLOCK_GRAPH_LIMIT graphs of the blocks' code (its default, 8, for the whole process otherwise)."""
     from torch.fx.experimental import _config as shapes_config
 
     from caspo.models.looped import LoopedPreTrainedModel
@@ -156,6 +163,7 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
         raise ConfigError(f"{type(model).__name__} has no `layers` list of decoder blocks to compile; set "
                           "train.compile=false")
     shapes_config.use_duck_shape = False  # read when a graph is compiled, at its first call
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_GRAPH_LIMIT)
     for block in layers:
         block.compile(**{"dynamic": True, **options})
     compile_head(model, options.get("backend", "inductor"))
