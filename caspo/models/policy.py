@@ -150,7 +150,7 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
     not unified ("duck sizing", off for the whole process): it would take a first micro-batch whose row count
     or length equals one of the model's sizes (a length of 1,536 at Qwen2.5-1.5B's width) as that fixed size,
     and compile again at the next. A micro-batch of one row still gets a graph of its own. Dynamo may build up
-    to BLOCK_GRAPH_LIMIT graphs of the blocks' code (its default, 8, for the whole process otherwise)."""
+    to BLOCK_GRAPH_LIMIT graphs of one code object, for the whole process too (its default is 8)."""
     from torch.fx.experimental import _config as shapes_config
 
     from caspo.models.looped import LoopedPreTrainedModel
