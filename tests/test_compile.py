@@ -145,24 +145,46 @@ def test_caspo_value_model_and_its_reference_are_compiled():
     assert values["false"].abs().max() > 0  # φ is not its reference: the ratios compared are not all 0
 
 
-def test_the_blocks_share_their_graphs():
-    """Twelve blocks, more than dynamo's recompile limit of 8 per code object: were each block a graph of its
-    own, the later ones would run eager. Called as the trainer calls them (no KV cache, whose per-layer state
-    dynamo would guard on), they compile the graphs one block does: one per grad mode."""
+def tiny_qwen2(hidden: int = 32, layers: int = 2):
     from transformers import Qwen2ForCausalLM
 
     from caspo.models.policy import tiny_qwen2_config
 
+    return Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=hidden, layers=layers, heads=4))
+
+
+def counting_backend(graphs: list):
+    """A torch.compile backend that records each graph dynamo builds and runs it as captured."""
+    def counting(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+    return counting
+
+
+def graphs_built(model, rows: int, length: int, padded: bool = False) -> int:
+    """The graphs dynamo builds for one forward and backward of a [rows, length] micro-batch (`padded`: two
+    columns of left padding in its first row, as padded batches have)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    mask = None
+    if padded:
+        mask = torch.ones(rows, length, dtype=torch.long)
+        mask[0, :2] = 0
+    ids = torch.randint(0, 64, (rows, length))
+    model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+    return counters["stats"]["unique_graphs"] - before
+
+
+def test_the_blocks_share_their_graphs():
+    """Twelve blocks, more than dynamo's recompile limit of 8 per code object: were each block a graph of its
+    own, the later ones would run eager. Called as the trainer calls them (no KV cache, whose per-layer state
+    dynamo would guard on), they compile the graphs one block does: one per grad mode."""
     def graphs_of(layers):
         torch._dynamo.reset()
         graphs = []
-
-        def counting(graph_module, example_inputs):
-            graphs.append(graph_module)
-            return graph_module.forward
-
-        model = Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=32, layers=layers, heads=4))
-        compile_blocks(model, backend=counting)
+        model = tiny_qwen2(layers=layers)
+        compile_blocks(model, backend=counting_backend(graphs))
         ids = torch.randint(0, 64, (2, 9))
         with torch.no_grad():
             model.base_model(input_ids=ids, use_cache=False)
@@ -175,20 +197,11 @@ def test_the_blocks_share_their_graphs():
 def test_the_blocks_code_compiles_past_dynamos_default_limit():
     """Ten models of other widths share the blocks' code object, each needing a graph of its own: all ten are
     compiled (dynamo's default limit, 8, would run the ninth and tenth eagerly)."""
-    from transformers import Qwen2ForCausalLM
-
-    from caspo.models.policy import tiny_qwen2_config
-
     torch._dynamo.reset()
     graphs = []
-
-    def counting(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
     for width in range(8, 88, 8):
-        model = Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=width, layers=1, heads=4))
-        compile_blocks(model, backend=counting)
+        model = tiny_qwen2(hidden=width, layers=1)
+        compile_blocks(model, backend=counting_backend(graphs))
         with torch.no_grad():
             model.base_model(input_ids=torch.randint(0, 64, (2, 9)), use_cache=False)
     assert len(graphs) == 10
@@ -197,42 +210,19 @@ def test_the_blocks_code_compiles_past_dynamos_default_limit():
 def test_new_lengths_and_row_counts_compile_no_new_graph():
     """After the first micro-batch, others of new lengths and row counts run through the same graphs; only a
     micro-batch of one row (a size dynamo always specialises) builds its own."""
-    from torch._dynamo.utils import counters
-    from transformers import Qwen2ForCausalLM
-
-    from caspo.models.policy import tiny_qwen2_config
-
     torch._dynamo.reset()
-    model = Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=32, layers=2, heads=4))
+    model = tiny_qwen2()
     compile_blocks(model, **EAGER_GRAPH)
-
-    def graphs_built(rows, length):
-        before = counters["stats"]["unique_graphs"]
-        mask = torch.ones(rows, length, dtype=torch.long)
-        mask[0, :2] = 0  # left padding, as the trainer's batches have
-        ids = torch.randint(0, 64, (rows, length))
-        model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
-        return counters["stats"]["unique_graphs"] - before
-
-    assert graphs_built(6, 20) > 0
-    assert [graphs_built(rows, length) for rows, length in [(6, 31), (5, 17), (3, 40)]] == [0, 0, 0]
-    assert graphs_built(1, 12) > 0
+    assert graphs_built(model, 6, 20, padded=True) > 0
+    assert [graphs_built(model, rows, length, padded=True) for rows, length in [(6, 31), (5, 17), (3, 40)]] == [0, 0, 0]
+    assert graphs_built(model, 1, 12, padded=True) > 0
 
 
 def test_a_first_micro_batch_at_the_models_own_sizes_is_not_taken_as_fixed():
     """Rows = head_dim (8) and length = hidden size (32) in the first micro-batch: with sizes unified as dynamo
     does by default, they would be compiled as those fixed sizes and the next micro-batch would compile again."""
-    from torch._dynamo.utils import counters
-    from transformers import Qwen2ForCausalLM
-
-    from caspo.models.policy import tiny_qwen2_config
-
     torch._dynamo.reset()
-    model = Qwen2ForCausalLM(tiny_qwen2_config(64, hidden=32, layers=2, heads=4))
+    model = tiny_qwen2()
     compile_blocks(model, **EAGER_GRAPH)
-    built = []
-    for rows, length in [(8, 32), (8, 33), (5, 32), (3, 17)]:
-        before = counters["stats"]["unique_graphs"]
-        model(input_ids=torch.randint(0, 64, (rows, length)), use_cache=False).logits.sum().backward()
-        built.append(counters["stats"]["unique_graphs"] - before)
+    built = [graphs_built(model, rows, length) for rows, length in [(8, 32), (8, 33), (5, 32), (3, 17)]]
     assert built[0] > 0 and built[1:] == [0, 0, 0]
