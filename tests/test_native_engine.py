@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeCompletion, NativeEngine, UnsupportedModelError, decoder_spec
+from caspo.rollout.native.kv_cache import KVCache
 from caspo.rollout.native.scheduler import Scheduler
 from caspo.rollout.sampling import sample_seed
 
@@ -298,15 +299,20 @@ def test_full_and_top_logprobs_under_truncation(model):
 # ---------------------------------------------------------------- prefix sharing
 def test_prefix_sharing_cuts_prefill_and_changes_no_token(model):
     sp = SamplingParams(temperature=1.0)
-    prompt = list(range(10, 40))
+    prompts = [list(range(10, 40)), list(range(50, 62))]
     k = 4
-    reqs = [Request(prompt, seed=sample_seed(0, 0, 0, j), max_new_tokens=6) for j in range(k)]
+    reqs = [Request(p, seed=sample_seed(0, 0, i, j), max_new_tokens=6) for i, p in enumerate(prompts) for j in range(k)]
     shared, alone = engine(model), engine(model, prefix_sharing=False)
+    copies = []
+    copy_prefix = shared.cache.copy_prefix
+    shared.cache.copy_prefix = lambda src, dst, length: copies.append(len(dst)) or copy_prefix(src, dst, length)
     with_sharing, without = shared.generate(reqs, sp), alone.generate(reqs, sp)
+    assert copies == [k - 1, k - 1]  # one copy per prompt into all of its other samples' slots
     assert [c.tokens for c in with_sharing] == [c.tokens for c in without]
-    assert alone.stats.prefill_tokens == k * len(prompt)
-    assert shared.stats.prefill_tokens == len(prompt)  # a drop of (K - 1) / K
-    assert shared.stats.shared_tokens == (k - 1) * len(prompt)
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert alone.stats.prefill_tokens == k * prompt_tokens
+    assert shared.stats.prefill_tokens == prompt_tokens  # a drop of (K - 1) / K
+    assert shared.stats.shared_tokens == (k - 1) * prompt_tokens
 
 
 @pytest.mark.parametrize("recompute_budget", [0, 4096])
@@ -422,6 +428,19 @@ def test_capacity_report_matches_the_arithmetic():
     assert (report.blocks, report.block_tokens, report.tokens) == (1000 // 48, 48, 1000 // 48 * 48)
     assert report.bytes == report.tokens * per_token == native.cache.kv.numel() * 4
     assert native.max_running == 20
+
+
+def test_copy_prefix_fills_every_sharer_and_nothing_else():
+    cache = KVCache(slots=5, max_seq_len=6, layers=2, kv_heads=1, head_dim=3, dtype=torch.float32, device="cpu",
+                    planes=2)
+    cache.kv.copy_(torch.randn(cache.shape))
+    before = cache.kv.clone()
+    cache.copy_prefix(1, torch.tensor([0, 3]), length=4)
+    for slot in (0, 3):
+        assert torch.equal(cache.kv[:, :, :, slot, :, :4], before[:, :, :, 1, :, :4])
+        assert torch.equal(cache.kv[:, :, :, slot, :, 4:], before[:, :, :, slot, :, 4:])
+    untouched = [1, 2, 4]
+    assert torch.equal(cache.kv[:, :, :, untouched], before[:, :, :, untouched])
 
 
 def test_cache_sizing_errors():

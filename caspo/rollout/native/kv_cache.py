@@ -103,9 +103,10 @@ class KVCache:
             raise RuntimeError("the KV cache is released (engine asleep); call wake() first")
         return self.kv[plane, layer, 0], self.kv[plane, layer, 1]
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Copy positions [0, length) of slot `src` to slot `dst`, in every plane and layer."""
-        self.kv[:, :, :, dst, :, :length] = self.kv[:, :, :, src, :, :length]
+    def copy_prefix(self, src: int, dst: torch.Tensor, length: int) -> None:
+        """Copy positions [0, length) of slot `src` to each slot of `dst` (int64, on the cache's device), in every
+        plane and layer: one kernel for all of them."""
+        self.kv[:, :, :, dst, :, :length] = self.kv[:, :, :, src:src + 1, :, :length]
 
     def capacity_report(self) -> CapacityReport:
         planes, layers, _, slots, kv_heads, max_seq_len, head_dim = self.shape

@@ -22,6 +22,7 @@ import torch
 from caspo.rollout.base import SamplingParams
 from caspo.rollout.native.graphs import DecodeGraphs, SamplerGraphs, default_key_lengths, pick, smallest_holding
 from caspo.rollout.native.kv_cache import KVCache
+from caspo.rollout.native.prefix import SharedPrefix
 from caspo.rollout.native.prefix_groups import PrefixGroups, group_rows, members_per_group, worth_grouping
 from caspo.rollout.native.runner import Batch, Runner
 from caspo.rollout.native.scheduler import PrefillWave, PromptPiece, SequenceState
@@ -76,8 +77,7 @@ class ModelRunner:
     def prefill(self, plan: list[PrefillWave], seqs: list[SequenceState]) -> torch.Tensor:
         """Run the scheduler's prefill plan for the admitted `seqs`; returns their first logits [len(seqs), vocab]."""
         for wave in plan:
-            for seq, shared in wave.shares:
-                self.cache.copy_prefix(shared.slot, seq.slot, shared.length)
+            self._copy_shared_prefixes(wave.shares)
             exact = [(seq.slot, shared.slot) for seq, shared in wave.shares if shared.exact]
             if exact:  # a wave's donors are resident or earlier waves', never its own members: one copy
                 into, donors = self._tensors(*zip(*exact))
@@ -85,6 +85,20 @@ class ModelRunner:
             for pieces in wave.forwards:
                 self._forward_prompts(pieces)
         return self.runner.logits(self.prompt_hidden[self._tensor([s.slot for s in seqs])])
+
+    def _copy_shared_prefixes(self, shares: list[tuple[SequenceState, SharedPrefix]]) -> None:
+        """Each shared prefix into the slots of the prompts sharing it: one copy per donor slot and length (the G
+        samples of a prompt, the K continuations of a Monte Carlo state), not one per sharer."""
+        sharers: dict[tuple[int, int], list[int]] = {}
+        for seq, shared in shares:
+            sharers.setdefault((shared.slot, shared.length), []).append(seq.slot)
+        if not sharers:
+            return
+        slots = self._tensor([slot for group in sharers.values() for slot in group])  # one host-to-device copy
+        start = 0
+        for (donor, length), group in sharers.items():
+            self.cache.copy_prefix(donor, slots[start:start + len(group)], length)
+            start += len(group)
 
     def _forward_prompts(self, pieces: list[PromptPiece]) -> None:
         """One prefill forward of prompt pieces, padded to the longest; keeps the hidden state of finished prompts."""
