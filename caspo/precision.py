@@ -30,11 +30,16 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=compute_dtype(precision))
 
 
+def loss_scale(precision: str, scale: float = 128.0) -> float:
+    """The factor a loss is scaled by before its backward: `scale` under fp16, 1 otherwise."""
+    return scale if precision == "fp16" else 1.0
+
+
 class LossScaler:
     """A fixed loss scale for fp16 (1 otherwise); counts the steps skipped for overflow."""
 
     def __init__(self, precision: str, scale: float = 128.0):
-        self.scale = scale if precision == "fp16" else 1.0
+        self.scale = loss_scale(precision, scale)
         self.skipped_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,32 @@ def test_a_token_separable_loss_has_the_same_gradient_taken_in_the_forward(chunk
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_under_a_loss_scale_the_forward_takes_the_gradient_a_scaled_backward_would():
+    # fp16 with advantages so small that ∂L/∂z underflows in fp16 unless the loss scale is in it
+    hidden, weight, tokens = inputs(torch.float16, B=3, T=7, V=37)
+    advantages = 1e-6 * torch.randn(tokens.shape, generator=torch.Generator().manual_seed(2))
+    scale = 1024.0
+
+    def surrogate(logp):  # REINFORCE's term, token-mean: no clip zeroes a token's gradient
+        return -(advantages * logp).mean()
+
+    def scaled_gradients(way):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if way == "backward":
+            loss = surrogate(head_token_logprobs(h, w, tokens, 0.6, 4)[0])
+        else:
+            loss = head_token_loss(h, w, tokens, surrogate, 0.6, 4, grad_scale=scale if way == "forward" else 1.0)[0]
+        return torch.autograd.grad(scale * loss, (h, w))
+
+    recomputed, taken, unscaled = (scaled_gradients(way) for way in ("backward", "forward", "forward unscaled"))
+    assert (recomputed[0] != 0).float().mean() > 0.9
+    for got, want in zip(taken, recomputed):  # a power-of-two scale: the same roundings, bit for bit
+        assert torch.equal(got, want)
+    # unscaled, ∂L/∂z falls among fp16's subnormals (below 6.1e-5), coarsely rounded: the hidden states' gradient is off
+    error = (unscaled[0].float() - recomputed[0].float()).abs().max()
+    assert error > 0.25 * recomputed[0].float().abs().max()
+
+
 def test_a_loss_that_reads_other_tokens_needs_the_backward():
     # a sequence-level ratio: a token's gradient reads its row's other log-probs, which the forward does not
     # know yet when it takes the token's chunk (they stand at 0 there), so the two ways differ

@@ -52,7 +52,8 @@ def gradients(tr, batch, state, method, overrides: list[str], in_forward: bool):
         tr.policy.zero_grad(set_to_none=True)
         batch.update_ratios = torch.zeros_like(batch.response_mask)
         written = ("old_logprobs", "update_ratios") if batch.old_is_current else ("update_ratios",)  # as `update`
-        metrics = accumulate_gradients(tr.policy, batch, torch.arange(8), cfg, LossScaler("fp32"),
+        metrics = accumulate_gradients(tr.policy, batch, torch.arange(8), cfg,
+                                       LossScaler(cfg.train.precision, cfg.train.loss_scale),
                                        batch.responses.shape[1], actor_loss(method, state, batch.responses.shape[1]),
                                        written)
     finally:
@@ -107,13 +108,22 @@ def test_every_loss_row_of_the_methods_is_covered():
     assert sorted(SEPARABLE.values()) == ["dppo", "dppo_kl", "dppo_tv", "flow_dppo", "grpo"]
 
 
-def test_the_backward_recomputes_for_a_loss_not_token_separable_and_under_fp16():
+def test_the_backward_recomputes_for_a_loss_not_token_separable():
     sequence_level = PolicyLoss(lambda x, m: (x.logp.sum(-1).exp().mean(), {}))  # reads every token of a row
     grpo = get_method("grpo")
     cfg = load_config("tests")
     assert head_gradient_in_forward(grpo, cfg)
     assert not head_gradient_in_forward(dataclasses.replace(grpo, loss=sequence_level), cfg)
-    assert not head_gradient_in_forward(grpo, load_config("tests", ["train.precision=fp16"]))
+
+
+def test_under_fp16_the_gradient_taken_in_the_forward_carries_the_loss_scale(rollout):
+    tr, batch, state = rollout
+    grpo = get_method("grpo")
+    fp16 = ["train.precision=fp16", "train.loss_scale=1024"]  # a power of two: scaled products round alike
+    recomputed, _ = gradients(tr, batch, state, grpo, fp16, in_forward=False)
+    taken, _ = gradients(tr, batch, state, grpo, fp16, in_forward=True)
+    assert max(g.abs().max() for g in recomputed) > 0
+    assert all(torch.equal(a, b) for a, b in zip(taken, recomputed))
 
 
 def cuda_head_case(monkeypatch):

@@ -95,11 +95,14 @@ class _HeadTokenLoss(torch.autograd.Function):
 
         ∂L/∂z_i = g_i · (onehot(a_i) − p_i),   ∂L/∂h_i = (∂L/∂z_i) W / τ,   ∂L/∂W = Σ_i (∂L/∂z_i)ᵀ h_i / τ
 
-    The backward scales them by the incoming gradient: one [n, H] × [H, V] product a token fewer.
+    The backward scales them by the incoming gradient: one [n, H] × [H, V] product a token fewer. With a loss
+    scale s (fp16) the forward takes the gradient of s·L, so that its half-precision products are those of
+    a backward that receives s, and the backward divides s out of what it receives.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, token_loss, temperature, chunk_size, with_entropy, compile_backend):
+    def forward(ctx, hidden, weight, tokens, token_loss, temperature, chunk_size, with_entropy, compile_backend,
+                grad_scale):
         stats, grad_logits = _chunk_functions(compile_backend)
         dtype = _softmax_dtype(hidden.dtype)
         n = hidden.shape[0]
@@ -115,13 +118,17 @@ class _HeadTokenLoss(torch.autograd.Function):
                 entropy[rows] = chunk_entropy
             if grad_hidden is None and grad_weight is None:
                 continue
-            grad_z = grad_logits(logits, lse, tokens[rows], _rows_gradient(token_loss, logp, rows), temperature)
+            grad_logp = _rows_gradient(token_loss, logp, rows)
+            if grad_scale != 1.0:
+                grad_logp = grad_logp * grad_scale
+            grad_z = grad_logits(logits, lse, tokens[rows], grad_logp, temperature)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight
             if grad_weight is not None:
                 _add_weight_gradient(grad_weight, grad_z, hidden[rows])
         # kept on ctx, not saved: the backward scales them in place
         ctx.grad_hidden, ctx.grad_weight = grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
+        ctx.grad_scale = grad_scale
         ctx.mark_non_differentiable(logp, entropy)
         return token_loss(logp).detach(), logp, entropy
 
@@ -130,10 +137,11 @@ class _HeadTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         grad_hidden, grad_weight = ctx.grad_hidden, ctx.grad_weight
         ctx.grad_hidden = ctx.grad_weight = None
+        factor = grad_loss if ctx.grad_scale == 1.0 else grad_loss / ctx.grad_scale
         # this call's own buffers, scaled in place: no second copy of the weight's gradient
-        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(grad_loss)
-        grad_weight = None if grad_weight is None else grad_weight.mul_(grad_loss)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(factor)
+        grad_weight = None if grad_weight is None else grad_weight.mul_(factor)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _add_weight_gradient(grad_weight: torch.Tensor, grad_z: torch.Tensor, hidden_rows: torch.Tensor) -> None:
@@ -265,9 +273,12 @@ def head_token_loss(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     compile_backend: str | None = None,
+    grad_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(L, logp, entropy or None) for L = token_loss(logp), logp = `head_token_logprobs(...)`: L's value, and
     its gradient with respect to ``hidden`` and ``weight`` taken in the forward (`_HeadTokenLoss`).
+    ``grad_scale``: the loss scale the backward's incoming gradient carries (fp16's), by which the forward
+    scales its half-precision gradients, so that they underflow no more than a recomputing backward's.
 
     ``token_loss`` maps log-probs shaped like ``tokens`` to a scalar, and must be token-separable: its
     gradient at a token reads that token's log-prob only (a sum of per-token terms with weights fixed
@@ -281,7 +292,8 @@ def head_token_loss(
     flat = hidden.reshape(-1, hidden.shape[-1])
     loss, logp, entropy = _HeadTokenLoss.apply(flat, weight, tokens.reshape(-1).long(),
                                                lambda x: token_loss(x.view(tokens.shape)), float(temperature),
-                                               int(chunk_size), bool(with_entropy), compile_backend)
+                                               int(chunk_size), bool(with_entropy), compile_backend,
+                                               float(grad_scale))
     return loss, logp.view(tokens.shape), entropy.view(tokens.shape) if with_entropy else None
 
 

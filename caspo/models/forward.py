@@ -79,12 +79,13 @@ def hidden_logprobs(model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.
 
 def hidden_token_loss(model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
                       token_loss: Callable[[torch.Tensor], torch.Tensor], temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, grad_scale: float = 1.0
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(token_loss(logp), logp, entropy or None) through `model`'s head, chunked, the loss's gradient taken in the
-    forward (`caspo.algo.head_token_loss`: token_loss must be token-separable)."""
+    forward (`caspo.algo.head_token_loss`: token_loss must be token-separable; `grad_scale`: the loss scale)."""
     hidden, weight = as_compute(hidden, head_weight(model))
     return head_token_loss(hidden, weight, tokens, token_loss, temperature, LOGIT_CHUNK_TOKENS, with_entropy,
-                           compile_backend=head_compile_backend(model))
+                           compile_backend=head_compile_backend(model), grad_scale=grad_scale)
 
 
 def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:

@@ -21,7 +21,7 @@ from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.models.forward import hidden_kl, hidden_logprobs, hidden_token_loss, response_hidden
-from caspo.precision import LossScaler, autocast
+from caspo.precision import LossScaler, autocast, loss_scale
 from caspo.train import distributed, fsdp
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import Learner
@@ -70,7 +70,8 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
         return combined(*terms(logp)[:2])
 
     if head_gradient_in_forward(method, cfg):
-        loss, logp, entropy = hidden_token_loss(model, hidden, batch.responses, total, T, with_entropy=True)
+        loss, logp, entropy = hidden_token_loss(model, hidden, batch.responses, total, T, with_entropy=True,
+                                                grad_scale=loss_scale(cfg.train.precision, cfg.train.loss_scale))
         with torch.no_grad():
             pg_loss, kl_loss, metrics = terms(logp)
     else:
@@ -90,9 +91,9 @@ GRADIENT_IN_FORWARD = True
 
 def head_gradient_in_forward(method: "Method", cfg: Config) -> bool:
     """Whether the update takes the policy loss's gradient in the head's forward (`caspo.algo.head_token_loss`):
-    for a token-separable loss, except under fp16, whose loss scale must reach the head's half-precision
-    gradients, which that forward would compute unscaled."""
-    return GRADIENT_IN_FORWARD and method.loss.token_separable and cfg.train.precision != "fp16"
+    for a token-separable loss. Under fp16 that forward scales its gradients by the loss scale, as the
+    backward's would be."""
+    return GRADIENT_IN_FORWARD and method.loss.token_separable
 
 
 def actor_loss(method: "Method", state: MethodState, norm_len: int) -> LearnerLoss:
