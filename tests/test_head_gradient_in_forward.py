@@ -147,8 +147,10 @@ def cuda_head_case(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_on_cuda_under_bf16_autocast_with_the_compiled_head(monkeypatch):
-    """Under bf16 autocast over fp32 weights, with inductor's head: the same gradients both ways."""
+@pytest.mark.parametrize("precision,scale", [("bf16", 1.0), ("fp16", 1024.0)])
+def test_on_cuda_under_autocast_with_the_compiled_head(monkeypatch, precision, scale):
+    """Under bf16 (fp16 with its loss scale) autocast over fp32 weights, with inductor's head: the same
+    gradients both ways."""
     from caspo.models.forward import hidden_logprobs, hidden_token_loss, response_hidden
     from caspo.precision import autocast
 
@@ -156,20 +158,20 @@ def test_on_cuda_under_bf16_autocast_with_the_compiled_head(monkeypatch):
     runs = []
     for in_forward in (False, True):
         model.zero_grad(set_to_none=True)
-        with autocast("bf16", torch.device("cuda")):
+        with autocast(precision, torch.device("cuda")):
             hidden = response_hidden(model, batch)
             if in_forward:
-                loss, logp, _ = hidden_token_loss(model, hidden, batch.responses, token_loss, 0.7)
+                loss, logp, _ = hidden_token_loss(model, hidden, batch.responses, token_loss, 0.7, grad_scale=scale)
             else:
                 logp = hidden_logprobs(model, hidden, batch.responses, 0.7)[0]
                 loss = token_loss(logp)
-        loss.backward()
+        (scale * loss).backward()
         runs.append((loss.detach(), logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss_b, logp_b, grads_b), (loss_f, logp_f, grads_f) = runs
     assert torch.equal(logp_f, logp_b) and torch.equal(loss_f, loss_b)  # the same forward
     assert max(g.abs().max() for g in grads_b.values()) > 0
     for name, grad in grads_b.items():  # the same products, from the forward's logits instead of recomputed ones
-        torch.testing.assert_close(grads_f[name], grad, atol=1e-6, rtol=1.6e-2, msg=name)
+        torch.testing.assert_close(grads_f[name], grad, atol=1e-6 * scale, rtol=1.6e-2, msg=name)
 
 
 @pytest.mark.gpu
