@@ -139,34 +139,49 @@ class RolloutBatch:
         return replace(self, **out)
 
     def micro_batches(self, size: int, rows: torch.Tensor | None = None, max_tokens: int = 0):
-        """(row indices, the selected micro-batch) over `rows` (default: every row).
-
-        max_tokens = 0: consecutive chunks of `size` rows. max_tokens > 0: the rows sorted by
-        length, longest first, packed so that each micro-batch's padded frame (rows × (longest
-        prompt + longest response)) holds at most max_tokens, and at most `size` rows; a row
-        longer than max_tokens goes alone.
-        """
+        """(row indices, the selected micro-batch) over `rows` (default: every row), as `plan_micro_batches`
+        splits them."""
         rows = torch.arange(self.size) if rows is None else rows
         # the lengths read once: no host sync between micro-batches, so the next one is queued while one runs
         prompt_lengths = self.attention_mask[rows, :self.prompt_width].sum(-1).tolist()
         response_lengths = self.response_mask[rows].sum(-1).tolist()
+        for chunk in plan_micro_batches(prompt_lengths, response_lengths, size, max_tokens):
+            frame = int(max(prompt_lengths[i] for i in chunk)), int(max(response_lengths[i] for i in chunk))
+            yield rows[chunk], self.select(rows[chunk], frame)
 
-        def frame(chunk: list[int]) -> tuple[int, int]:
-            return int(max(prompt_lengths[i] for i in chunk)), int(max(response_lengths[i] for i in chunk))
 
-        if not max_tokens:
-            for start in range(0, len(rows), size):
-                chunk = list(range(start, min(start + size, len(rows))))
-                yield rows[chunk], self.select(rows[chunk], frame(chunk))
-            return
-        order = sorted(range(len(rows)), key=lambda i: -(prompt_lengths[i] + response_lengths[i]))
-        chunk, widest_prompt, widest_response = [], 0, 0
+def plan_micro_batches(prompt_lengths: Sequence[int], response_lengths: Sequence[int], size: int,
+                       max_tokens: int = 0) -> list[list[int]]:
+    """The micro-batches of rows with these lengths, as lists of positions.
+
+    max_tokens = 0: consecutive chunks of `size` rows. max_tokens > 0: the rows sorted by length, longest
+    first, packed so that each micro-batch's padded frame (rows × (longest prompt + longest response))
+    holds at most max_tokens, and at most `size` rows; a row longer than max_tokens goes alone.
+
+    A last micro-batch of one row takes the last row of the one before it, where that one keeps two rows or
+    more and both stay within the bounds: compiled blocks build a graph of their own for a single row
+    (`caspo.models.policy.compile_blocks`), which a run would otherwise compile whenever a step's rows leave
+    one over. The loss is normalised over the minibatch, so the split changes no gradient beyond rounding.
+    """
+    def frame(chunk: list[int]) -> int:
+        return max(prompt_lengths[i] for i in chunk) + max(response_lengths[i] for i in chunk)
+
+    count = len(prompt_lengths)
+    if not max_tokens:
+        chunks = [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+    else:
+        order = sorted(range(count), key=lambda i: -(prompt_lengths[i] + response_lengths[i]))
+        chunks, widest_prompt, widest_response = [], 0, 0
         for i in order:
             p, r = max(widest_prompt, prompt_lengths[i]), max(widest_response, response_lengths[i])
-            if chunk and (len(chunk) == size or (len(chunk) + 1) * (p + r) > max_tokens):
-                yield rows[chunk], self.select(rows[chunk], frame(chunk))
-                chunk, p, r = [], prompt_lengths[i], response_lengths[i]
-            chunk.append(i)
+            if chunks and len(chunks[-1]) < size and (len(chunks[-1]) + 1) * (p + r) <= max_tokens:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+                p, r = prompt_lengths[i], response_lengths[i]
             widest_prompt, widest_response = p, r
-        if chunk:
-            yield rows[chunk], self.select(rows[chunk], frame(chunk))
+    if len(chunks) > 1 and len(chunks[-1]) == 1 and len(chunks[-2]) > 2 and size > 1:
+        last = [chunks[-2][-1], *chunks[-1]]
+        if not max_tokens or 2 * frame(last) <= max_tokens:
+            chunks[-2:] = [chunks[-2][:-1], last]
+    return chunks

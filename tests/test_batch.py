@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from caspo.batch import RolloutBatch
+from caspo.batch import RolloutBatch, plan_micro_batches
 from caspo.rollout.base import Completion
 
 
@@ -82,3 +82,37 @@ def test_micro_batches_read_lengths_once_and_give_what_select_gives(max_tokens, 
     monkeypatch.setattr(torch.Tensor, "__int__", lambda self: reads.append(1) or original(self))
     list(batch.micro_batches(2, torch.tensor([2, 0, 1]), max_tokens))
     assert reads == []  # select was given each frame: no per-micro-batch read of the lengths
+
+
+def test_a_last_micro_batch_of_one_row_takes_a_row_from_the_one_before():
+    # a compiled block builds a graph of its own for one row: the split avoids one where it can
+    assert plan_micro_batches([1] * 9, [1] * 9, 4) == [[0, 1, 2, 3], [4, 5, 6], [7, 8]]
+    assert plan_micro_batches([1] * 5, [1] * 5, 2) == [[0, 1], [2, 3], [4]]  # the one before would keep one
+    assert plan_micro_batches([1] * 4, [1] * 4, 1) == [[0], [1], [2], [3]]
+    # packed: frames of 5, 4, 4, 3 tokens (prompt 1 + response) in a budget of 12: [0, 1] and [2, 3] fit, as
+    # [0, 1, 2] would not (3 × 5); a budget of 15 packs three rows, leaving row 3 alone: it takes row 2
+    responses = [4, 3, 3, 2]
+    assert plan_micro_batches([1] * 4, responses, 8, max_tokens=12) == [[0, 1], [2, 3]]
+    assert plan_micro_batches([1] * 4, responses, 8, max_tokens=15) == [[0, 1], [2, 3]]
+    # rows of frames 5, 5, 5 and one whose long prompt makes a pair with row 2 wider than the budget
+    assert plan_micro_batches([1, 1, 1, 4], [4, 4, 4, 0], 8, max_tokens=15) == [[0, 1, 2], [3]]
+
+
+def test_the_split_keeps_every_row_once_within_its_bounds():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        count = int(torch.randint(1, 40, (1,), generator=gen))
+        prompts = torch.randint(1, 20, (count,), generator=gen).tolist()
+        responses = torch.randint(0, 60, (count,), generator=gen).tolist()
+        size = int(torch.randint(1, 9, (1,), generator=gen))
+        budget = int(torch.randint(0, 400, (1,), generator=gen)) if trial % 2 else 0
+        chunks = plan_micro_batches(prompts, responses, size, budget)
+        assert sorted(i for chunk in chunks for i in chunk) == list(range(count))
+        for chunk in chunks:
+            frame = max(prompts[i] for i in chunk) + max(responses[i] for i in chunk)
+            assert len(chunk) <= size and (len(chunk) == 1 or not budget or len(chunk) * frame <= budget)
+        if not budget:
+            assert [i for chunk in chunks for i in chunk] == list(range(count))  # consecutive, in order
+        if len(chunks) > 1 and len(chunks[-1]) == 1 and len(chunks[-2]) > 2 and size > 1:
+            pair = [chunks[-2][-1], chunks[-1][0]]  # left alone only where the pair would not fit
+            assert budget and 2 * (max(prompts[i] for i in pair) + max(responses[i] for i in pair)) > budget

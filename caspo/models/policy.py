@@ -149,7 +149,8 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
     the first new length, then the first new row count, each compile the block again, mid-run.) Sizes are
     not unified ("duck sizing", off for the whole process): it would take a first micro-batch whose row count
     or length equals one of the model's sizes (a length of 1,536 at Qwen2.5-1.5B's width) as that fixed size,
-    and compile again at the next. A micro-batch of one row still gets a graph of its own. Dynamo may build up
+    and compile again at the next. A micro-batch of one row still gets a graph of its own; the trainer's
+    micro-batches avoid one where they can (`caspo.batch.plan_micro_batches`). Dynamo may build up
     to BLOCK_GRAPH_LIMIT graphs of one code object, for the whole process too (its default is 8)."""
     from torch.fx.experimental import _config as shapes_config
 
