@@ -31,6 +31,21 @@ def test_blocks_split_as_tensor_split_and_cover_every_item():
     assert [list(distributed.block(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
 
 
+def test_a_rank_with_fewer_micro_batches_runs_stand_ins_of_two_rows(monkeypatch):
+    from test_batch import make_batch
+
+    from caspo.train import fsdp
+
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    monkeypatch.setattr(distributed, "all_max", lambda count: count + 2)  # another rank has two more
+    batch = make_batch()
+    chunks = list(fsdp.micro_batches(batch, torch.tensor([1, 2]), 2))
+    assert [(idx.tolist(), real) for idx, _, real in chunks] == [([1, 2], True), ([1, 1], False), ([1, 1], False)]
+    assert all(micro.size == 2 for _, micro, _ in chunks)  # compiled blocks would build a graph for one row
+    empty = list(fsdp.micro_batches(batch, torch.tensor([], dtype=torch.long), 2))
+    assert [(idx.tolist(), real) for idx, _, real in empty] == [([0, 0], False), ([0, 0], False)]
+
+
 def test_one_process_joins_no_group_and_keeps_its_config(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = load_config("tests")

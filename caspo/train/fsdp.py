@@ -125,8 +125,9 @@ def rebuild(lr: Learner, model: torch.nn.Module) -> Learner:
 def micro_batches(batch: RolloutBatch, rows: torch.Tensor, size: int,
                   max_tokens: int = 0) -> Iterator[tuple[torch.Tensor, RolloutBatch, bool]]:
     """(row indices, micro-batch, real) over `rows`, as `RolloutBatch.micro_batches`; with several ranks,
-    padded with stand-ins (real = False: one row, its loss to be multiplied by 0) up to the largest count
-    of any rank, since every FSDP forward and backward is a collective."""
+    padded with stand-ins (real = False: a row twice, its loss to be multiplied by 0; two rows, as compiled
+    blocks would build a graph of their own for one) up to the largest count of any rank, since every FSDP
+    forward and backward is a collective."""
     if not distributed.active():
         for idx, micro in batch.micro_batches(size, rows, max_tokens):
             yield idx, micro, True
@@ -135,7 +136,7 @@ def micro_batches(batch: RolloutBatch, rows: torch.Tensor, size: int,
     extra = distributed.all_max(len(chunks)) - len(chunks)
     for idx, micro in chunks:
         yield idx, micro, True
-    stand_in = rows[:1] if len(rows) else torch.zeros(1, dtype=torch.long)
+    stand_in = (rows[:1] if len(rows) else torch.zeros(1, dtype=torch.long)).repeat(2)
     for _ in range(extra):
         yield stand_in, batch.select(stand_in), False
 
