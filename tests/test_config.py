@@ -180,6 +180,7 @@ def test_config_is_the_bottom_layer():
     ("eval.top_p=1.5", r"eval.top_p must be in \(0, 1\], got 1.5"),
     ("data.heldout_fraction=-0.1", r"data.heldout_fraction must be in \(0, 1\), or 0 \(off\), got -0.1"),
     ("rollout.admit_batch=-1", r"rollout.admit_batch must be >= 0 \(0 = a sixteenth of the running slots\)"),
+    ("method.vineppo_context_tokens=-1", r"method.vineppo_context_tokens must be >= 0"),
 ])
 def test_out_of_range_values_name_the_key_and_the_range(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -191,6 +192,21 @@ def test_out_of_range_values_name_the_key_and_the_range(override, message):
                                       "method.caspo.refresh_state_temperature=0"])
 def test_edge_values_that_mean_something_are_accepted(override):
     load_config("tests", [override])
+
+
+def test_vineppo_context_holds_a_rollout_and_sizes_the_engine_for_its_continuations():
+    from caspo.rollout.factory import max_seq_len
+
+    cfg = load_config("tests")
+    rollout = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    with pytest.raises(ConfigError, match=f"vineppo_context_tokens={rollout - 1} is shorter than a rollout"):
+        load_config("tests", [f"method.vineppo_context_tokens={rollout - 1}"])
+    assert max_seq_len(cfg) == rollout  # (eval's budget is not longer in this preset)
+    # a continuation from a whole response's prefix may add a response more, up to the context
+    wide = load_config("tests", [f"method.vineppo_context_tokens={rollout + 5}"])
+    assert max_seq_len(wide) == rollout + 5
+    huge = load_config("tests", [f"method.vineppo_context_tokens={10 * rollout}"])
+    assert max_seq_len(huge) == rollout + cfg.rollout.max_new_tokens
 
 
 def schema_numbers(cls, prefix: str = "") -> set[str]:

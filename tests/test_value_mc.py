@@ -6,6 +6,7 @@ import torch
 from caspo.rollout.base import Completion, SamplingParams
 from caspo.train.monte_carlo import (
     Prefix,
+    continuation_budget,
     continuation_seed,
     estimate_prefixes,
     mc_step_values,
@@ -88,6 +89,21 @@ def test_budget_is_what_the_response_had_left_and_length_hits_score_zero():
     assert sorted({r.max_new_tokens for r in engine.requests}) == [9, 12]  # 12 - 3 after step 0, 12 at the prompt
     assert seen == [True, False] * 4
     assert out.values.tolist() == [[0.5, 0.5]]
+
+
+def test_under_a_context_a_continuation_takes_upstreams_budget():
+    # upstream VinePPO: min(max_new_tokens, context - prompt - prefix); a late prefix may pass the response budget
+    engine = ScriptedEngine()
+    mc_step_values(engine, [[50, 51]], [[2, 3, 4, 5, 6, 7]], [[0, 2, 5]], ["a"], k=2, sampling=SAMPLING,
+                   max_new_tokens=6, seed_fn=lambda key, j: j, scorer=scorer, decode=decode, context_tokens=11)
+    budgets = {len(r.prompt_ids) - 2: r.max_new_tokens for r in engine.requests}  # by the prefix's length
+    assert budgets == {0: 6, 2: 6, 5: 4}  # min(6, 11 - 2 - 0), min(6, 11 - 2 - 2), min(6, 11 - 2 - 5)
+    # what the response had left instead: 6, 4 and 1
+    assert continuation_budget(Prefix((50, 51), (2, 3), "a"), 6) == 4
+    assert continuation_budget(Prefix((50, 51), (2, 3, 4, 5, 6), "a"), 6) == 1
+    with pytest.raises(ValueError, match="leaves no room in a context of 7"):
+        estimate_prefixes(ScriptedEngine(), [Prefix((50, 51), (2, 3, 4, 5, 6), "a")], k=1, sampling=SAMPLING,
+                          max_new_tokens=6, seed_fn=lambda key, j: j, scorer=scorer, decode=decode, context_tokens=7)
 
 
 def test_shape_mask_and_no_value_after_the_last_step():

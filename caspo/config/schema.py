@@ -220,6 +220,10 @@ class MethodConfig:
     max_steps: int = 0  # 0 = no cap
     after_final_box: Literal["keep", "merge"] = "keep"
     vineppo_k: int = 9  # Monte Carlo continuations per step boundary
+    # vineppo: a continuation's token budget. 0: what the response had left (rollout.max_new_tokens − prefix),
+    # so it ends where the sampled response would have been cut. N > 0: upstream VinePPO's
+    # min(rollout.max_new_tokens, N − prompt − prefix), N its model context (2048 for Rho-1B)
+    vineppo_context_tokens: int = 0
     # vineppo / caspo: step advantages standardised over the "batch" (the seed's standardize_advantage_scope:
     # batch), within each prompt's "group" of samples, or "off"; vineppo over tokens, caspo over valid steps
     step_adv_scope: Literal["batch", "group", "off"] = "batch"

@@ -114,6 +114,7 @@ RANGES: dict[str, Range] = {
     "method.gate_threshold": POSITIVE,
     "method.max_steps": at_least(0, "0 = no cap"),
     "method.vineppo_k": COUNT,
+    "method.vineppo_context_tokens": at_least(0, "0 = the response's remaining budget"),
     "method.dppo_delta_low": at_least(0),
     "method.dppo_delta_high": at_least(0),
     "method.dppo_ratio_cap": at_least(1),
@@ -267,6 +268,11 @@ def validate_shapes(cfg: Config) -> None:
         raise ConfigError(f"sft.hidden={s.hidden} must be a multiple of sft.heads={s.heads}")
     if m.iw_low > m.iw_high:
         raise ConfigError(f"method.iw_low={m.iw_low} must be <= method.iw_high={m.iw_high}")
+    rollout_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if 0 < m.vineppo_context_tokens < rollout_tokens:
+        raise ConfigError(f"method.vineppo_context_tokens={m.vineppo_context_tokens} is shorter than a rollout "
+                          f"(data.max_prompt_tokens + rollout.max_new_tokens = {rollout_tokens}); raise it to at "
+                          f"least {rollout_tokens}, or set 0")
 
 
 def validate_refresh(m: MethodConfig) -> None:

@@ -24,7 +24,14 @@ def sampling_params(cfg: Config, tokenizer, policy: torch.nn.Module | None = Non
 
 
 def max_seq_len(cfg: Config) -> int:
-    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    """The engine's longest sequence: a prompt and the longer of the rollout and eval budgets, or, with
+    `method.vineppo_context_tokens` set, VinePPO's longest continuation (a prefix of up to a whole response,
+    then up to rollout.max_new_tokens more, within that context)."""
+    longest = cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if cfg.method.vineppo_context_tokens:
+        continuation = cfg.data.max_prompt_tokens + 2 * cfg.rollout.max_new_tokens
+        longest = max(longest, min(cfg.method.vineppo_context_tokens, continuation))
+    return longest
 
 
 def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: int):

@@ -85,12 +85,26 @@ def step_start_indices(token_step_ids: Sequence[int]) -> list[int]:
     return starts
 
 
+def continuation_budget(prefix: Prefix, max_new_tokens: int, context_tokens: int = 0) -> int:
+    """The tokens a continuation of `prefix` may generate, for rollouts of ``max_new_tokens``.
+
+        context_tokens = 0:  max_new_tokens − |response|, what the response had left: the continuation ends
+                             where the sampled response would have been cut, so V(s) is the return of the
+                             episodes being trained on
+        context_tokens = N:  min(max_new_tokens, N − |prompt| − |response|), upstream VinePPO's (its node
+                             expander's model_context_size): a late prefix may run past the rollouts' budget
+    """
+    if not context_tokens:
+        return max_new_tokens - len(prefix.response)
+    return min(max_new_tokens, context_tokens - len(prefix.prompt) - len(prefix.response))
+
+
 def estimate_prefixes(engine, prefixes: Sequence[Prefix], *, k: int, sampling: SamplingParams,
                       max_new_tokens: int, seed_fn: SeedFn, scorer: Scorer, decode: Decode,
-                      score_while_generating: bool = False) -> PrefixEstimates:
+                      score_while_generating: bool = False, context_tokens: int = 0) -> PrefixEstimates:
     """Mean reward of ``k`` continuations of every prefix, each distinct prefix estimated once.
 
-    A continuation may use ``max_new_tokens − len(prefix.response)`` tokens; one whose
+    A continuation may use ``continuation_budget(prefix, max_new_tokens, context_tokens)`` tokens; one whose
     finish reason is "length" scores 0 whatever the scorer says. With ``score_while_generating``
     the scorer runs on a thread (`ScoringThread`), on the continuations finished so far, while the
     engine generates the others; the scorer must then be callable from another thread (a
@@ -105,12 +119,13 @@ def estimate_prefixes(engine, prefixes: Sequence[Prefix], *, k: int, sampling: S
         if seen.label != prefix.label:
             raise ValueError(f"one prefix with two labels ({seen.label!r}, {prefix.label!r}): the same prompt "
                              "appears with different answers")
-        if len(prefix.response) >= max_new_tokens:
-            raise ValueError(f"a prefix of {len(prefix.response)} response tokens leaves no room in a budget of "
-                             f"{max_new_tokens}; values are only estimated before a response's last step")
+        if continuation_budget(prefix, max_new_tokens, context_tokens) < 1:
+            room = f"a context of {context_tokens}" if context_tokens else f"a budget of {max_new_tokens}"
+            raise ValueError(f"a prefix of {len(prefix.prompt)} prompt and {len(prefix.response)} response tokens "
+                             f"leaves no room in {room}; values are only estimated before a response's last step")
     order = list(unique)
     requests = [Request(list(unique[key].prompt) + list(unique[key].response), seed_fn(key, j),
-                        max_new_tokens - len(unique[key].response))
+                        continuation_budget(unique[key], max_new_tokens, context_tokens))
                 for key in order for j in range(k)]
 
     def scored_call(i: int, completion: Completion) -> tuple[str, str, bool]:
@@ -141,13 +156,13 @@ def estimate_prefixes(engine, prefixes: Sequence[Prefix], *, k: int, sampling: S
 def mc_step_values(engine, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                    step_starts: Sequence[Sequence[int]], labels: Sequence[str], *, k: int = 9,
                    sampling: SamplingParams, max_new_tokens: int, seed_fn: SeedFn, scorer: Scorer,
-                   decode: Decode, score_while_generating: bool = False) -> MCValues:
+                   decode: Decode, score_while_generating: bool = False, context_tokens: int = 0) -> MCValues:
     """VinePPO step values of a batch of responses, ``[B, S]`` with S the most steps of any response.
 
     ``step_starts[b]`` are the token indices where the steps of response b start (0
     first, increasing, inside the response); ``max_new_tokens`` is the response budget
-    of the rollout. ``values[b, j]`` is V(s_j), the state before step j. ``score_while_generating``: as
-    `estimate_prefixes`.
+    of the rollout. ``values[b, j]`` is V(s_j), the state before step j. ``score_while_generating`` and
+    ``context_tokens``: as `estimate_prefixes`.
     """
     if not len(prompts) == len(responses) == len(step_starts) == len(labels):
         raise ValueError(f"lengths differ: {len(prompts)} prompts, {len(responses)} responses, "
@@ -165,7 +180,7 @@ def mc_step_values(engine, prompts: Sequence[Sequence[int]], responses: Sequence
         return MCValues(values, mask, 0, 0, 0)
     est = estimate_prefixes(engine, prefixes, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
                             seed_fn=seed_fn, scorer=scorer, decode=decode,
-                            score_while_generating=score_while_generating)
+                            score_while_generating=score_while_generating, context_tokens=context_tokens)
     for (b, j), mean in zip(where, est.means):
         values[b, j], mask[b, j] = mean, 1.0
     return MCValues(values, mask, est.unique, est.requests, est.tokens, est.generate_s, est.score_s)

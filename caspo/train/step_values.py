@@ -72,6 +72,7 @@ class MonteCarloValues(MethodState):
         mc = mc_step_values(
             tr.engine, batch.prompt_ids, responses, starts, batch.labels, k=cfg.method.vineppo_k,
             sampling=tr.sampling, max_new_tokens=cfg.rollout.max_new_tokens,
+            context_tokens=cfg.method.vineppo_context_tokens,
             seed_fn=partial(continuation_seed, cfg.train.seed, tr.step),
             scorer=lambda texts, labels, finished: tr.pool.score(texts, labels, finished).rewards,
             decode=partial(tr.tokenizer.decode, skip_special_tokens=True),
