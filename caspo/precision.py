@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,12 +47,14 @@ class LossScaler:
         return loss * self.scale if self.scale != 1.0 else loss
 
     def unscale_and_check(self, params) -> bool:
-        """Divide gradients by the scale; False (and the step counted as skipped) if any is not finite."""
+        """Divide gradients by the scale; False (and the step counted as skipped) if any is not finite.
+        Sharded gradients are checked on this process's shards; the check waits for the device once."""
         grads = [p.grad for p in params if p.grad is not None]
         if self.scale != 1.0:
             for g in grads:
                 g.div_(self.scale)
-        finite = all(torch.isfinite(g).all() for g in grads)
+        shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        finite = not shards or bool(torch.stack([torch.isfinite(g).all() for g in shards]).all())
         if not finite:
             self.skipped_steps += 1
         return bool(finite)

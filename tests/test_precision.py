@@ -81,3 +81,34 @@ def test_loss_scaler_is_identity_outside_fp16():
     scaler = LossScaler("bf16", 128.0)
     assert scaler.scale == 1.0
     assert LossScaler("fp16", 128.0).scale == 128.0
+
+
+def test_unscale_divides_every_gradient_and_flags_any_non_finite_one():
+    scaler = LossScaler("fp16", 4.0)
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    for p, g in zip(params, ([4.0, 8.0, -2.0], [1.0, 0.0, 2.0], [0.5, 0.25, 12.0])):
+        p.grad = torch.tensor(g)
+    assert scaler.unscale_and_check(params) and scaler.skipped_steps == 0
+    assert params[0].grad.tolist() == [1.0, 2.0, -0.5] and params[2].grad.tolist() == [0.125, 0.0625, 3.0]
+    params[1].grad[2] = float("inf")
+    assert not scaler.unscale_and_check(params) and scaler.skipped_steps == 1
+
+
+def test_a_sharded_gradient_is_checked_on_its_local_shard():
+    """FSDP2's gradients are DTensors: each process checks its own shard (the ranks then agree on skipping)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        param = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(torch.tensor([2.0, 4.0, 6.0, 8.0]), mesh, [Shard(0)])
+        scaler = LossScaler("fp16", 2.0)
+        assert scaler.unscale_and_check([param])
+        assert param.grad.to_local().tolist() == [1.0, 2.0, 3.0, 4.0]
+        param.grad.to_local()[1] = float("nan")
+        assert not scaler.unscale_and_check([param]) and scaler.skipped_steps == 1
+    finally:
+        dist.destroy_process_group()
