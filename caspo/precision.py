@@ -36,6 +36,13 @@ def loss_scale(precision: str, scale: float = 128.0) -> float:
     return scale if precision == "fp16" else 1.0
 
 
+def all_finite(tensors) -> bool:
+    """Whether every entry of `tensors` is finite (of a sharded DTensor, this process's shard), read from the
+    device once."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return not local or bool(torch.stack([torch.isfinite(t).all() for t in local]).all())
+
+
 class LossScaler:
     """A fixed loss scale for fp16 (1 otherwise); counts the steps skipped for overflow."""
 
@@ -48,16 +55,15 @@ class LossScaler:
 
     def unscale_and_check(self, params) -> bool:
         """Divide gradients by the scale; False (and the step counted as skipped) if any is not finite.
-        Sharded gradients are checked on this process's shards; the check waits for the device once."""
+        Sharded gradients are checked on this process's shards."""
         grads = [p.grad for p in params if p.grad is not None]
         if self.scale != 1.0:
             for g in grads:
                 g.div_(self.scale)
-        shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        finite = not shards or bool(torch.stack([torch.isfinite(g).all() for g in shards]).all())
+        finite = all_finite(grads)
         if not finite:
             self.skipped_steps += 1
-        return bool(finite)
+        return finite
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "skipped_steps": self.skipped_steps}

@@ -27,6 +27,7 @@ from caspo.config import Config, ConfigError, to_yaml
 from caspo.eval.benchmarks import load_suites
 from caspo.methods import resolve_method
 from caspo.models.policy import resolve_device
+from caspo.precision import all_finite
 from caspo.report.curves import plot_run
 from caspo.report.timing import write_timing
 from caspo.report.trackers import RunRecords, build_trackers, check_loggers
@@ -275,7 +276,7 @@ def batch_histograms(batch: RolloutBatch) -> dict[str, torch.Tensor]:
 
 
 def weights_finite(tr: Trainer) -> bool:
-    finite = all(bool(torch.isfinite(p).all()) for p in tr.policy.parameters())  # this rank's shards
+    finite = all_finite(tr.policy.parameters())  # this rank's shards
     return not distributed.any_rank(not finite)
 
 
