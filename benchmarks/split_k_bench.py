@@ -1,0 +1,147 @@
+"""A decode step's down (and output) projection as a Triton split-K GEMM whose reduction also takes the residual
+add and the next RMSNorm, against what the native engine runs: cuBLAS (which splits K itself for these
+skinny shapes, then reduces in a kernel of its own) followed by the engine's compiled `add_rms_norm`.
+
+At 256 rows the down projection's 256 × 1,536 output has 24 tiles of 128 × 128 for 132 SMs, so the K
+dimension (8,960) must be split to fill the card. Here each program sums one span of K for one tile into
+float32 partials, and one program per row adds the partials, rounds the sum to the activations' dtype (as a
+GEMM's output is rounded), adds it to the residual stream and normalises the result: the three kernels
+after the GEMM's main loop become one. Each tile and split configuration in CONFIGS is timed as CUDA-graph
+replays cycling over --copies weight copies (weights from HBM, as in a step), with the largest difference
+from the engine's outputs. CUDA only; tests/test_split_k_bench.py checks the kernels in Triton's interpreter.
+
+    python benchmarks/split_k_bench.py --rows 256,960 --out benchmarks/results.jsonl --commit $COMMIT
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime, timezone
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# (rows a tile, columns a tile, K a loop step, splits of K, warps, pipeline stages)
+CONFIGS = [(128, 128, 64, 4, 8, 4), (128, 128, 64, 6, 8, 4), (128, 128, 64, 8, 8, 3), (128, 128, 128, 5, 8, 3),
+           (64, 128, 64, 3, 4, 4), (64, 128, 64, 4, 4, 4), (64, 128, 128, 3, 4, 3), (128, 64, 64, 3, 4, 4),
+           (64, 64, 64, 2, 4, 4), (64, 64, 128, 2, 4, 3)]
+
+
+@triton.jit
+def _partials_kernel(X, W, Partials, rows, cols, depth, stride_x, stride_w, k_span,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Partials[split, m, n] = Σ_{k in split's span} X[m, k] · W[n, k], in float32."""
+    tile, split = tl.program_id(0), tl.program_id(1)
+    tiles_n = tl.cdiv(cols, BLOCK_N)
+    m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    start = split * k_span
+    for k0 in range(start, tl.minimum(start + k_span, depth), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(X + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < rows) & (k[None, :] < depth),
+                    other=0.0)
+        b = tl.load(W + n[None, :] * stride_w + k[:, None], mask=(n[None, :] < cols) & (k[:, None] < depth),
+                    other=0.0)
+        acc += tl.dot(a, b)
+    tl.store(Partials + (split * rows + m[:, None]) * cols + n[None, :], acc,
+             mask=(m[:, None] < rows) & (n[None, :] < cols))
+
+
+@triton.jit
+def _reduce_add_norm_kernel(Partials, Residual, Weight, Out, Normed, rows, cols, eps,
+                            SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Out = Residual + round(Σ_split Partials); Normed = Weight · round(Out / rms(Out)), as `_rms_norm` rounds."""
+    row = tl.program_id(0)
+    n = tl.arange(0, BLOCK)
+    inside = n < cols
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in range(SPLITS):
+        acc += tl.load(Partials + (split * rows + row) * cols + n, mask=inside, other=0.0)
+    dtype = Residual.dtype.element_ty
+    x = (tl.load(Residual + row * cols + n, mask=inside, other=0.0).to(tl.float32)
+         + acc.to(dtype).to(tl.float32)).to(dtype)
+    xf = x.to(tl.float32)
+    inverse_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / cols + eps)
+    normed = (xf * inverse_rms).to(dtype)
+    weight = tl.load(Weight + n, mask=inside, other=0.0)
+    tl.store(Out + row * cols + n, x, mask=inside)
+    tl.store(Normed + row * cols + n, (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=inside)
+
+
+def split_k_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float, config: tuple = CONFIGS[0]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x Wᵀ, rms_norm(residual + x Wᵀ)) with the GEMM split over K, as the engine's
+    `add_rms_norm(residual, F.linear(x, weight), norm_weight, eps)` gives them up to the GEMM's summation order."""
+    block_m, block_n, block_k, splits, warps, stages = config
+    (rows, depth), cols = x.shape, weight.shape[0]
+    k_span = triton.cdiv(triton.cdiv(depth, splits), block_k) * block_k
+    splits = triton.cdiv(depth, k_span)  # no empty split
+    partials = torch.empty(splits, rows, cols, dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
+    _partials_kernel[(tiles, splits)](x, weight, partials, rows, cols, depth, x.stride(0), weight.stride(0), k_span,
+                                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                      num_stages=stages)
+    out, normed = torch.empty_like(residual), torch.empty_like(residual)
+    _reduce_add_norm_kernel[(rows,)](partials, residual, norm_weight, out, normed, rows, cols, eps, SPLITS=splits,
+                                     BLOCK=triton.next_power_of_2(cols), num_warps=8 if cols > 1024 else 4)
+    return out, normed
+
+
+def main() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _common import append_result, print_table
+    from decode_attention_bench import graph_ms
+
+    from caspo.rollout.native.runner import add_rms_norm
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="256,960", help="rows of a decode step, comma-separated")
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--intermediate", type=int, default=8960)
+    parser.add_argument("--gemms", default="down,o", help="down (intermediate -> hidden), o (hidden -> hidden)")
+    parser.add_argument("--copies", type=int, default=4, help="weight copies cycled through, to defeat L2")
+    parser.add_argument("--calls", type=int, default=28, help="calls captured in one CUDA graph")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--commit", default="")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark times CUDA kernels; run it on a CUDA device")
+    torch.manual_seed(0)
+    record = {"benchmark": "split_k", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "card": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
+    depths = {"down": args.intermediate, "o": args.hidden}
+    eps, table = 1e-6, []
+    for m in (int(r) for r in args.rows.split(",")):
+        for gemm in args.gemms.split(","):
+            k, n = depths[gemm], args.hidden
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            norm_weight = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(args.copies)]
+            want = add_rms_norm(residual, F.linear(x, weights[0]), norm_weight, eps)
+            engine_ms = graph_ms(lambda i: add_rms_norm(residual, F.linear(x, weights[i]), norm_weight, eps),  # noqa: B023
+                                 args.copies, args.calls, args.replays)
+            rows = [["cuBLAS + add_rms_norm", f"{engine_ms * 1e3:.1f}", "1.00", "0"]]
+            for config in CONFIGS:
+                got = split_k_add_rms_norm(x, weights[0], residual, norm_weight, eps, config)
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+                ms = graph_ms(lambda i: split_k_add_rms_norm(x, weights[i], residual, norm_weight, eps, config),  # noqa: B023
+                              args.copies, args.calls, args.replays)
+                rows.append([str(config), f"{ms * 1e3:.1f}", f"{engine_ms / ms:.2f}", f"{diff:.3g}"])
+                append_result(args.out, {**record, "rows": m, "gemm": gemm, "config": list(config),
+                                         "us": round(ms * 1e3, 2), "engine_us": round(engine_ms * 1e3, 2),
+                                         "max_diff": diff})
+            table += [[m, gemm, *r] for r in rows]
+    print(f"{torch.cuda.get_device_name()}: (block m, n, k, splits, warps, stages); x engine = its time / this one")
+    print_table(["rows", "GEMM", "kernel", "µs", "x engine", "max |diff|"], table)
+
+
+if __name__ == "__main__":
+    main()
