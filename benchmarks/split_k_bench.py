@@ -6,9 +6,11 @@ At 256 rows the down projection's 256 × 1,536 output has 24 tiles of 128 × 128
 dimension (8,960) must be split to fill the card. Here each program sums one span of K for one tile into
 float32 partials, and one program per row adds the partials, rounds the sum to the activations' dtype (as a
 GEMM's output is rounded), adds it to the residual stream and normalises the result: the three kernels
-after the GEMM's main loop become one. Each tile and split configuration in CONFIGS is timed as CUDA-graph
-replays cycling over --copies weight copies (weights from HBM, as in a step), with the largest difference
-from the engine's outputs. CUDA only; tests/test_split_k_bench.py checks the kernels in Triton's interpreter.
+after the GEMM's main loop become one. `silu-down` also takes the gate/up projection's output as it is and
+applies SiLU·up as its tiles load, in place of the engine's `silu_mul` kernel and its write of the
+intermediate. Each tile and split configuration in CONFIGS is timed as CUDA-graph replays cycling over
+--copies weight copies (weights from HBM, as in a step), with the largest difference from the engine's
+outputs. CUDA only; tests/test_split_k_bench.py checks the kernels in Triton's interpreter.
 
     python benchmarks/split_k_bench.py --rows 256,960 --out benchmarks/results.jsonl --commit $COMMIT
 """
@@ -31,8 +33,9 @@ CONFIGS = [(128, 128, 64, 4, 8, 4), (128, 128, 64, 6, 8, 4), (128, 128, 64, 8, 8
 
 @triton.jit
 def _partials_kernel(X, W, Partials, rows, cols, depth, stride_x, stride_w, k_span,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Partials[split, m, n] = Σ_{k in split's span} X[m, k] · W[n, k], in float32."""
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """Partials[split, m, n] = Σ_{k in split's span} A[m, k] · W[n, k], in float32, where A = X, or with GATED
+    A = silu(X[:, :depth]) · X[:, depth:] rounded as the engine's `silu_mul` rounds, computed as its tiles load."""
     tile, split = tl.program_id(0), tl.program_id(1)
     tiles_n = tl.cdiv(cols, BLOCK_N)
     m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -41,8 +44,13 @@ def _partials_kernel(X, W, Partials, rows, cols, depth, stride_x, stride_w, k_sp
     start = split * k_span
     for k0 in range(start, tl.minimum(start + k_span, depth), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(X + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < rows) & (k[None, :] < depth),
-                    other=0.0)
+        inside = (m[:, None] < rows) & (k[None, :] < depth)
+        a = tl.load(X + m[:, None] * stride_x + k[None, :], mask=inside, other=0.0)
+        if GATED:
+            up = tl.load(X + m[:, None] * stride_x + depth + k[None, :], mask=inside, other=0.0).to(tl.float32)
+            gate = a.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(a.dtype)
+            a = (silu.to(tl.float32) * up).to(a.dtype)
         b = tl.load(W + n[None, :] * stride_w + k[:, None], mask=(n[None, :] < cols) & (k[:, None] < depth),
                     other=0.0)
         acc += tl.dot(a, b)
@@ -72,18 +80,23 @@ def _reduce_add_norm_kernel(Partials, Residual, Weight, Out, Normed, rows, cols,
 
 
 def split_k_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                         eps: float, config: tuple = CONFIGS[0]) -> tuple[torch.Tensor, torch.Tensor]:
+                         eps: float, config: tuple = CONFIGS[0],
+                         gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x Wᵀ, rms_norm(residual + x Wᵀ)) with the GEMM split over K, as the engine's
-    `add_rms_norm(residual, F.linear(x, weight), norm_weight, eps)` gives them up to the GEMM's summation order."""
+    `add_rms_norm(residual, F.linear(x, weight), norm_weight, eps)` gives them up to the GEMM's summation order.
+    gated: x is the gate/up projection's output and the GEMM's input is `silu_mul(x)`, never written out."""
     block_m, block_n, block_k, splits, warps, stages = config
-    (rows, depth), cols = x.shape, weight.shape[0]
+    rows, cols = x.shape[0], weight.shape[0]
+    depth = x.shape[1] // 2 if gated else x.shape[1]
+    if weight.shape[1] != depth:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {depth} features")
     k_span = triton.cdiv(triton.cdiv(depth, splits), block_k) * block_k
     splits = triton.cdiv(depth, k_span)  # no empty split
     partials = torch.empty(splits, rows, cols, dtype=torch.float32, device=x.device)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
     _partials_kernel[(tiles, splits)](x, weight, partials, rows, cols, depth, x.stride(0), weight.stride(0), k_span,
-                                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                      num_stages=stages)
+                                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
+                                      num_warps=warps, num_stages=stages)
     out, normed = torch.empty_like(residual), torch.empty_like(residual)
     _reduce_add_norm_kernel[(rows,)](partials, residual, norm_weight, out, normed, rows, cols, eps, SPLITS=splits,
                                      BLOCK=triton.next_power_of_2(cols), num_warps=8 if cols > 1024 else 4)
@@ -98,13 +111,15 @@ def main() -> None:
     from _common import append_result, print_table
     from decode_attention_bench import graph_ms
 
-    from caspo.rollout.native.runner import add_rms_norm
+    from caspo.rollout.native.runner import add_rms_norm, silu_mul
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="256,960", help="rows of a decode step, comma-separated")
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--intermediate", type=int, default=8960)
-    parser.add_argument("--gemms", default="down,o", help="down (intermediate -> hidden), o (hidden -> hidden)")
+    parser.add_argument("--gemms", default="down,silu-down,o",
+                        help="down (intermediate -> hidden), silu-down (gate/up -> silu_mul -> down), "
+                             "o (hidden -> hidden)")
     parser.add_argument("--copies", type=int, default=4, help="weight copies cycled through, to defeat L2")
     parser.add_argument("--calls", type=int, default=28, help="calls captured in one CUDA graph")
     parser.add_argument("--replays", type=int, default=20)
@@ -116,24 +131,33 @@ def main() -> None:
     torch.manual_seed(0)
     record = {"benchmark": "split_k", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "card": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
-    depths = {"down": args.intermediate, "o": args.hidden}
+    # name -> (input features, gated): silu-down takes the gate/up output and applies silu_mul as it loads
+    gemms = {"down": (args.intermediate, False), "silu-down": (2 * args.intermediate, True), "o": (args.hidden, False)}
     eps, table = 1e-6, []
     for m in (int(r) for r in args.rows.split(",")):
         for gemm in args.gemms.split(","):
-            k, n = depths[gemm], args.hidden
+            (k, gated), n = gemms[gemm], args.hidden
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
             norm_weight = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
-            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(args.copies)]
-            want = add_rms_norm(residual, F.linear(x, weights[0]), norm_weight, eps)
-            engine_ms = graph_ms(lambda i: add_rms_norm(residual, F.linear(x, weights[i]), norm_weight, eps),  # noqa: B023
-                                 args.copies, args.calls, args.replays)
-            rows = [["cuBLAS + add_rms_norm", f"{engine_ms * 1e3:.1f}", "1.00", "0"]]
+            depth = k // 2 if gated else k
+            weights = [torch.randn(n, depth, device="cuda", dtype=torch.bfloat16) * depth ** -0.5
+                       for _ in range(args.copies)]
+
+            def engine(i, x=x, residual=residual, norm_weight=norm_weight, weights=weights, gated=gated):
+                return add_rms_norm(residual, F.linear(silu_mul(x) if gated else x, weights[i]), norm_weight, eps)
+
+            want = engine(0)
+            engine_ms = graph_ms(engine, args.copies, args.calls, args.replays)
+            rows = [["engine: " + ("silu_mul + " if gated else "") + "cuBLAS + add_rms_norm", f"{engine_ms * 1e3:.1f}",
+                     "1.00", "0"]]
             for config in CONFIGS:
-                got = split_k_add_rms_norm(x, weights[0], residual, norm_weight, eps, config)
-                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
-                ms = graph_ms(lambda i: split_k_add_rms_norm(x, weights[i], residual, norm_weight, eps, config),  # noqa: B023
-                              args.copies, args.calls, args.replays)
+                def split_k(i, x=x, residual=residual, norm_weight=norm_weight, weights=weights, gated=gated,
+                            config=config):
+                    return split_k_add_rms_norm(x, weights[i], residual, norm_weight, eps, config, gated)
+
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(split_k(0), want))
+                ms = graph_ms(split_k, args.copies, args.calls, args.replays)
                 rows.append([str(config), f"{ms * 1e3:.1f}", f"{engine_ms / ms:.2f}", f"{diff:.3g}"])
                 append_result(args.out, {**record, "rows": m, "gemm": gemm, "config": list(config),
                                          "us": round(ms * 1e3, 2), "engine_us": round(engine_ms * 1e3, 2),
