@@ -9,6 +9,8 @@ at temperature 0.6. Timed with CUDA events after a warm-up, each figure the mean
                               passes two Triton kernels each; and the whole sampler with it, from a graph
     search, gathered after c  the search replayed from a graph, small intervals finished by a sort after c
                               passes, for each --collect-after (99: never)
+    search, c passes screened the search replayed from a graph, its first c passes decided on float32 sums
+                              where those surely decide, for each --screened (0: int64 sums alone)
     sample_next old / new     the whole sampler after the logits at top-p 0.9 and 1.0: the cut by
                               sorting and the Gumbel pick compiled / the cut by the search and
                               the fused Triton pick; called, and replayed from a CUDA graph
@@ -114,6 +116,8 @@ def main() -> None:
     parser.add_argument("--pivots", default=f"7,{NUCLEUS_PIVOTS},31", help="pivots per pass of the search to time")
     parser.add_argument("--collect-after", default=f"{sampling_module.NUCLEUS_COLLECT_AFTER},99",
                         help="passes before small intervals are gathered and sorted, to time (99: never)")
+    parser.add_argument("--screened", default=f"{sampling_module.NUCLEUS_SCREENED_PASSES},0",
+                        help="passes decided on float32 sums where those surely decide, to time (0: none)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
@@ -153,6 +157,12 @@ def main() -> None:
             measure(f"search, gathered after {c}, CUDA graph",
                     functools.partial(nucleus_threshold, scaled, top_p), capture=True)
         sampling_module.NUCLEUS_COLLECT_AFTER = default
+        default = sampling_module.NUCLEUS_SCREENED_PASSES
+        for c in (int(c) for c in args.screened.split(",")):
+            sampling_module.NUCLEUS_SCREENED_PASSES = c  # read at the call, as above
+            measure(f"search, {c} passes screened, CUDA graph",
+                    functools.partial(nucleus_threshold, scaled, top_p), capture=True)
+        sampling_module.NUCLEUS_SCREENED_PASSES = default
         for p in (top_p, 1.0):
             for label, sampler in (("old", old_sample_next), ("new", sample_next)):
                 step = functools.partial(sampler, logits, seeds, positions, args.temperature, top_p=p)

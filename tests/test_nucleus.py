@@ -303,6 +303,57 @@ def test_narrowing_kernels_equal_the_torch_passes(vocab, top_p):
     assert torch.equal(lo[3], found[3])
 
 
+@pytest.mark.parametrize("bound", [None, 0.5])  # the kernel's bound; one under which no row is sure
+def test_screened_narrowing_equals_the_torch_passes(bound):
+    """mass_above.screened_narrow decides on float32 sums where they surely decide, else by the int64 pass: the
+    torch pass's interval, pass after pass, whichever rows the screen settles."""
+    device = needs_triton()
+    from caspo.rollout.mass_above import SCREEN_BOUND, screened_narrow
+
+    vocab, top_p = 9000, 0.9
+    x = random_logits(4, vocab, 2.0, seed=5).float()
+    x[3] = x[3] * 20  # resolved: skipped by both
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    shift, first, plan = _nucleus_plan(vocab, top_p, NUCLEUS_PIVOTS)
+    target = (_masses(e, e.new_zeros(4, 1), shift).double() * top_p).ceil().to(torch.int64)
+    found, resolved = _threshold_among_top(e, target, shift, 8)
+    lo, hi = torch.where(resolved, found, first), torch.where(resolved, found, _ONE_BITS)
+    k_lo, k_hi = lo[:, 0].clone().to(device), hi[:, 0].clone().to(device)
+    skip = resolved[:, 0].to(torch.int8).to(device)
+    screened = []
+    for m in plan[:5]:
+        lo, hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m)
+        settled = screened_narrow(e.to(device), k_lo, k_hi, target[:, 0].to(device), skip, shift, m,
+                                  SCREEN_BOUND if bound is None else bound)
+        assert torch.equal(k_lo.cpu(), lo[:, 0]) and torch.equal(k_hi.cpu(), hi[:, 0])
+        screened.append(settled[:3].sum().item())
+    assert screened[0] == (3 if bound is None else 0)  # the first pass's levels are far from T
+
+
+def test_the_screen_leaves_a_level_at_the_target_to_the_int64_sums():
+    """Targets set at a level's exact mass, and one above it: float32 sums cannot tell reached from short
+    there, so those rows take the int64 pass (settled 0), and land where the torch pass does."""
+    device = needs_triton()
+    from caspo.rollout.mass_above import screened_narrow
+
+    vocab, m = 9000, NUCLEUS_PIVOTS
+    x = random_logits(3, vocab, 1.0, seed=8).float()
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    shift, first, _ = _nucleus_plan(vocab, 0.9, m)
+    lo, hi = torch.full((3, 1), first), torch.full((3, 1), _ONE_BITS)
+    cuts = lo + (hi - lo + 1) * torch.arange(1, m + 1) // (m + 1)
+    masses = _masses(e, cuts.to(torch.int32).view(torch.float32), shift)  # [3, m]
+    target = torch.stack([masses[0, 3], masses[1, 3] + 1, (masses[2, 3] + masses[2, 4]) // 2])[:, None]
+    resolved = torch.zeros(3, 1, dtype=torch.bool)
+    want_lo, want_hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m)
+    k_lo, k_hi = lo[:, 0].clone().to(device), hi[:, 0].clone().to(device)
+    settled = screened_narrow(e.to(device), k_lo, k_hi, target[:, 0].to(device),
+                              torch.zeros(3, dtype=torch.int8, device=device), shift, m)
+    assert settled.tolist() == [0, 0, 1]  # the tie and the near miss to the int64 sums; the clear one screened
+    assert torch.equal(k_lo.cpu(), want_lo[:, 0]) and torch.equal(k_hi.cpu(), want_hi[:, 0])
+    assert want_hi[0, 0] - want_lo[0, 0] < (_ONE_BITS - first) // m  # narrowed, not left as it was
+
+
 def kernel_logits(vocab: int = 9000) -> torch.Tensor:
     """Rows for the kernel path: flat (searched), peaked (resolved by the top chunks), top-k masked, a row
     resolved by its top chunks whose threshold ties with entries outside them, and one all tied."""
@@ -500,3 +551,20 @@ def test_fused_sampler_replays_in_a_cuda_graph(top_k, top_p):
         assert torch.equal(out[0], eager[0])
         for got, expected in zip(out[1:], eager[1:]):
             assert torch.allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("std", [1.0, 2.0])
+def test_screened_passes_give_the_int64_search_on_the_gpu(std):
+    """At a decode step's shape, rows whose nucleus holds thousands of tokens: the threshold with the first
+    passes screened on float32 sums equals the one from int64 sums alone, bit for bit."""
+    from caspo.rollout.sampling import _nucleus_threshold_by_kernels
+
+    logits, _, _ = cuda_batch(256, std, seed=4)
+    shift, first, plan = _nucleus_plan(VOCAB, 0.9, NUCLEUS_PIVOTS)
+    scale = inverse_temperature(0.6)
+    screened = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale,
+                                             screened_passes=len(plan))
+    exact = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale, screened_passes=0)
+    assert torch.equal(screened, exact)

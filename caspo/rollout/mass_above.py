@@ -14,6 +14,12 @@ are exact, so the result equals the torch computation bit for bit, whatever the 
 patterns inside the sum kernel, then one program per row that adds the parts' sums, counts the
 levels reached and narrows the interval in place. As torch operations a pass was about twenty small
 kernels, most of a step's launches at top-p < 1.
+
+`screened_narrow` is the same pass, decided first by float32 sums of e, with a bound on their rounding:
+the int64 compare-adds, not the read of the row, are what a pass costs. A row whose every level's mass
+is surely above or surely below the target narrows on the float32 sums, to the interval the int64 sums
+would give; a row with a level too close to call (within SCREEN_BOUND of the target) takes the int64
+pass, which reads only such rows.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ import triton.language as tl
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 256  # entries per loop iteration, each thread holding BLOCK / (32 WARPS) rows of the m sums
 WARPS = 4
+# A float32 sum of n >= 0 terms, added one by one, is within (n - 1) u / (1 - (n - 1) u) of the exact sum
+# (u = 2^-24). Each lane of the screening kernel adds SPAN / BLOCK = 32 entries, and the lanes and parts
+# are added in float64: 2^-18 bounds the relative error with room for the float64 roundings.
+SCREEN_BOUND = 2.0 ** -18
 
 
 @triton.jit
@@ -90,10 +100,52 @@ def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
                    mask=index[:, None] < parts, other=0)
     reached = (tl.sum(sums, axis=0) >= tl.load(Target + row)) & (slots < M)
     count = tl.sum(reached.to(tl.int64), axis=0)
-    count = tl.where(tl.load(Skip + row) != 0, M, count)  # a resolved row keeps its interval of width 1
-    lo, hi = _narrowed(tl.load(Lo + row), tl.load(Hi + row), count, M)
-    tl.store(Lo + row, lo)
-    tl.store(Hi + row, hi)
+    if tl.load(Skip + row) == 0:  # a skipped row keeps its interval: resolved (width 1), or screened
+        lo, hi = _narrowed(tl.load(Lo + row), tl.load(Hi + row), count, M)
+        tl.store(Lo + row, lo)
+        tl.store(Hi + row, hi)
+
+
+@triton.jit
+def _screen_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row,
+                   M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's part of the row: the m sums of e >= each level cut from [lo, hi], float32 in each lane
+    (SPAN / BLOCK entries), float64 across lanes, stored to Partial."""
+    row, part = tl.program_id(0), tl.program_id(1)
+    sums = tl.zeros([LEVELS], dtype=tl.float64)
+    if tl.load(Skip + row) == 0:
+        levels = _cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
+        acc = tl.zeros([BLOCK, LEVELS], dtype=tl.float32)
+        for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
+            index = offset + tl.arange(0, BLOCK)
+            e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
+            acc += tl.where(e[:, None] >= levels[None, :], e[:, None], 0.0)
+        sums = tl.sum(acc.to(tl.float64), axis=0)
+    tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS), sums)
+
+
+@triton.jit
+def _screen_narrow_kernel(Partial, Lo, Hi, Target, Skip, Settled, parts, unit, bound, slack,
+                          M: tl.constexpr, LEVELS: tl.constexpr, PARTS: tl.constexpr):
+    """Narrow a row on its screened sums where every level is surely reached or surely not. Settled: 1 for
+    the rows narrowed here and the skipped ones, 0 for those the int64 pass must decide."""
+    row = tl.program_id(0)
+    slots = tl.arange(0, LEVELS)
+    index = tl.arange(0, PARTS)
+    sums = tl.sum(tl.load(Partial + (row * parts + index[:, None]) * LEVELS + slots[None, :],
+                          mask=index[:, None] < parts, other=0.0), axis=0) * unit  # in units of the int64 masses
+    target = tl.load(Target + row).to(tl.float64)
+    surely_reached = sums / (1.0 + bound) - slack >= target
+    surely_short = sums / (1.0 - bound) < target
+    unsure = tl.sum((~(surely_reached | surely_short) & (slots < M)).to(tl.int32), axis=0)
+    skipped = tl.load(Skip + row).to(tl.int32)
+    count = tl.sum((surely_reached & (slots < M)).to(tl.int64), axis=0)
+    lo, hi = tl.load(Lo + row), tl.load(Hi + row)
+    narrowed_lo, narrowed_hi = _narrowed(lo, hi, count, M)
+    screened = (skipped == 0) & (unsure == 0)
+    tl.store(Lo + row, tl.where(screened, narrowed_lo, lo))
+    tl.store(Hi + row, tl.where(screened, narrowed_hi, hi))
+    tl.store(Settled + row, tl.where(screened | (skipped != 0), 1, 0).to(tl.int8))
 
 
 def _part_sums_buffer(e: torch.Tensor, m: int) -> torch.Tensor:
@@ -108,7 +160,7 @@ def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Te
     """One pass of the nucleus search, in place on lo, hi [B] (int64 bit patterns): with the m levels
     cut_j = lo + (hi − lo + 1) · j // (m + 1), j = 1..m, and c the number whose mass W(cut_j) reaches
     target [B], the interval becomes [lo + w c // (m + 1), lo + w (c + 1) // (m + 1) − 1]. Rows that
-    `skip` [B] (int8) marks are not read and keep their interval (of width 1)."""
+    `skip` [B] (int8) marks are not read and keep their interval."""
     rows, vocab = e.shape
     partial = _part_sums_buffer(e, m)
     width, parts = partial.shape[2], partial.shape[1]
@@ -116,6 +168,29 @@ def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Te
                                     M=m, LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     _narrow_kernel[(rows,)](partial, lo, hi, target, skip, parts, M=m, LEVELS=width,
                             PARTS=max(2, triton.next_power_of_2(parts)))
+
+
+def screened_narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor, skip: torch.Tensor,
+                    shift: int, m: int, bound: float = SCREEN_BOUND) -> torch.Tensor:
+    """`narrow`, decided on float32 sums where they surely decide: the same lo, hi, bit for bit.
+
+    With S the computed sum of e over a level's entries and V the vocabulary, the int64 mass W of the level
+    (Σ floor(e · 2^shift), each term within 1 of e · 2^shift) lies in (S 2^shift / (1 + b) − V, S 2^shift / (1 − b)]
+    for a rounding bound b (SCREEN_BOUND). Where every level's interval lies wholly at or above T, or below it,
+    the levels reached are known, and the row narrows; the other rows take `narrow`'s int64 pass, which skips
+    the rows screened or already skipped. The bound's margin over the float32 roundings (about 2^-19 of S)
+    covers the float64 roundings of the test. Returns `settled` [B] int8: 0 for the rows the int64 pass decided."""
+    rows, vocab = e.shape
+    parts = triton.cdiv(vocab, SPAN)
+    width = max(2, triton.next_power_of_2(m))
+    partial = torch.empty(rows, parts, width, dtype=torch.float64, device=e.device)
+    settled = torch.empty(rows, dtype=torch.int8, device=e.device)
+    _screen_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), M=m, LEVELS=width, SPAN=SPAN,
+                                  BLOCK=BLOCK, num_warps=WARPS)
+    _screen_narrow_kernel[(rows,)](partial, lo, hi, target, skip, settled, parts, 2.0 ** shift, bound,
+                                   float(vocab), M=m, LEVELS=width, PARTS=max(2, triton.next_power_of_2(parts)))
+    narrow(e, lo, hi, target, settled, shift, m)
+    return settled
 
 
 def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int, skip: torch.Tensor | None = None) -> torch.Tensor:

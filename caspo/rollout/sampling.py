@@ -14,10 +14,10 @@ import torch
 
 try:
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
-    from caspo.rollout.mass_above import narrow
+    from caspo.rollout.mass_above import narrow, screened_narrow
     from caspo.rollout.nucleus_reads import chunk_maxima, collect, exp_and_mass, threshold_logit
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
-    fused_gumbel_pick = narrow = chunk_maxima = collect = exp_and_mass = threshold_logit = None
+    fused_gumbel_pick = narrow = screened_narrow = chunk_maxima = collect = exp_and_mass = threshold_logit = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -65,6 +65,10 @@ NUCLEUS_CHUNK = 128
 # remaining passes: at top-p 0.9 a random-init model's rows hold a few hundred entries after 4 of 10 passes.
 NUCLEUS_COLLECT_AFTER = 4
 NUCLEUS_COLLECT_CAPACITY = 64
+# On CUDA the first NUCLEUS_SCREENED_PASSES passes are decided on float32 sums where those surely decide
+# (`mass_above.screened_narrow`): their levels lie far apart in mass, so at top-p 0.9 on random-init logits
+# about 2% of the rows need the int64 sums in the fourth pass, and none before it.
+NUCLEUS_SCREENED_PASSES = 4
 _ONE_BITS = 127 << 23  # the int32 bit pattern of float32 1.0
 
 
@@ -127,16 +131,19 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
 
 def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, first: int, plan: list[int],
                                   candidates: int, scale: float = 1.0, collect_after: int | None = None,
-                                  collect_capacity: int = NUCLEUS_COLLECT_CAPACITY) -> torch.Tensor:
+                                  collect_capacity: int = NUCLEUS_COLLECT_CAPACITY,
+                                  screened_passes: int | None = None) -> torch.Tensor:
     """nucleus_threshold on CUDA: the same search, its reads of the rows Triton kernels (`nucleus_reads`,
     `mass_above`), which scale the logits x as they read them. A row whose threshold its likeliest tokens
     resolve reads its threshold logit off them too, unless a token outside their chunks ties with the
     threshold; the others take one more read. After `collect_after` passes (default NUCLEUS_COLLECT_AFTER, read
     at the call; as many as the plan has or more: never) a row whose interval holds few entries is finished by
-    a sort of them."""
+    a sort of them. The first `screened_passes` passes (default NUCLEUS_SCREENED_PASSES) are screened on
+    float32 sums, which leaves every interval as the int64 sums would."""
     if narrow is None:
         raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
     collect_after = NUCLEUS_COLLECT_AFTER if collect_after is None else collect_after
+    screened_passes = NUCLEUS_SCREENED_PASSES if screened_passes is None else screened_passes
     maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
     e, total = exp_and_mass(x, maxima.amax(-1), shift, scale)
     target = (total.double() * top_p).ceil().to(torch.int64)  # T [B]
@@ -152,7 +159,7 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
         if i == collect_after:
             lo, hi, skip, known, cut = _finish_small_intervals(x, e, lo, hi, skip, known, cut, target, shift,
                                                                collect_capacity, scale)
-        narrow(e, lo, hi, target, skip, shift, m)
+        (screened_narrow if i < screened_passes else narrow)(e, lo, hi, target, skip, shift, m)
     return torch.where(known, cut, threshold_logit(x, e, lo, known.to(torch.int8), scale))[:, None]
 
 
