@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,7 +38,7 @@ def loss_scale(precision: str, scale: float = 128.0) -> float:
 def all_finite(tensors) -> bool:
     """Whether every entry of `tensors` is finite (of a sharded DTensor, this process's shard), read from the
     device once."""
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # a DTensor's: its shard
     return not local or bool(torch.stack([torch.isfinite(t).all() for t in local]).all())
 
 
