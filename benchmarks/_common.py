@@ -107,6 +107,23 @@ def environment(args) -> dict:
                       "intermediate": args.intermediate, "vocab": args.vocab}}
 
 
+def add_graph_timing_args(parser: argparse.ArgumentParser, copies: int = 4) -> None:
+    """The flags of a kernel timed as CUDA-graph replays (--copies, --calls, --replays) and of its result line."""
+    parser.add_argument("--copies", type=int, default=copies, help="inputs or weights cycled through, to defeat L2")
+    parser.add_argument("--calls", type=int, default=28, help="calls captured in one CUDA graph")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--commit", default="", help="the code's commit, recorded with the figures")
+    parser.add_argument("--out", default="", help="append the results as JSON lines to this file")
+
+
+def kernel_record(benchmark: str, commit: str) -> dict:
+    """The fields every result line of a CUDA kernel benchmark starts with; exits where no CUDA device is seen."""
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark times CUDA kernels; run it on a CUDA device")
+    return {"benchmark": benchmark, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "card": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit}
+
+
 def append_result(path: str, record: dict) -> None:
     if path:
         with open(path, "a") as f:

@@ -14,11 +14,10 @@ against cuBLAS), which says whether a better kernel exists for these skinny shap
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
-from _common import append_result, print_table
+from _common import add_graph_timing_args, append_result, kernel_record, print_table
 from decode_attention_bench import graph_ms
 
 
@@ -38,20 +37,13 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--copies", type=int, default=4, help="weight copies cycled through, to defeat L2")
-    parser.add_argument("--calls", type=int, default=28, help="calls captured in one CUDA graph")
-    parser.add_argument("--replays", type=int, default=20)
+    add_graph_timing_args(parser)
     parser.add_argument("--autotune", action="store_true", help="also time inductor's max-autotune GEMM")
     parser.add_argument("--peak", type=float, default=790e12, help="the card's dense bf16 FLOP/s")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="the card's memory bandwidth, bytes/s")
-    parser.add_argument("--commit", default="")
-    parser.add_argument("--out", default="")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark times CUDA kernels; run it on a CUDA device")
+    record = kernel_record("decode_gemm", args.commit)
     torch.manual_seed(0)
-    record = {"benchmark": "decode_gemm", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "card": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
     variants = {"cuBLAS": F.linear}
     if args.autotune:
         variants["max-autotune"] = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)

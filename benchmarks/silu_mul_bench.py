@@ -18,11 +18,10 @@ generated kernels (and their launch configurations) go to stderr. CUDA only.
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
-from _common import append_result, print_table
+from _common import add_graph_timing_args, append_result, kernel_record, print_table
 from decode_attention_bench import graph_ms
 
 from caspo.rollout.native import runner
@@ -38,22 +37,15 @@ def main() -> None:
     parser.add_argument("--rows", default="256,960")
     parser.add_argument("--intermediate", type=int, default=8960)
     parser.add_argument("--prefill", default="4,2048", help="prompts,tokens of the prefill the engine meets first")
-    parser.add_argument("--copies", type=int, default=8, help="inputs cycled through, to defeat L2")
-    parser.add_argument("--calls", type=int, default=28)
-    parser.add_argument("--replays", type=int, default=20)
+    add_graph_timing_args(parser, copies=8)
     parser.add_argument("--bandwidth", type=float, default=4.8e12)
-    parser.add_argument("--commit", default="")
-    parser.add_argument("--out", default="")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark times CUDA kernels; run it on a CUDA device")
+    record = kernel_record("silu_mul", args.commit)
     width = 2 * args.intermediate
     prompts, tokens = (int(n) for n in args.prefill.split(","))
     runner.silu_mul(torch.randn(prompts, tokens, width, device="cuda", dtype=torch.bfloat16))  # the prefill first
     fresh = runner.compiled_on_cuda(plain)
     static = torch.compile(plain, dynamic=False, options={"emulate_precision_casts": True})
-    record = {"benchmark": "silu_mul", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "card": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
     table = []
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = [torch.randn(rows, 1, width, device="cuda", dtype=torch.bfloat16) for _ in range(args.copies)]

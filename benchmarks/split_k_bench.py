@@ -18,7 +18,6 @@ outputs. CUDA only; tests/test_split_k_bench.py checks the kernels in Triton's i
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +107,7 @@ def main() -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from _common import append_result, print_table
+    from _common import add_graph_timing_args, append_result, kernel_record, print_table
     from decode_attention_bench import graph_ms
 
     from caspo.rollout.native.runner import add_rms_norm, silu_mul
@@ -120,17 +119,10 @@ def main() -> None:
     parser.add_argument("--gemms", default="down,silu-down,o",
                         help="down (intermediate -> hidden), silu-down (gate/up -> silu_mul -> down), "
                              "o (hidden -> hidden)")
-    parser.add_argument("--copies", type=int, default=4, help="weight copies cycled through, to defeat L2")
-    parser.add_argument("--calls", type=int, default=28, help="calls captured in one CUDA graph")
-    parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--commit", default="")
-    parser.add_argument("--out", default="")
+    add_graph_timing_args(parser)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark times CUDA kernels; run it on a CUDA device")
+    record = kernel_record("split_k", args.commit)
     torch.manual_seed(0)
-    record = {"benchmark": "split_k", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "card": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit}
     # name -> (input features, gated): silu-down takes the gate/up output and applies silu_mul as it loads
     gemms = {"down": (args.intermediate, False), "silu-down": (2 * args.intermediate, True), "o": (args.hidden, False)}
     eps, table = 1e-6, []
