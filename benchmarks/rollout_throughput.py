@@ -74,11 +74,14 @@ def main() -> None:
                         help="likeliest tokens tried before the nucleus search (0: every row searches)")
     parser.add_argument("--collect-after", type=int, default=sampling_module.NUCLEUS_COLLECT_AFTER,
                         help="nucleus passes before small intervals are gathered and sorted (99: never)")
+    parser.add_argument("--screened-passes", type=int, default=sampling_module.NUCLEUS_SCREENED_PASSES,
+                        help="nucleus passes decided on float32 sums where those surely decide (0: int64 sums alone)")
     args = parser.parse_args()
     if args.nucleus_top < 0:
         parser.error("--nucleus-top must be 0 or more")
     sampling_module.NUCLEUS_TOP = args.nucleus_top  # read by every nucleus_threshold call, the captured ones too
     sampling_module.NUCLEUS_COLLECT_AFTER = args.collect_after
+    sampling_module.NUCLEUS_SCREENED_PASSES = args.screened_passes
 
     model = build_model(args)
     if args.samples < 1 or args.prompts % args.samples:
@@ -125,7 +128,7 @@ def main() -> None:
     print(f"{args.prompts} prompts ({args.samples} samples of each) x {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens, "
           f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
-          f"gathered after {args.collect_after} passes, {args.dtype} on {args.device}")
+          f"gathered after {args.collect_after} passes, {args.screened_passes} screened, {args.dtype} on {args.device}")
     print_table(["engine", "tokens/s", "tokens", "seconds", "setup s", "warm-up s", "peak GiB"], rows)
     for name, result in results.items():
         if "profile" in result:
@@ -136,7 +139,8 @@ def main() -> None:
                                        "new_tokens": args.new_tokens, "temperature": args.temperature,
                                        "top_p": args.top_p, "top_logprobs": args.top_logprobs,
                                        "logit_scale": args.logit_scale, "nucleus_top": args.nucleus_top,
-                                       "collect_after": args.collect_after},
+                                       "collect_after": args.collect_after,
+                                       "screened_passes": args.screened_passes},
                              "engines": results})
 
 
