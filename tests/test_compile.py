@@ -226,3 +226,19 @@ def test_a_first_micro_batch_at_the_models_own_sizes_is_not_taken_as_fixed():
     compile_blocks(model, **EAGER_GRAPH)
     built = [graphs_built(model, rows, length) for rows, length in [(8, 32), (8, 33), (5, 32), (3, 17)]]
     assert built[0] > 0 and built[1:] == [0, 0, 0]
+
+
+def test_inductor_blocks_fuse_the_norms_backward_at_any_size(monkeypatch):
+    """Inductor fuses the norms' backward reductions only above a size, a guard on the micro-batch's rows ×
+    length (seen on a card: a graph for each side of it); the blocks compile without that test. Other backends
+    take no inductor options."""
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        pytest.skip("this torch has no mix-order reductions")
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
+    compile_blocks(tiny_qwen2(layers=2))
+    compile_blocks(tiny_qwen2(layers=1), **EAGER_GRAPH)
+    flag = {"triton.mix_order_reduction_non_strict_mode": True}
+    assert calls == [{"dynamic": True, "options": flag}] * 2 + [{"dynamic": True, "backend": "aot_eager"}]

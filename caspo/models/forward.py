@@ -28,6 +28,9 @@ def head_compile_backend(model: torch.nn.Module) -> str | None:
     return getattr(model, _HEAD_BACKEND, None)
 
 
+FORWARD_LENGTH_MULTIPLE = 8
+
+
 def response_states(decoder: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
     """[B, R, H]: `decoder`'s last hidden states at the positions that predict each response token.
 
@@ -36,11 +39,17 @@ def response_states(decoder: torch.nn.Module, batch: RolloutBatch) -> torch.Tens
     forward without a mask then gives each real token the keys and the positions it has in the padded layout:
     no real token attends to a later column. Without a mask, PyTorch's SDPA may take its flash kernel, where a
     padding mask leaves it the memory-efficient one alone.
+
+    The forward's length is the frame's rounded up to a multiple of FORWARD_LENGTH_MULTIPLE; the extra columns
+    take the row's first tokens again and, like the pads, come after every real token. Compiled blocks guard on
+    that alignment (inductor's, for the attention's per-head buffers), so lengths of both kinds would each
+    build a graph, and a run would compile again mid-way whenever a micro-batch brought the other kind.
     """
-    P, R = batch.prompt_width, batch.responses.shape[1]
-    columns = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
+    P, R, width = batch.prompt_width, batch.responses.shape[1], batch.input_ids.shape[1]
+    length = -(-width // FORWARD_LENGTH_MULTIPLE) * FORWARD_LENGTH_MULTIPLE
+    columns = torch.arange(length, device=batch.input_ids.device)
     prompt_lengths = batch.attention_mask[:, :P].sum(-1, keepdim=True)
-    shifted = batch.input_ids.gather(1, (columns + P - prompt_lengths) % columns.numel())
+    shifted = batch.input_ids.gather(1, (columns + P - prompt_lengths) % width)
     hidden = decoder(input_ids=shifted, use_cache=False).last_hidden_state
     predicting = prompt_lengths - 1 + columns[:R]  # the prompt's last token predicts the response's first
     return hidden.gather(1, predicting[..., None].expand(-1, -1, hidden.shape[-1]))

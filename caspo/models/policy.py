@@ -150,8 +150,13 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
     not unified ("duck sizing", off for the whole process): it would take a first micro-batch whose row count
     or length equals one of the model's sizes (a length of 1,536 at Qwen2.5-1.5B's width) as that fixed size,
     and compile again at the next. A micro-batch of one row still gets a graph of its own; the trainer's
-    micro-batches avoid one where they can (`caspo.batch.plan_micro_batches`). Dynamo may build up
-    to BLOCK_GRAPH_LIMIT graphs of one code object, for the whole process too (its default is 8)."""
+    micro-batches avoid one where they can (`caspo.batch.plan_micro_batches`). Inductor adds guards of its
+    own on CUDA: whether the norms' backward reductions are large enough to fuse (rows × length against a
+    threshold; the blocks compile with `mix_order_reduction_non_strict_mode`, which fuses at any size and tests
+    nothing), and whether the length is a multiple of 8 (which `forward.response_states` makes every length).
+    Dynamo may build up to BLOCK_GRAPH_LIMIT graphs of one code object, for the whole process too (its
+    default is 8)."""
+    from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as shapes_config
 
     from caspo.models.looped import LoopedPreTrainedModel
@@ -165,6 +170,11 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
                           "train.compile=false")
     shapes_config.use_duck_shape = False  # read when a graph is compiled, at its first call
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_GRAPH_LIMIT)
+    if options.get("backend", "inductor") == "inductor" and hasattr(inductor_config.triton,
+                                                                    "mix_order_reduction_non_strict_mode"):
+        # fuse the norms' backward reductions at any size: their size test is a guard, a graph per side of it
+        options = {**options, "options": {"triton.mix_order_reduction_non_strict_mode": True,
+                                          **options.get("options", {})}}
     for block in layers:
         block.compile(**{"dynamic": True, **options})
     compile_head(model, options.get("backend", "inductor"))
