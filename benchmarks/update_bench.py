@@ -16,7 +16,10 @@ Four timings of one minibatch (all rows), each after a warm-up, on the same rows
 MFU is 6 · parameters · (prompt + response tokens of the rows) / time, against --peak-tflops; attention
 FLOPs are left out, and padding counts as waste. --compile compiles every decoder block first
 (train.compile=true; the warm-up pays the compilation). --profile prints the 15 CUDA kernels that took
-the most time in one `update`, and the share of the phase they cover.
+the most time in one `update`, and the share of the phase they cover. --variants picks the timings to take;
+--length-multiple 1, --duck-sizing and --strict-mix-order each undo one thing compiled blocks do by default
+(forward lengths rounded up to a multiple of 8, sizes not unified, the norms' backward fused at any size),
+to time what it costs: one process each, since dynamo keeps its graphs for the process.
 
     python benchmarks/update_bench.py --rows 64 --micro-batch 8 --out bench.jsonl --commit $COMMIT [--profile]
     # CPU smoke:
@@ -31,10 +34,12 @@ import argparse
 import torch
 import torch.nn.functional as F
 from _common import add_model_args, append_result, build_model, environment, kernel_profile, print_table, timed
+from torch.fx.experimental import _config as shapes_config
 
 from caspo.batch import RolloutBatch
 from caspo.config import load_config
 from caspo.methods import resolve_method
+from caspo.models import forward as forward_module
 from caspo.models.policy import compile_blocks, enable_recompute
 from caspo.precision import LossScaler, autocast
 from caspo.rollout.base import Completion
@@ -91,7 +96,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--profile", action="store_true", help="the kernels of one update")
+    parser.add_argument("--variants", default="update,update-recomputed,plain,plain-packed",
+                        help="which timings to take (comma-separated)")
+    # what the compiled blocks do by default, each undone for an A/B of its cost (a process each)
+    parser.add_argument("--length-multiple", type=int, default=forward_module.FORWARD_LENGTH_MULTIPLE,
+                        help="forward lengths rounded up to a multiple of this (1: the frame as it is)")
+    parser.add_argument("--duck-sizing", action="store_true", help="let dynamo unify equal sizes")
+    parser.add_argument("--strict-mix-order", action="store_true",
+                        help="inductor's size test before fusing the norms' backward reductions")
     args = parser.parse_args()
+    forward_module.FORWARD_LENGTH_MULTIPLE = args.length_multiple
     device = torch.device(args.device)
     precision = "bf16" if args.dtype == "bfloat16" else "fp32"
 
@@ -99,7 +113,9 @@ def main() -> None:
     if args.checkpointing:
         enable_recompute(model)
     if args.compile:
-        compile_blocks(model)
+        compile_blocks(model, **({"options": {"triton.mix_order_reduction_non_strict_mode": False}}
+                                 if args.strict_mix_order else {}))
+        shapes_config.use_duck_shape = args.duck_sizing  # read at the first call, after compile_blocks set it
     parameters = sum(p.numel() for p in model.parameters())
     cfg = load_config("arith-tiny", [
         f"model.device={args.device}", "method.name=grpo", "method.kl_coef=0.001", f"train.precision={precision}",
@@ -124,11 +140,15 @@ def main() -> None:
 
     packed = synthetic_batch(args, device, packed=True)
     rows = []
-    for name, fn, counted in (("update", run_update, tokens),
-                              ("update, logits recomputed", lambda: run_update(False), tokens),
-                              ("plain", lambda: plain_step(model, actor.optimizer, batch, args, precision), tokens),
-                              ("plain packed", lambda: plain_step(model, actor.optimizer, packed, args, precision),
-                               int(packed.attention_mask.sum()))):
+    variants = (("update", run_update, tokens),
+                ("update, logits recomputed", lambda: run_update(False), tokens),
+                ("plain", lambda: plain_step(model, actor.optimizer, batch, args, precision), tokens),
+                ("plain packed", lambda: plain_step(model, actor.optimizer, packed, args, precision),
+                 int(packed.attention_mask.sum())))
+    chosen = args.variants.split(",")
+    for (name, fn, counted), key in zip(variants, ("update", "update-recomputed", "plain", "plain-packed")):
+        if key not in chosen:
+            continue
         fn()  # warm-up: kernels chosen, optimizer state allocated
         _, seconds, peak = timed(args.device, lambda: [fn() for _ in range(args.reps)])
         seconds, peak = seconds / args.reps, peak / 2**30 if peak is not None else float("nan")
@@ -145,7 +165,8 @@ def main() -> None:
                              "shape": {"rows": args.rows, "prompt_len": args.prompt_len,
                                        "response_len": args.response_len, "micro_batch": args.micro_batch,
                                        "micro_tokens": args.micro_tokens, "checkpointing": args.checkpointing,
-                                       "compile": args.compile},
+                                       "compile": args.compile, "length_multiple": args.length_multiple,
+                                       "duck_sizing": args.duck_sizing, "strict_mix_order": args.strict_mix_order},
                              "results": rows, "profile": profile_rows})
 
 
