@@ -418,7 +418,7 @@ def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
 
 def test_collect_equals_its_torch_definition():
     """nucleus_reads.collect (triton's interpreter on the CPU): per part, the count of entries inside [lo, hi],
-    the first `capacity` of them in order of the index, and the row's mass above hi, as torch computes them."""
+    `capacity` of them (distinct, in no set order), and the row's mass above hi, as torch computes them."""
     device = needs_triton()
     from caspo.rollout.nucleus_reads import SPAN, collect
 
@@ -442,8 +442,9 @@ def test_collect_equals_its_torch_definition():
             members = inside[row, part * SPAN:(part + 1) * SPAN].nonzero()[:, 0] + part * SPAN
             assert counts[row, part] == len(members)
             kept = min(len(members), capacity)
-            assert torch.equal(index[row, part, :kept].long(), members[:kept])  # in order of the index
-            assert torch.equal(values[row, part, :kept], e[row, members[:kept]])
+            got = index[row, part, :kept].long()
+            assert len(set(got.tolist())) == kept and set(got.tolist()) <= set(members.tolist())  # in no set order
+            assert torch.equal(values[row, part, :kept], e[row, got])
     assert counts[2].max() > capacity and counts[3, 0] >= 40 and counts[0].max() <= capacity
     assert counts[1].eq(0).all() and above[1] == 0
 
