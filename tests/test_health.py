@@ -143,7 +143,8 @@ def test_a_planted_zero_reward_run_stops_with_a_checkpoint(tmp_path, monkeypatch
 
 def test_planted_runs_warn_of_kl_and_rising_lengths_and_go_on(tmp_path, monkeypatch):
     """A KL bound below any real KL, and response lengths planted to climb to the cap from step 2 on: both warn
-    at their onset (recorded in the step's `health`), and the run goes on to its last step."""
+    at their onset (recorded in the step's `health`), and the run goes on to its last step. Rewards are planted
+    too, so that the updates move the policy away from its reference."""
     cfg = load_config("tests", [f"train.output_dir={tmp_path}", "train.steps=5", "eval.before=false",
                                 "eval.after=false", "rollout.max_new_tokens=16", "train.health.kl_max=1e-12",
                                 "train.health.no_reward=off", "train.health.rise_steps=3",
@@ -151,6 +152,7 @@ def test_planted_runs_warn_of_kl_and_rising_lengths_and_go_on(tmp_path, monkeypa
     planted = iter([2.0, 4.0, 8.0, 14.0, 15.0])  # mean length per step: 14 is past 0.8 of the cap of 16
     real = loop.batch_stats
     monkeypatch.setattr(loop, "batch_stats", lambda batch: {**real(batch), "response_len_mean": next(planted)})
+    monkeypatch.setattr(loop, "reward", lambda tr, batch: (torch.arange(batch.size, device=tr.device) % 2).float())
     loop.train(cfg)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "t_step" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
