@@ -40,7 +40,7 @@ from caspo.batch import RolloutBatch
 from caspo.config import load_config
 from caspo.methods import resolve_method
 from caspo.models import forward as forward_module
-from caspo.models.policy import compile_blocks, enable_recompute
+from caspo.models.policy import MIX_ORDER_AT_ANY_SIZE, compile_blocks, enable_recompute
 from caspo.precision import LossScaler, autocast
 from caspo.rollout.base import Completion
 from caspo.train import update as update_module
@@ -113,8 +113,7 @@ def main() -> None:
     if args.checkpointing:
         enable_recompute(model)
     if args.compile:
-        compile_blocks(model, **({"options": {"triton.mix_order_reduction_non_strict_mode": False}}
-                                 if args.strict_mix_order else {}))
+        compile_blocks(model, **({"options": {MIX_ORDER_AT_ANY_SIZE: False}} if args.strict_mix_order else {}))
         shapes_config.use_duck_shape = args.duck_sizing  # read at the first call, after compile_blocks set it
     parameters = sum(p.numel() for p in model.parameters())
     cfg = load_config("arith-tiny", [

@@ -137,6 +137,9 @@ def enable_recompute(model: torch.nn.Module) -> None:
 BLOCK_GRAPH_LIMIT = 64
 
 
+MIX_ORDER_AT_ANY_SIZE = "triton.mix_order_reduction_non_strict_mode"  # the inductor option compile_blocks sets
+
+
 def compile_blocks(model: torch.nn.Module, **options) -> None:
     """torch.compile each decoder block in place (`options` go to `nn.Module.compile`), so the element-wise
     work between its GEMMs (RMSNorm, SiLU · up, residual adds, autocast's casts) runs fused, and the softmax
@@ -171,10 +174,9 @@ def compile_blocks(model: torch.nn.Module, **options) -> None:
     shapes_config.use_duck_shape = False  # read when a graph is compiled, at its first call
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, BLOCK_GRAPH_LIMIT)
     if options.get("backend", "inductor") == "inductor" and hasattr(inductor_config.triton,
-                                                                    "mix_order_reduction_non_strict_mode"):
+                                                                    MIX_ORDER_AT_ANY_SIZE.split(".")[1]):
         # fuse the norms' backward reductions at any size: their size test is a guard, a graph per side of it
-        options = {**options, "options": {"triton.mix_order_reduction_non_strict_mode": True,
-                                          **options.get("options", {})}}
+        options = {**options, "options": {MIX_ORDER_AT_ANY_SIZE: True, **options.get("options", {})}}
     for block in layers:
         block.compile(**{"dynamic": True, **options})
     compile_head(model, options.get("backend", "inductor"))

@@ -148,11 +148,11 @@ def _screen_narrow_kernel(Partial, Lo, Hi, Target, Skip, Settled, parts, unit, b
     tl.store(Settled + row, tl.where(screened | (skipped != 0), 1, 0).to(tl.int8))
 
 
-def _part_sums_buffer(e: torch.Tensor, m: int) -> torch.Tensor:
-    """[B, parts, LEVELS] int64 for the programs' sums: a part per SPAN entries of the row, m levels padded
-    to a power of two (at least 2, triton's smallest block)."""
+def _part_sums_buffer(e: torch.Tensor, m: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[B, parts, LEVELS] for the programs' sums: a part per SPAN entries of the row, m levels padded to a
+    power of two (at least 2, triton's smallest block)."""
     return torch.empty(e.shape[0], triton.cdiv(e.shape[1], SPAN), max(2, triton.next_power_of_2(m)),
-                       dtype=torch.int64, device=e.device)
+                       dtype=dtype, device=e.device)
 
 
 def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor, skip: torch.Tensor,
@@ -181,9 +181,8 @@ def screened_narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target:
     the rows screened or already skipped. The bound's margin over the float32 roundings (about 2^-19 of S)
     covers the float64 roundings of the test. Returns `settled` [B] int8: 0 for the rows the int64 pass decided."""
     rows, vocab = e.shape
-    parts = triton.cdiv(vocab, SPAN)
-    width = max(2, triton.next_power_of_2(m))
-    partial = torch.empty(rows, parts, width, dtype=torch.float64, device=e.device)
+    partial = _part_sums_buffer(e, m, torch.float64)
+    width, parts = partial.shape[2], partial.shape[1]
     settled = torch.empty(rows, dtype=torch.int8, device=e.device)
     _screen_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), M=m, LEVELS=width, SPAN=SPAN,
                                   BLOCK=BLOCK, num_warps=WARPS)
