@@ -15,6 +15,9 @@ at temperature 0.6. Timed with CUDA events after a warm-up, each figure the mean
                               sorting and the Gumbel pick compiled / the cut by the search and
                               the fused Triton pick; called, and replayed from a CUDA graph
 
+--profile also prints, for each std, the kernels of 20 eager calls of the whole top-p sampler
+(`sample_next`), with their device time: where a search's time goes, kernel by kernel.
+
 Also prints how often the kept sets of the old and new thresholds differ, and how many of those
 rows have their boundary within float32 rounding of top_p (a float64 sort decides). Appends one
 JSON line to --out.
@@ -30,7 +33,7 @@ import platform
 from datetime import datetime, timezone
 
 import torch
-from _common import append_result, print_table
+from _common import append_result, kernel_profile, print_table
 
 from caspo.rollout import sampling as sampling_module
 from caspo.rollout.sampling import NUCLEUS_PIVOTS, gumbel_pick, nucleus_threshold, sample_next
@@ -88,6 +91,11 @@ def graphed(fn, warmup: int):
     return graph.replay
 
 
+def _repeat(times: int, fn, *args, **kwargs) -> None:
+    for _ in range(times):
+        fn(*args, **kwargs)
+
+
 def agreement(scaled: torch.Tensor, top_p: float) -> dict:
     """Rows whose kept sets differ between the sort and the search, and those of them near the boundary."""
     old = scaled >= sorted_threshold(scaled, top_p)
@@ -121,6 +129,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="the kernels of 20 calls of the top-p sampler")
     parser.add_argument("--commit", default="", help="the code's commit, recorded with the figures")
     parser.add_argument("--out", default="", help="append one JSON line of results to this file")
     args = parser.parse_args()
@@ -169,6 +178,11 @@ def main() -> None:
                 measure(f"sample_next {label}, top-p {p}", step)
                 measure(f"sample_next {label}, CUDA graph, top-p {p}", step, capture=True)
         timings[f"std {std:g}"] = case
+        if args.profile:
+            calls = functools.partial(_repeat, 20, sample_next, logits, seeds, positions, args.temperature, top_p=top_p)
+            print_table([f"kernel (20 samplers, std {std:g}, top-p {top_p})", "calls", "ms", "share"],
+                        kernel_profile(calls, device, top=25))
+            print()
         agreements[f"std {std:g}"] = agreement(scaled, top_p)
 
     names = list(next(iter(timings.values())))
