@@ -96,20 +96,22 @@ try:  # CPU builds of torch come without triton: the test below then skips
     import triton
     import triton.language as tl
 
-    from caspo.rollout.gumbel_kernel import _online_logsumexp
+    from caspo.rollout.gumbel_kernel import _fold_kept, _online_logsumexp
 
     @triton.jit
-    def _fold_both_ways(X, Out, n, LANES: tl.constexpr):
+    def _fold_both_ways(X, Out, n, cut, LANES: tl.constexpr):
         """The running (max, sum) of each lane's entries by `_online_logsumexp`, and by exponentiating both
-        differences from the new max (what it replaced)."""
+        differences from the new max (what it replaced); and the sum over the entries >= cut by `_fold_kept`."""
         lanes = tl.arange(0, LANES)
         top = tl.full([LANES], float("-inf"), tl.float32)
         total = tl.zeros([LANES], tl.float32)
         two_top = tl.full([LANES], float("-inf"), tl.float32)
         two_total = tl.zeros([LANES], tl.float32)
+        kept_total = tl.zeros([LANES], tl.float32)
         for i in range(0, n):
             s = tl.load(X + i * LANES + lanes)
-            top, total = _online_logsumexp(top, total, s)
+            top, total, e, rises = _online_logsumexp(top, total, s)
+            kept_total = _fold_kept(kept_total, s >= cut, e, rises)
             new_top = tl.maximum(two_top, s)
             anchor = tl.where(new_top == float("-inf"), 0.0, new_top)
             two_total = two_total * tl.exp(two_top - anchor) + tl.exp(s - anchor)
@@ -118,6 +120,7 @@ try:  # CPU builds of torch come without triton: the test below then skips
         tl.store(Out + LANES + lanes, total)
         tl.store(Out + 2 * LANES + lanes, two_top)
         tl.store(Out + 3 * LANES + lanes, two_total)
+        tl.store(Out + 4 * LANES + lanes, kept_total)
 except ImportError:
     _fold_both_ways = None
 
@@ -125,7 +128,8 @@ except ImportError:
 def test_the_online_logsumexp_takes_one_exponential_for_two():
     """The pick's running (max, sum) with e = exp(-|s - top|) an entry equals the fold that exponentiates both
     differences from the new max, through rising, falling, equal and -inf entries (bit for bit in the interpreter;
-    on a card to a rounding, as the compiler may fuse either multiply-add), and the float64 logsumexp."""
+    on a card to a rounding, as the compiler may fuse either multiply-add), and the float64 logsumexp; the kept
+    sum folded from the same exponentials gives the float64 logsumexp over the entries at or above the cut."""
     device = device_for_triton()
 
     inf = float("inf")
@@ -133,9 +137,10 @@ def test_the_online_logsumexp_takes_one_exponential_for_two():
              [0.5, 0.5, 0.5, 0.5, 0.5, 0.5], [-inf, -inf, 2.0, -inf, 9.0, 8.0]]
     lanes += torch.randn(11, 6, generator=torch.Generator().manual_seed(0)).mul(4).tolist()
     x = torch.tensor(lanes, dtype=torch.float32).T.contiguous()  # [steps, lanes]
-    out = torch.empty(4, 16, dtype=torch.float32, device=device)
-    _fold_both_ways[(1,)](x.to(device), out, x.shape[0], LANES=16)
-    top, total, two_top, two_total = out.cpu()
+    out = torch.empty(5, 16, dtype=torch.float32, device=device)
+    cut = 1.0
+    _fold_both_ways[(1,)](x.to(device), out, x.shape[0], cut, LANES=16)
+    top, total, two_top, two_total, kept_total = out.cpu()
     assert torch.equal(top, two_top)
     if device == "cpu":
         assert torch.equal(total, two_total)
@@ -145,6 +150,12 @@ def test_the_online_logsumexp_takes_one_exponential_for_two():
     finite = top > -inf
     expected = torch.logsumexp(x.T.double(), -1)
     torch.testing.assert_close((top + total.log())[finite].double(), expected[finite], atol=1e-6, rtol=1e-6)
+    # the kept sum shares the lane's max: its logsumexp is the float64 one over the entries >= cut
+    x64 = x.T.double()
+    kept = torch.logsumexp(x64.masked_fill(x64 < cut, -inf), -1)
+    has_kept = (x.T >= cut).any(-1)
+    assert 0 < has_kept.sum() < len(lanes) and (kept_total[~has_kept] == 0).all()
+    torch.testing.assert_close((top + kept_total.log())[has_kept].double(), kept[has_kept], atol=1e-6, rtol=1e-6)
 
 
 def check_noise32(counters: torch.Tensor, device: str) -> float:

@@ -87,20 +87,27 @@ def _online_logsumexp(top, total, s):
     """Fold s into per-lane (max, sum of exp(s - max)) with one exponential an entry, e = exp(-|s - top|): the
     rescaling of the sum when s is a new max (the term of s is then exp(0) = 1), s's own term otherwise (the
     rescaling is then by exp(0) = 1): the sums of exponentiating both differences from the new max, with one
-    exponential fewer. Lanes that saw only -inf keep (-inf, 0)."""
+    exponential fewer. Lanes that saw only -inf keep (-inf, 0). Also returns e and whether s rose."""
     rises = s > top
     e = tl.exp(tl.where(rises, top - s, s - top))
     e = tl.where(s == float("-inf"), 0.0, e)  # -inf - (-inf) is nan; a -inf entry adds nothing
-    return tl.maximum(top, s), tl.where(rises, total * e + 1.0, total + e)
+    return tl.maximum(top, s), tl.where(rises, total * e + 1.0, total + e), e, rises
 
 
 @triton.jit
-def _store_logsumexp(top, total, Top, Total):
-    """Reduce per-lane (max, sum) to the program's (max, sum of exp(s - max)) across threads."""
-    part_top = tl.max(top, 0)
+def _fold_kept(kept_total, kept, e, rises):
+    """The sum of exp(s - max) over a lane's kept entries, against the lane's max over all of its entries, from
+    the same e as the whole sum. A lane's max is kept as soon as any of its entries is (kept entries are those
+    >= the cut), so a rise by an entry that is not kept rescales a kept sum of 0, and the two sums share their
+    max without losing precision."""
+    return tl.where(rises, kept_total * e + kept.to(tl.float32), kept_total + tl.where(kept, e, 0.0))
+
+
+@triton.jit
+def _part_total(top, total, part_top):
+    """Per-lane sums of exp(s - top) [BLOCK] as one sum of exp(s - part_top), part_top the lanes' max."""
     anchor = tl.where(part_top == float("-inf"), 0.0, part_top)
-    tl.store(Top, part_top)
-    tl.store(Total, tl.sum(total * tl.exp(top - anchor), 0))
+    return tl.sum(total * tl.exp(top - anchor), 0)
 
 
 @triton.jit
@@ -123,7 +130,7 @@ def _rank_in_float64(Logits, row_hash, cut, inverse_temperature, vocab, start,
 
 @triton.jit
 def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, stride_row, margin,
-                        BestKey, BestIndex, KeptTop, KeptTotal, FullTop, FullTotal,
+                        BestKey, BestIndex, KeptTotal, FullTop, FullTotal,
                         CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -133,7 +140,6 @@ def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, 
     best = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's largest float32 key
     second = tl.full([BLOCK], float("-inf"), tl.float32)  # and the largest of its others (ties included)
     best_index = tl.zeros([BLOCK], tl.int32)
-    kept_top = tl.full([BLOCK], float("-inf"), tl.float32)
     kept_total = tl.zeros([BLOCK], tl.float32)
     full_top = tl.full([BLOCK], float("-inf"), tl.float32)
     full_total = tl.zeros([BLOCK], tl.float32)
@@ -147,9 +153,9 @@ def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, 
         second = tl.where(better, best, tl.maximum(second, key))
         best = tl.where(better, key, best)
         best_index = tl.where(better, index, best_index)
+        full_top, full_total, e, rises = _online_logsumexp(full_top, full_total, s)
         if CUT:
-            kept_top, kept_total = _online_logsumexp(kept_top, kept_total, kept)
-        full_top, full_total = _online_logsumexp(full_top, full_total, s)
+            kept_total = _fold_kept(kept_total, s >= cut, e, rises)
     top = tl.max(best, 0)
     near = top - margin * tl.maximum(tl.abs(top), 1.0)
     contested = (tl.sum((best >= near).to(tl.int32), 0) > 1) | (tl.max(second, 0) >= near)
@@ -165,9 +171,11 @@ def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, 
     out = row * tl.num_programs(1) + part
     tl.store(BestKey + out, top_key)
     tl.store(BestIndex + out, index)
-    if CUT:
-        _store_logsumexp(kept_top, kept_total, KeptTop + out, KeptTotal + out)
-    _store_logsumexp(full_top, full_total, FullTop + out, FullTotal + out)
+    part_top = tl.max(full_top, 0)
+    tl.store(FullTop + out, part_top)
+    tl.store(FullTotal + out, _part_total(full_top, full_total, part_top))
+    if CUT:  # against the same max: the part's kept logsumexp is FullTop + log(KeptTotal)
+        tl.store(KeptTotal + out, _part_total(full_top, kept_total, part_top))
 
 
 @triton.jit
@@ -208,15 +216,15 @@ def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshol
     best_key = torch.empty(rows, parts, dtype=torch.float64, device=logits.device)
     best_index = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
     full_top, full_total = (torch.empty(rows, parts, dtype=torch.float32, device=logits.device) for _ in range(2))
-    kept_top, kept_total = full_top, full_total
+    kept_total = full_total
     cut = threshold is not None
     if cut:
-        kept_top, kept_total = (torch.empty_like(full_top) for _ in range(2))
+        kept_total = torch.empty_like(full_total)
         threshold = threshold.float().contiguous()
     _gumbel_pick_kernel[(rows, parts)](logits, row_hash, threshold if cut else logits, inverse_temperature, vocab,
-                                       logits.stride(0), margin, best_key, best_index, kept_top, kept_total,
+                                       logits.stride(0), margin, best_key, best_index, kept_total,
                                        full_top, full_total, CUT=cut, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     tokens = best_index.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()  # first part on ties
     picked = logits.gather(-1, tokens[:, None])[:, 0] * inverse_temperature
     full = picked - _combine_logsumexp(full_top, full_total)
-    return tokens, (picked - _combine_logsumexp(kept_top, kept_total) if cut else full), full
+    return tokens, (picked - _combine_logsumexp(full_top, kept_total) if cut else full), full
