@@ -44,7 +44,7 @@ def test_fused_pick_equals_the_torch_pick(vocab, temperature, top_k, top_p, marg
     threshold = None if top_k == 0 and top_p == 1.0 else cut
     got = fused_gumbel_pick(logits.to(device), inverse_temperature(temperature),
                             None if threshold is None else threshold.to(device),
-                            noise_row_hash(seeds, positions).to(device), MARGIN if margin is None else margin)
+                            seeds.to(device), positions.to(device), MARGIN if margin is None else margin)
     expected = gumbel_pick(scaled, cut, seeds, positions)
     assert torch.equal(got[0].cpu(), expected[0])
     for value, want in zip(got[1:], expected[1:]):
@@ -86,17 +86,24 @@ def test_a_near_tie_is_ranked_in_float64():
     device = device_for_triton()
     seeds, positions = torch.tensor([2**33 + 7]), torch.tensor([17])
     logits, i, j = float32_keys_invert(3000, seeds, positions, device)
-    row_hash = noise_row_hash(seeds, positions).to(device)
+    counters = seeds.to(device), positions.to(device)
     assert gumbel_pick(logits, torch.tensor([[float("-inf")]]), seeds, positions)[0].item() == j
-    assert fused_gumbel_pick(logits.to(device), 1.0, None, row_hash)[0].item() == j
-    assert fused_gumbel_pick(logits.to(device), 1.0, None, row_hash, margin=0.0)[0].item() == i
+    assert fused_gumbel_pick(logits.to(device), 1.0, None, *counters)[0].item() == j
+    assert fused_gumbel_pick(logits.to(device), 1.0, None, *counters, margin=0.0)[0].item() == i
 
 
 try:  # CPU builds of torch come without triton: the test below then skips
     import triton
     import triton.language as tl
 
-    from caspo.rollout.gumbel_kernel import _fold_kept, _online_logsumexp
+    from caspo.rollout.gumbel_kernel import _fold_kept, _online_logsumexp, _row_hash
+
+    @triton.jit
+    def _row_hashes(Seeds, Positions, Out, n, BLOCK: tl.constexpr):
+        index = tl.arange(0, BLOCK)
+        inside = index < n
+        h = _row_hash(tl.load(Seeds + index, mask=inside, other=0), tl.load(Positions + index, mask=inside, other=0))
+        tl.store(Out + index, h.to(tl.int64), mask=inside)
 
     @triton.jit
     def _fold_both_ways(X, Out, n, cut, LANES: tl.constexpr):
@@ -123,6 +130,17 @@ try:  # CPU builds of torch come without triton: the test below then skips
         tl.store(Out + 4 * LANES + lanes, kept_total)
 except ImportError:
     _fold_both_ways = None
+
+
+def test_the_kernels_row_hash_is_the_torch_one():
+    """The pick hashes each row's (seed, position) itself: the same 32-bit values as `noise_row_hash`, over seeds
+    and positions at and across the 32-bit boundaries."""
+    device = device_for_triton()
+    seeds = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**33 + 7, 2**62 + 5, 2**63 - 1, 123456789012345])
+    positions = torch.tensor([0, 1, 5, 2**31 - 1, 2**31, 2**32 + 3, 4095, 17, 2**40 + 1, 9])
+    out = torch.empty(len(seeds), dtype=torch.int64, device=device)
+    _row_hashes[(1,)](seeds.to(device), positions.to(device), out, len(seeds), BLOCK=16)
+    assert torch.equal(out.cpu(), noise_row_hash(seeds, positions))
 
 
 def test_the_online_logsumexp_takes_one_exponential_for_two():

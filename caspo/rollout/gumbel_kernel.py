@@ -10,7 +10,9 @@ and the counter noise U:
 `sampling.gumbel_pick` computes the same with torch ops, which read and write [B, V] several
 times. Here grid (rows, parts of the vocabulary): each program hashes the noise of its part,
 keeps per-lane running maxima and online sums in registers, reduces them across threads once
-at the end and writes one partial per (row, part); a few [B, parts] torch ops combine the parts.
+at the end and writes one partial per (row, part); one program per row then combines the parts.
+Both kernels read the counters themselves: in a CUDA graph each small torch op around them costs a
+few microseconds, and hashing the rows' counters with torch ops was about forty of them.
 
 The float64 keys are the definition, but two float64 logarithms per entry made the kernel
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
@@ -44,6 +46,15 @@ def _fmix32(h):
     h ^= h >> 13
     h *= 0xC2B2AE35
     return h ^ (h >> 16)
+
+
+@triton.jit
+def _row_hash(seed, position):
+    """`sampling.noise_row_hash` of one row's (seed, position), both int64: the same 32-bit value."""
+    low = (seed & 0xFFFFFFFF).to(tl.uint32)
+    high = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    h = _fmix32(low ^ _fmix32(high ^ 0x9E3779B9))
+    return _fmix32(h ^ (position.to(tl.uint32) * 0x27D4EB2F))  # uint32 arithmetic wraps
 
 
 @triton.jit
@@ -129,13 +140,13 @@ def _rank_in_float64(Logits, row_hash, cut, inverse_temperature, vocab, start,
 
 
 @triton.jit
-def _gumbel_pick_kernel(Logits, RowHash, Threshold, inverse_temperature, vocab, stride_row, margin,
+def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature, vocab, stride_row, margin,
                         BestKey, BestIndex, KeptTotal, FullTop, FullTotal,
                         CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
     row_logits = Logits + row * stride_row
-    row_hash = tl.load(RowHash + row).to(tl.uint32)
+    row_hash = _row_hash(tl.load(Seeds + row), tl.load(Positions + row))
     cut = tl.load(Threshold + row) if CUT else float("-inf")
     best = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's largest float32 key
     second = tl.full([BLOCK], float("-inf"), tl.float32)  # and the largest of its others (ties included)
@@ -193,21 +204,42 @@ def gumbel_noise32(counters: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _combine_logsumexp(top: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """logsumexp [B] from per-part (max, sum of exp(s - max)) [B, parts]."""
-    row_top = top.amax(-1, keepdim=True)
-    return (row_top + torch.log((total * torch.exp(top - row_top)).sum(-1, keepdim=True)))[:, 0]
+@triton.jit
+def _part_logsumexp(Top, Total, at, inside):
+    """logsumexp over a row's parts from their (max, sum of exp(s - max)) at offsets `at`."""
+    top = tl.load(Top + at, mask=inside, other=float("-inf"))
+    row_top = tl.max(top, 0)
+    return row_top + tl.log(tl.sum(tl.load(Total + at, mask=inside, other=0.0) * tl.exp(top - row_top), 0))
+
+
+@triton.jit
+def _combine_kernel(BestKey, BestIndex, KeptTotal, FullTop, FullTotal, Logits, stride_row, inverse_temperature,
+                    parts, Tokens, LogProbs, FullLogProbs, CUT: tl.constexpr, PARTS: tl.constexpr):
+    """One program per row: the winner among the parts' winners (the first part on ties) and its log-probs."""
+    row = tl.program_id(0)
+    part = tl.arange(0, PARTS)
+    inside = part < parts
+    at = row * parts + part
+    key = tl.load(BestKey + at, mask=inside, other=float("-inf"))
+    first = tl.min(tl.where(key == tl.max(key, 0), part, PARTS), 0)
+    token = tl.load(BestIndex + row * parts + first).to(tl.int64)
+    picked = tl.load(Logits + row * stride_row + token) * inverse_temperature
+    tl.store(Tokens + row, token)
+    tl.store(FullLogProbs + row, picked - _part_logsumexp(FullTop, FullTotal, at, inside))
+    if CUT:  # the kept sums share the whole sums' maxima
+        tl.store(LogProbs + row, picked - _part_logsumexp(FullTop, KeptTotal, at, inside))
 
 
 def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshold: torch.Tensor | None,
-                      row_hash: torch.Tensor, margin: float = MARGIN
+                      seeds: torch.Tensor, positions: torch.Tensor, margin: float = MARGIN
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B], log-probs [B], untruncated log-probs [B]) for float32 logits [B, V] (last dim contiguous).
 
     inverse_temperature: `sampling.inverse_temperature(T)`; threshold [B, 1] float32 applies to
     logits · inverse_temperature (None: nothing is cut, and both log-probs are the same numbers);
-    row_hash [B] int64 is `sampling.noise_row_hash(seeds, positions)`. margin: the float32 keys'
-    tie band (inf: every part ranks in float64; the tests use it to check both paths).
+    seeds, positions [B] int64: the noise's counters (`sampling.noise_row_hash` of them, hashed in the kernel).
+    margin: the float32 keys' tie band (inf: every part ranks in float64; the tests use it to check both paths).
+    Two kernels: the parts' winners and sums, then one program per row that combines them.
     """
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"fused_gumbel_pick needs float32 logits with a contiguous last dimension, got {logits.dtype}")
@@ -221,10 +253,14 @@ def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshol
     if cut:
         kept_total = torch.empty_like(full_total)
         threshold = threshold.float().contiguous()
-    _gumbel_pick_kernel[(rows, parts)](logits, row_hash, threshold if cut else logits, inverse_temperature, vocab,
-                                       logits.stride(0), margin, best_key, best_index, kept_total,
+    seeds, positions = seeds.long().contiguous(), positions.long().contiguous()
+    _gumbel_pick_kernel[(rows, parts)](logits, seeds, positions, threshold if cut else logits, inverse_temperature,
+                                       vocab, logits.stride(0), margin, best_key, best_index, kept_total,
                                        full_top, full_total, CUT=cut, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
-    tokens = best_index.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()  # first part on ties
-    picked = logits.gather(-1, tokens[:, None])[:, 0] * inverse_temperature
-    full = picked - _combine_logsumexp(full_top, full_total)
-    return tokens, (picked - _combine_logsumexp(full_top, kept_total) if cut else full), full
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    full = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    kept = torch.empty_like(full) if cut else full
+    _combine_kernel[(rows,)](best_key, best_index, kept_total, full_top, full_total, logits, logits.stride(0),
+                             inverse_temperature, parts, tokens, kept, full, CUT=cut,
+                             PARTS=max(2, triton.next_power_of_2(parts)), num_warps=1)
+    return tokens, kept, full

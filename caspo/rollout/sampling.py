@@ -343,7 +343,7 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     threshold = None
     if top_k > 0 or top_p < 1.0:
         threshold = cut_threshold(logits, top_k, top_p, scale=inverse)
-    return fused_gumbel_pick(logits.contiguous(), inverse, threshold, noise_row_hash(seeds, positions))
+    return fused_gumbel_pick(logits.contiguous(), inverse, threshold, seeds, positions)
 
 
 def inverse_temperature(temperature: float) -> float:
