@@ -158,7 +158,8 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
         index = part * SPAN + offset + tl.arange(0, BLOCK)
         x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf"))
         s = x * inverse_temperature
-        kept = tl.where(s >= cut, s, float("-inf")) if CUT else s
+        inside_cut = s >= cut
+        kept = tl.where(inside_cut, s, float("-inf")) if CUT else s
         key = kept + _gumbel32(_noise_hash(row_hash, index))
         better = key > best
         second = tl.where(better, best, tl.maximum(second, key))
@@ -166,7 +167,7 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
         best_index = tl.where(better, index, best_index)
         full_top, full_total, e, rises = _online_logsumexp(full_top, full_total, s)
         if CUT:
-            kept_total = _fold_kept(kept_total, s >= cut, e, rises)
+            kept_total = _fold_kept(kept_total, inside_cut, e, rises)
     top = tl.max(best, 0)
     near = top - margin * tl.maximum(tl.abs(top), 1.0)
     contested = (tl.sum((best >= near).to(tl.int32), 0) > 1) | (tl.max(second, 0) >= near)

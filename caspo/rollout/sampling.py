@@ -324,7 +324,7 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     untruncated log-probs under softmax(logits / T) over the whole vocabulary. (logits / T is
     computed as logits · `inverse_temperature(T)`.)
     temperature == 0 is greedy, with the log-probs of the temperature-1 distribution.
-    fused: scale, hash the noise and pick in one Triton kernel, `fused_gumbel_pick` (default: on
+    fused: scale, hash the noise and pick in one read of the logits, `fused_gumbel_pick` (default: on
     CUDA). Same tokens either way; log-probs agree to float32 rounding. On CUDA the nucleus
     passes are Triton kernels too, with no host sync, so the whole sampler can be captured in a
     CUDA graph.
