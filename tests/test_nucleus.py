@@ -376,9 +376,11 @@ def test_nucleus_reads_equal_their_torch_definitions():
     padded = torch.cat([x, x.new_full((6, 71 * 128 - 9000), NEG_INF)], -1)
     assert torch.equal(maxima, padded.view(6, 71, 128).amax(-1))
     shift = 62 - (9000 - 1).bit_length()
-    e, total = exp_and_mass(x, maxima.amax(-1), shift)
+    e, masses = exp_and_mass(x, maxima.amax(-1), shift)
     torch.testing.assert_close(e, torch.exp(x - x.amax(-1, keepdim=True)), rtol=3e-7, atol=0)
-    assert torch.equal(total, (e * 2.0 ** shift).to(torch.int64).sum(-1))  # of the kernel's own e
+    weight = (e * 2.0 ** shift).to(torch.int64)  # of the kernel's own e
+    assert masses.shape == (6, 2) and torch.equal(masses, torch.stack([weight[:, :8192].sum(-1),
+                                                                       weight[:, 8192:].sum(-1)], -1))
     t = e.gather(1, torch.randint(9000, (6, 1), generator=torch.Generator().manual_seed(0)).to(device))
     skip = torch.tensor([0, 0, 0, 0, 1, 0], dtype=torch.int8, device=device)
     got = threshold_logit(x, e, t[:, 0].view(torch.int32).to(torch.int64), skip)
@@ -394,7 +396,8 @@ def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
     passes. (Exponentials may differ in their last bit across implementations; here they agree.)"""
     device = needs_triton()
     from caspo.rollout.nucleus_reads import chunk_maxima, exp_and_mass
-    from caspo.rollout.sampling import _nucleus_threshold_by_kernels, _threshold_among_top_chunks
+    from caspo.rollout.nucleus_resolve import start_search
+    from caspo.rollout.sampling import _nucleus_threshold_by_kernels
 
     x = kernel_logits(vocab)  # 5,000: 40 chunks, fewer than the candidates, all of them read
     shift, first, plan = _nucleus_plan(vocab, top_p, NUCLEUS_PIVOTS)
@@ -408,17 +411,19 @@ def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
     if candidates and top_p == 0.145 and vocab == 9000:
         xd = x.to(device)
         maxima = chunk_maxima(xd, 128)
-        e, total = exp_and_mass(xd, maxima.amax(-1), shift)
-        target = (total.double() * top_p).ceil().to(torch.int64)
-        _, resolved, known, _ = _threshold_among_top_chunks(xd, e, maxima, target, shift, candidates)
-        assert resolved[1] and known[1]  # peaked: read off the top chunks
+        e, masses = exp_and_mass(xd, maxima.amax(-1), shift)
+        target, lo, hi, resolved, known, cut = (t.cpu() for t in start_search(
+            xd, e, maxima, masses, top_p, shift, first, _ONE_BITS, candidates, 128))
+        assert torch.equal(target, (masses.cpu().sum(-1).double() * top_p).ceil().to(torch.int64))
+        assert resolved[1] and known[1] and cut[1] == got[1, 0]  # peaked: read off the top chunks
         assert resolved[3] and not known[3]  # t ties with zeros outside the top chunks: read from the row
-        assert got[3, 0] == 0.0
+        assert lo[3] == hi[3] == e[3, 1].cpu().view(torch.int32) and got[3, 0] == 0.0  # t = e of a 0
+        assert not resolved[4] and (lo[4], hi[4]) == (first, _ONE_BITS)  # 9,000 ties: more than it holds
 
 
 def test_collect_equals_its_torch_definition():
     """nucleus_reads.collect (triton's interpreter on the CPU): per part, the count of entries inside [lo, hi],
-    `capacity` of them (distinct, in no set order), and the row's mass above hi, as torch computes them."""
+    `capacity` of them (distinct, in no set order), and its mass above hi, as torch computes them."""
     device = needs_triton()
     from caspo.rollout.nucleus_reads import SPAN, collect
 
@@ -437,7 +442,9 @@ def test_collect_equals_its_torch_definition():
     inside = (e >= lo[:, None]) & (e <= hi[:, None])
     weight = (e * 2.0 ** shift).to(torch.int64)
     for row in (0, 2, 3):
-        assert above[row] == torch.where(e[row] > hi[row], weight[row], 0).sum()
+        for part in range(2):
+            span = slice(part * SPAN, (part + 1) * SPAN)
+            assert above[row, part] == torch.where(e[row, span] > hi[row], weight[row, span], 0).sum()
         for part in range(2):
             members = inside[row, part * SPAN:(part + 1) * SPAN].nonzero()[:, 0] + part * SPAN
             assert counts[row, part] == len(members)
@@ -446,7 +453,7 @@ def test_collect_equals_its_torch_definition():
             assert len(set(got.tolist())) == kept and set(got.tolist()) <= set(members.tolist())  # in no set order
             assert torch.equal(values[row, part, :kept], e[row, got])
     assert counts[2].max() > capacity and counts[3, 0] >= 40 and counts[0].max() <= capacity
-    assert counts[1].eq(0).all() and above[1] == 0
+    assert counts[1].eq(0).all() and above[1].eq(0).all()
 
 
 @pytest.mark.parametrize("collect_after, capacity, top_p, candidates", [
@@ -467,31 +474,40 @@ def test_rows_finished_from_their_gathered_interval_equal_the_passes(collect_aft
     assert torch.equal(got, nucleus_threshold(x * scale, top_p, candidates=candidates))
 
 
-def test_which_rows_the_gathered_interval_finishes():
-    """After 4 passes the flat rows' intervals hold a few entries a part: gathered whole and finished, their
-    threshold logit known; a capacity of one entry a part finishes none of them."""
+@pytest.mark.parametrize("vocab", [9000, 20000])
+def test_which_rows_the_gathered_interval_finishes(vocab):
+    """After 4 passes the flat rows' intervals hold a few entries a part: gathered whole and finished in place,
+    their threshold logit known; a capacity of one entry a part finishes none of them. (20,000: three parts,
+    fewer than the kernel's power of two.)"""
     device = needs_triton()
     from caspo.rollout.mass_above import narrow
-    from caspo.rollout.sampling import _finish_small_intervals
+    from caspo.rollout.nucleus_reads import collect
+    from caspo.rollout.nucleus_resolve import finish_search
 
-    x = random_logits(3, 9000, 0.5, seed=11).float()
-    shift, first, plan = _nucleus_plan(9000, 0.9, NUCLEUS_PIVOTS)
+    x = random_logits(3, vocab, 0.5, seed=11).float()
+    shift, first, plan = _nucleus_plan(vocab, 0.9, NUCLEUS_PIVOTS)
     e = torch.exp(x - x.amax(-1, keepdim=True))
     target = (_masses(e, e.new_zeros(3, 1), shift).double() * 0.9).ceil().to(torch.int64)[:, 0]
     lo, hi = torch.full((3,), first), torch.full((3,), _ONE_BITS)
     skip = torch.tensor([0, 0, 1], dtype=torch.int8)  # row 2 stands for a row resolved earlier
     for m in plan[:4]:
         narrow(e, lo, hi, target, skip, shift, m)
-    known, cut = torch.zeros(3, dtype=torch.bool), torch.full((3,), float("inf"))
-    state = [t.to(device) for t in (x, e, lo, hi, skip, known, cut, target)]
-    finished = _finish_small_intervals(*state[:7], state[7], shift, 64, 1.0)
-    f_lo, f_hi, f_skip, f_known, f_cut = (t.cpu() for t in finished)
     threshold = nucleus_threshold(x, 0.9)[:, 0]
-    assert f_known[:2].all() and f_skip.eq(1).all() and torch.equal(f_lo[:2], f_hi[:2])
-    assert torch.equal(f_cut[:2], threshold[:2])
-    assert not f_known[2] and f_lo[2] == lo[2]  # the skipped row is left as it was
-    none = _finish_small_intervals(*state[:7], state[7], shift, 1, 1.0)
-    assert not none[3].any() and torch.equal(none[2].cpu(), skip)
+    for capacity in (64, 1):
+        state = [t.clone().to(device) for t in (x, e, target, lo, hi, skip)]
+        known, cut = torch.zeros(3, dtype=torch.int8, device=device), torch.full((3,), 7.0, device=device)
+        xd, ed, td, f_lo, f_hi, f_skip = state
+        finish_search(xd, collect(ed, f_lo, f_hi, f_skip, shift, capacity), td, f_lo, f_hi, f_skip, known, cut,
+                      shift)
+        f_lo, f_hi, f_skip, known, cut = (t.cpu() for t in (f_lo, f_hi, f_skip, known, cut))
+        if capacity == 1:
+            assert known.eq(0).all() and torch.equal(f_skip, skip) and torch.equal(f_lo, lo) and cut.eq(7.0).all()
+            continue
+        assert known[:2].eq(1).all() and f_skip.eq(1).all() and torch.equal(f_lo[:2], f_hi[:2])
+        assert torch.equal(cut[:2], threshold[:2])
+        e_t = e[:2].gather(1, (x[:2] == threshold[:2, None]).float().argmax(-1, keepdim=True))[:, 0]
+        assert torch.equal(f_lo[:2], e_t.view(torch.int32).to(torch.int64))  # lo = hi = t, the threshold's e
+        assert known[2] == 0 and f_lo[2] == lo[2] and cut[2] == 7.0  # the skipped row is left as it was
 
 
 # ---------------------------------------------------------------- GPU

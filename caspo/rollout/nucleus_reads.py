@@ -4,12 +4,12 @@ For scaled logits x = logits · scale [B, V] (float32; each kernel multiplies as
 copy is written) the search needs, per row (docs/engine/nucleus.md):
 
     chunk_maxima     max of x over each chunk of `chunk` entries              one read of x
-    exp_and_mass     e_i = exp(x_i - max_k x_k), and the total integer mass
+    exp_and_mass     e_i = exp(x_i - max_k x_k), and each part's integer mass
                      sum_i floor(e_i 2^shift) (int64, exact in any order)     one read of x, one write of e
     threshold_logit  min {x_i : e_i >= t}, t a float32 bit pattern per row    one read of x and e
     collect          the entries of e inside an interval [lo, hi] of bit patterns,
-                     at most `capacity` a part, with their indices, and the mass
-                     above the interval, sum_{e_i > hi} floor(e_i 2^shift)     one read of e
+                     at most `capacity` a part, with their indices, and each part's
+                     mass above the interval, sum_{e_i > hi} floor(e_i 2^shift) one read of e
 
 As torch operations these were about ten reads and writes of [B, V] around the passes (the row
 max, the difference, the exponentials, a mass pass, the chunk maxima, a mask, a select and a
@@ -17,7 +17,8 @@ min), most of the sampler's time when every row's nucleus is found among its lik
 
 The exponentials are libdevice's `exp`, which is CUDA's `expf` (triton's own `tl.exp` is a faster
 approximation), and numpy's exp under triton's CPU interpreter. Each kernel's grid is (rows, parts
-of SPAN entries); the parts' results are reduced by torch.
+of SPAN entries); the parts' results are reduced by torch or by the search's per-row kernels
+(`nucleus_resolve`).
 """
 
 from __future__ import annotations
@@ -140,14 +141,15 @@ def chunk_maxima(x: torch.Tensor, chunk: int, scale: float = 1.0) -> torch.Tenso
 
 def exp_and_mass(x: torch.Tensor, row_max: torch.Tensor, shift: int, scale: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e [B, V], total [B] int64): e = exp(x · scale - row_max[:, None]), total = sum_i floor(e_i 2^shift)."""
+    """(e [B, V], masses [B, parts] int64): e = exp(x · scale - row_max[:, None]) and, for each part of SPAN
+    entries, sum_i floor(e_i 2^shift) (a row's total mass is their sum)."""
     _check(x)
     rows, vocab = x.shape
     e = torch.empty_like(x)
     partial = torch.empty(rows, _parts(vocab), dtype=torch.int64, device=x.device)
     _exp_and_mass_kernel[(rows, _parts(vocab))](x, row_max.float().contiguous(), e, partial, vocab, x.stride(0),
                                                 scale, 2.0 ** shift, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
-    return e, partial.sum(1)
+    return e, partial
 
 
 def threshold_logit(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, skip: torch.Tensor,
@@ -168,11 +170,12 @@ def threshold_logit(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, skip: 
 def collect(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Tensor, shift: int, capacity: int
             ) -> tuple[torch.Tensor, ...]:
     """The entries of each row of e [B, V] whose bit patterns lie in [lo, hi] (int64 [B]), part by part of SPAN
-    entries: (values [B, parts, capacity] float32, their indices int32, counts [B, parts] int32, above [B] int64).
+    entries: (values [B, parts, capacity] float32, their indices int32, counts [B, parts] int32, above [B, parts]
+    int64).
     A part keeps `capacity` of its entries, in no set order, and counts them all (a count above `capacity`
     means some were left out); slots past a part's count hold garbage. What the search reads of them (their
-    sorted values, the least logit at or above a level) does not depend on the order. `above` is the mass
-    sum floor(e_i 2^shift) over e_i > hi. Rows that `skip` [B] (int8) marks are not read: count 0, above 0."""
+    sorted values, the least logit at or above a level) does not depend on the order. `above` is each part's
+    mass sum floor(e_i 2^shift) over e_i > hi. Rows that `skip` [B] (int8) marks are not read: count 0, above 0."""
     _check(e)
     rows, vocab = e.shape
     parts = _parts(vocab)
@@ -182,4 +185,4 @@ def collect(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Ten
     above = torch.empty(rows, parts, dtype=torch.int64, device=e.device)
     _collect_kernel[(rows, parts)](e, lo, hi, skip, values, index, counts, above, vocab, e.stride(0),
                                    2.0 ** shift, CAPACITY=capacity, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
-    return values, index, counts, above.sum(1)
+    return values, index, counts, above

@@ -16,8 +16,10 @@ try:
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
     from caspo.rollout.mass_above import narrow, screened_narrow
     from caspo.rollout.nucleus_reads import chunk_maxima, collect, exp_and_mass, threshold_logit
+    from caspo.rollout.nucleus_resolve import finish_search, start_search
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
     fused_gumbel_pick = narrow = screened_narrow = chunk_maxima = collect = exp_and_mass = threshold_logit = None
+    finish_search = start_search = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -134,86 +136,27 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
                                   collect_capacity: int = NUCLEUS_COLLECT_CAPACITY,
                                   screened_passes: int | None = None) -> torch.Tensor:
     """nucleus_threshold on CUDA: the same search, its reads of the rows Triton kernels (`nucleus_reads`,
-    `mass_above`), which scale the logits x as they read them. A row whose threshold its likeliest tokens
-    resolve reads its threshold logit off them too, unless a token outside their chunks ties with the
-    threshold; the others take one more read. After `collect_after` passes (default NUCLEUS_COLLECT_AFTER, read
-    at the call; as many as the plan has or more: never) a row whose interval holds few entries is finished by
-    a sort of them. The first `screened_passes` passes (default NUCLEUS_SCREENED_PASSES) are screened on
-    float32 sums, which leaves every interval as the int64 sums would."""
+    `mass_above`), which scale the logits x as they read them, and its shortcuts one program per row
+    (`nucleus_resolve`). A row whose threshold its likeliest tokens resolve reads its threshold logit off them
+    too, unless a token outside their chunks ties with the threshold; the others take one more read. After
+    `collect_after` passes (default NUCLEUS_COLLECT_AFTER, read at the call; as many as the plan has or more:
+    never) a row whose interval holds few entries is finished by a sort of them. The first `screened_passes`
+    passes (default NUCLEUS_SCREENED_PASSES) are screened on float32 sums, which leaves every interval as the
+    int64 sums would."""
     if narrow is None:
         raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
     collect_after = NUCLEUS_COLLECT_AFTER if collect_after is None else collect_after
     screened_passes = NUCLEUS_SCREENED_PASSES if screened_passes is None else screened_passes
     maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
-    e, total = exp_and_mass(x, maxima.amax(-1), shift, scale)
-    target = (total.double() * top_p).ceil().to(torch.int64)  # T [B]
-    rows = x.shape[0]
-    found, resolved = target.new_zeros(rows), torch.zeros(rows, dtype=torch.bool, device=x.device)
-    known, cut = resolved, x.new_full((rows,), float("inf"))
-    if candidates > 0:
-        found, resolved, known, cut = _threshold_among_top_chunks(x, e, maxima, target, shift, candidates, scale)
-    lo = torch.where(resolved, found, first)  # a resolved row starts (and stays) at width 1
-    hi = torch.where(resolved, found, _ONE_BITS)
-    skip = resolved.to(torch.int8)
+    e, masses = exp_and_mass(x, maxima.amax(-1), shift, scale)
+    target, lo, hi, skip, known, cut = start_search(x, e, maxima, masses, top_p, shift, first, _ONE_BITS,
+                                                    candidates, NUCLEUS_CHUNK, scale)
     for i, m in enumerate(plan):
         if i == collect_after:
-            lo, hi, skip, known, cut = _finish_small_intervals(x, e, lo, hi, skip, known, cut, target, shift,
-                                                               collect_capacity, scale)
+            gathered = collect(e, lo, hi, skip, shift, collect_capacity)
+            finish_search(x, gathered, target, lo, hi, skip, known, cut, shift, scale)
         (screened_narrow if i < screened_passes else narrow)(e, lo, hi, target, skip, shift, m)
-    return torch.where(known, cut, threshold_logit(x, e, lo, known.to(torch.int8), scale))[:, None]
-
-
-def _finish_small_intervals(x: torch.Tensor, e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Tensor,
-                            known: torch.Tensor, cut: torch.Tensor, target: torch.Tensor, shift: int, capacity: int,
-                            scale: float) -> tuple[torch.Tensor, ...]:
-    """The search's state (lo, hi, skip, known, cut) with every row whose interval `collect` gathers whole
-    resolved: its threshold t and threshold logit read off the gathered entries, its interval t alone.
-
-    Sorted descending, the gathered q_1 >= q_2 >= ... with A = W(hi + 1), the mass above the interval, and
-    prefix sums A + w(q_1) + ... + w(q_j): the first j reaching T gives t = q_j (docs/engine/nucleus.md, 4c:
-    every entry above q_j is above the interval or among q_1..q_{j-1}). Some j does: the whole prefix is
-    W(lo) >= T. Every entry at or above t is above the interval (a larger
-    logit) or gathered, so the threshold logit is the least gathered one at or above t.
-    """
-    values, index, counts, above = collect(e, lo, hi, skip, shift, capacity)
-    whole = (counts <= capacity).all(-1) & (skip == 0)
-    valid = torch.arange(capacity, device=e.device) < counts[..., None]
-    values = torch.where(valid, values, 0.0).flatten(1)  # an empty slot weighs nothing and sorts last
-    ordered = values.sort(-1, descending=True).values
-    _, t = _first_reaching(ordered, target[:, None], shift, above[:, None])
-    logits = x.gather(1, torch.where(valid, index, 0).flatten(1).long()) * scale
-    least = torch.where(values >= t, logits, float("inf")).amin(-1)  # empty slots are 0 < t
-    bits = t[:, 0].view(torch.int32).to(torch.int64)
-    return (torch.where(whole, bits, lo), torch.where(whole, bits, hi), ((skip != 0) | whole).to(torch.int8),
-            known | whole, torch.where(whole, least, cut))
-
-
-def _threshold_among_top_chunks(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, target: torch.Tensor,
-                                shift: int, count: int, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    """(t's bit pattern, resolved, known, threshold logit of x · scale), each [B]: `_threshold_among_top` on
-    the `count` chunks of NUCLEUS_CHUNK entries with the largest maxima (`maxima`, of x · scale), those of e
-    too: e rises with x.
-
-    The chunks hold every entry of e above M, their smallest e maximum. Where t > M (or they are the
-    whole row) they hold every entry at or above t, so the threshold logit, min {x_i : e_i >= t}, is
-    theirs (`known`).
-    """
-    rows, vocab = x.shape
-    chunk = NUCLEUS_CHUNK
-    count = min(count, maxima.shape[1])
-    best = maxima.topk(count, dim=-1).indices  # [B, count]
-    index = (best[..., None] * chunk + torch.arange(chunk, device=x.device)).flatten(1)  # [B, count · chunk]
-    inside = index < vocab
-    index = index.clamp(max=vocab - 1)
-    e_in = e.gather(1, index).masked_fill(~inside, 0.0)  # padding weighs nothing and is never kept (t > 0)
-    x_in = x.gather(1, index) * scale
-    top = e_in.topk(count, dim=-1).values
-    n, t = _first_reaching(top, target[:, None], shift)  # [B, 1]
-    resolved = n[:, 0] < count
-    smallest_max = e_in.view(rows, count, chunk).amax(-1).amin(-1, keepdim=True)
-    known = resolved & (t[:, 0] > smallest_max[:, 0]) if count < maxima.shape[1] else resolved  # or every chunk
-    cut = torch.where(e_in >= t, x_in, float("inf")).amin(-1)
-    return t[:, 0].view(torch.int32).to(torch.int64), resolved, known, cut
+    return torch.where(known != 0, cut, threshold_logit(x, e, lo, known, scale))[:, None]
 
 
 def narrow_by_torch(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor,
