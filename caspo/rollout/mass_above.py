@@ -31,9 +31,11 @@ import triton.language as tl
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 256  # entries per loop iteration, each thread holding BLOCK / (32 WARPS) rows of the m sums
 WARPS = 4
+SCREEN_BLOCK = 512  # the float32 screen's (73 against 85 us a pass at 256 rows on an H100; the int64 sums' best is 256)
 # A float32 sum of n >= 0 terms, added one by one, is within (n - 1) u / (1 - (n - 1) u) of the exact sum
-# (u = 2^-24). Each lane of the screening kernel adds SPAN / BLOCK = 32 entries, and the lanes and parts
-# are added in float64: 2^-18 bounds the relative error with room for the float64 roundings.
+# (u = 2^-24). Each lane of the screening kernel adds SPAN / SCREEN_BLOCK = 16 entries (at most 32 for the
+# bound below), and the lanes and parts are added in float64: 2^-18 bounds the relative error with room for
+# the float64 roundings.
 SCREEN_BOUND = 2.0 ** -18
 
 
@@ -110,7 +112,7 @@ def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
 def _screen_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row,
                    M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     """This program's part of the row: the m sums of e >= each level cut from [lo, hi], float32 in each lane
-    (SPAN / BLOCK entries), float64 across lanes, stored to Partial."""
+    (SPAN / SCREEN_BLOCK entries), float64 across lanes, stored to Partial."""
     row, part = tl.program_id(0), tl.program_id(1)
     sums = tl.zeros([LEVELS], dtype=tl.float64)
     if tl.load(Skip + row) == 0:
@@ -185,7 +187,7 @@ def screened_narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target:
     width, parts = partial.shape[2], partial.shape[1]
     settled = torch.empty(rows, dtype=torch.int8, device=e.device)
     _screen_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), M=m, LEVELS=width, SPAN=SPAN,
-                                  BLOCK=BLOCK, num_warps=WARPS)
+                                  BLOCK=SCREEN_BLOCK, num_warps=WARPS)
     _screen_narrow_kernel[(rows,)](partial, lo, hi, target, skip, settled, parts, 2.0 ** shift, bound,
                                    float(vocab), M=m, LEVELS=width, PARTS=max(2, triton.next_power_of_2(parts)))
     narrow(e, lo, hi, target, settled, shift, m)

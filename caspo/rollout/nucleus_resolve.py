@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+START_WARPS = 8  # a [64, 128] tile of the row in registers
+FINISH_WARPS = 4
 
 @triton.jit
 def _first_reaching(ordered, above, target, scale, SIZE: tl.constexpr):
@@ -152,7 +154,8 @@ def start_search(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, mass_pa
     _start_kernel[(rows,)](x, e, maxima, mass_parts, target, lo, hi, skip, known, cut, scratch, vocab, x.stride(0),
                            chunks, mass_parts.shape[1], count, scale, top_p, 2.0 ** shift, first, one_bits, COUNT=tile,
                            CHUNK=chunk, CHUNKS=max(2, triton.next_power_of_2(chunks)),
-                           PARTS=max(2, triton.next_power_of_2(mass_parts.shape[1])), CAPACITY=capacity, num_warps=8)
+                           PARTS=max(2, triton.next_power_of_2(mass_parts.shape[1])), CAPACITY=capacity,
+                           num_warps=START_WARPS)
     return target, lo, hi, skip, known, cut
 
 
@@ -167,4 +170,4 @@ def finish_search(x: torch.Tensor, gathered: tuple[torch.Tensor, ...], target: t
     rows, parts, capacity = values.shape
     _finish_kernel[(rows,)](x, values, index, counts, above, target, lo, hi, skip, known, cut, x.stride(0), parts,
                             scale, 2.0 ** shift, CAPACITY=capacity, PARTS=max(2, triton.next_power_of_2(parts)),
-                            num_warps=4)
+                            num_warps=FINISH_WARPS)
