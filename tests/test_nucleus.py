@@ -412,9 +412,9 @@ def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
         xd = x.to(device)
         maxima = chunk_maxima(xd, 128)
         e, masses = exp_and_mass(xd, maxima.amax(-1), shift)
-        target, lo, hi, resolved, known, cut = (t.cpu() for t in start_search(
-            xd, e, maxima, masses, top_p, shift, first, _ONE_BITS, candidates, 128))
-        assert torch.equal(target, (masses.cpu().sum(-1).double() * top_p).ceil().to(torch.int64))
+        target = (masses.sum(-1).double() * top_p).ceil().to(torch.int64)
+        lo, hi, resolved, known, cut = (t.cpu() for t in start_search(
+            xd, e, maxima, target, shift, first, _ONE_BITS, candidates, 128))
         assert resolved[1] and known[1] and cut[1] == got[1, 0]  # peaked: read off the top chunks
         assert resolved[3] and not known[3]  # t ties with zeros outside the top chunks: read from the row
         assert lo[3] == hi[3] == e[3, 1].cpu().view(torch.int32) and got[3, 0] == 0.0  # t = e of a 0
@@ -585,3 +585,29 @@ def test_screened_passes_give_the_int64_search_on_the_gpu(std):
                                              screened_passes=len(plan))
     exact = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale, screened_passes=0)
     assert torch.equal(screened, exact)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("std", [1.0, 8.0])
+def test_kernel_search_equals_the_torch_search_on_the_gpu(std):
+    """At a decode step's shape, the kernels' threshold equals the torch search's over the same exponentials, bit
+    for bit (the CPU comparison above allows the exponentials' last bits; this one allows nothing, so it sees a
+    target off by a float32 top_p, ~2e-8 of the mass, in a row or two of 256)."""
+    from caspo.rollout.nucleus_reads import chunk_maxima, exp_and_mass
+    from caspo.rollout.sampling import _nucleus_threshold_by_kernels
+
+    logits, _, _ = cuda_batch(256, std, seed=5)
+    shift, first, plan = _nucleus_plan(VOCAB, 0.9, NUCLEUS_PIVOTS)
+    scale = inverse_temperature(0.6)
+    got = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale)
+    x = logits * scale
+    e, _ = exp_and_mass(logits, chunk_maxima(logits, 128, scale).amax(-1), shift, scale)
+    weight = (e * 2.0 ** shift).to(torch.int64)
+    target = (weight.sum(-1, keepdim=True).double() * 0.9).ceil().to(torch.int64)
+    found, resolved = _threshold_among_top(e, target, shift, NUCLEUS_TOP)
+    lo, hi = torch.where(resolved, found, first), torch.where(resolved, found, _ONE_BITS)
+    for m in plan:
+        lo, hi = narrow_by_torch(e, lo, hi, target, resolved, shift, m, weight)
+    expected = torch.where(e >= lo.to(torch.int32).view(torch.float32), x, float("inf")).amin(-1, keepdim=True)
+    assert torch.equal(got, expected)

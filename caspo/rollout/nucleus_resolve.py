@@ -6,8 +6,7 @@ of e = exp(x - max x) descending, q_1 >= q_2 >= ..., and take as the threshold t
 of integer masses A + w(q_1) + ... + w(q_n), w = floor(q 2^shift), reaches the target T = ceil(top_p W):
 
     start_search    at the start, among the row's likeliest entries: A = 0 and the entries at or above the
-                    COUNT-th largest of the COUNT chunks with the largest maxima (section 4b); also the
-                    target itself, from the parts' masses that `nucleus_reads.exp_and_mass` leaves
+                    COUNT-th largest of the COUNT chunks with the largest maxima (section 4b)
     finish_search   after a few passes, among the entries of the row's interval that `nucleus_reads.collect`
                     gathered: A = the mass above the interval (section 4c)
 
@@ -62,15 +61,11 @@ def _top_chunks(Maxima, chunks, COUNT: tl.constexpr, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _start_kernel(X, E, Maxima, MassParts, Target, Lo, Hi, Skip, Known, Cut, Scratch,
-                  vocab, stride_row, chunks, mass_parts, count, x_scale, top_p, shift_scale, first, one_bits,
-                  COUNT: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr,
-                  CAPACITY: tl.constexpr):
+def _start_kernel(X, E, Maxima, Target, Lo, Hi, Skip, Known, Cut, Scratch,
+                  vocab, stride_row, chunks, count, x_scale, shift_scale, first, one_bits,
+                  COUNT: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CAPACITY: tl.constexpr):
     row = tl.program_id(0)
-    part = tl.arange(0, PARTS)
-    total = tl.sum(tl.load(MassParts + row * mass_parts + part, mask=part < mass_parts, other=0), 0)
-    target = tl.ceil(total.to(tl.float64) * top_p).to(tl.int64)  # T, as torch computes it in float64
-    tl.store(Target + row, target)
+    target = tl.load(Target + row)
     lo, hi = first.to(tl.int64), one_bits.to(tl.int64)
     resolved = tl.zeros([], tl.int1)
     known = tl.zeros([], tl.int1)
@@ -131,14 +126,14 @@ def _finish_kernel(X, Values, Index, Counts, Above, Target, Lo, Hi, Skip, Known,
         tl.store(Cut + row, tl.min(tl.min(tl.where(values >= t, logits, float("inf")), 1), 0))  # empty: 0 < t
 
 
-def start_search(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, mass_parts: torch.Tensor, top_p: float,
-                 shift: int, first: int, one_bits: int, count: int, chunk: int, scale: float = 1.0
-                 ) -> tuple[torch.Tensor, ...]:
-    """The search's state at its start: (target [B] int64, lo, hi [B] int64, skip, known [B] int8, cut [B] float32).
+def start_search(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, target: torch.Tensor, shift: int, first: int,
+                 one_bits: int, count: int, chunk: int, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """The search's state at its start: (lo, hi [B] int64, skip, known [B] int8, cut [B] float32).
 
-    x [B, V] the logits (scaled by `scale` as they are read), e = exp(x · scale - max) and mass_parts [B, parts]
-    the integer masses of its parts (`nucleus_reads.exp_and_mass`), maxima [B, chunks] those of x · scale over
-    chunks of `chunk` entries (`nucleus_reads.chunk_maxima`). A row whose `count` likeliest entries reach the
+    x [B, V] the logits (scaled by `scale` as they are read), e = exp(x · scale - max) (`nucleus_reads.exp_and_mass`),
+    target [B] int64 the masses T, maxima [B, chunks] those of x · scale over chunks of `chunk` entries
+    (`nucleus_reads.chunk_maxima`). (T is computed by torch in float64: a triton kernel takes a Python float
+    such as top_p as a float32.) A row whose `count` likeliest entries reach the
     target (`count` 0: none) starts resolved, lo = hi = its threshold t; the others at [first, one_bits].
     Where t tops the least maximum of the chunks read (or they are the whole row), the threshold logit
     min {x_i · scale : e_i >= t} is known too: cut. The likeliest entries are those above the count-th largest,
@@ -146,17 +141,15 @@ def start_search(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, mass_pa
     rows, vocab = x.shape
     chunks = maxima.shape[1]
     tile = min(triton.next_power_of_2(count), triton.next_power_of_2(chunks)) if count > 0 else 0  # chunks read
-    target, lo, hi = (torch.empty(rows, dtype=torch.int64, device=x.device) for _ in range(3))
+    lo, hi = (torch.empty(rows, dtype=torch.int64, device=x.device) for _ in range(2))
     skip, known = (torch.empty(rows, dtype=torch.int8, device=x.device) for _ in range(2))
     cut = torch.empty(rows, dtype=torch.float32, device=x.device)
     capacity = 2 * triton.next_power_of_2(max(count, 1))
     scratch = torch.empty(rows, capacity, dtype=torch.float32, device=x.device)
-    _start_kernel[(rows,)](x, e, maxima, mass_parts, target, lo, hi, skip, known, cut, scratch, vocab, x.stride(0),
-                           chunks, mass_parts.shape[1], count, scale, top_p, 2.0 ** shift, first, one_bits, COUNT=tile,
-                           CHUNK=chunk, CHUNKS=max(2, triton.next_power_of_2(chunks)),
-                           PARTS=max(2, triton.next_power_of_2(mass_parts.shape[1])), CAPACITY=capacity,
-                           num_warps=START_WARPS)
-    return target, lo, hi, skip, known, cut
+    _start_kernel[(rows,)](x, e, maxima, target, lo, hi, skip, known, cut, scratch, vocab, x.stride(0), chunks, count,
+                           scale, 2.0 ** shift, first, one_bits, COUNT=tile, CHUNK=chunk,
+                           CHUNKS=max(2, triton.next_power_of_2(chunks)), CAPACITY=capacity, num_warps=START_WARPS)
+    return lo, hi, skip, known, cut
 
 
 def finish_search(x: torch.Tensor, gathered: tuple[torch.Tensor, ...], target: torch.Tensor, lo: torch.Tensor,

@@ -149,8 +149,9 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
     screened_passes = NUCLEUS_SCREENED_PASSES if screened_passes is None else screened_passes
     maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
     e, masses = exp_and_mass(x, maxima.amax(-1), shift, scale)
-    target, lo, hi, skip, known, cut = start_search(x, e, maxima, masses, top_p, shift, first, _ONE_BITS,
-                                                    candidates, NUCLEUS_CHUNK, scale)
+    target = (masses.sum(1).double() * top_p).ceil().to(torch.int64)  # T [B]
+    lo, hi, skip, known, cut = start_search(x, e, maxima, target, shift, first, _ONE_BITS, candidates, NUCLEUS_CHUNK,
+                                            scale)
     for i, m in enumerate(plan):
         if i == collect_after:
             gathered = collect(e, lo, hi, skip, shift, collect_capacity)
