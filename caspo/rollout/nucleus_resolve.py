@@ -26,6 +26,7 @@ import triton.language as tl
 START_WARPS = 8  # a [64, 128] tile of the row in registers
 FINISH_WARPS = 4
 
+
 @triton.jit
 def _first_reaching(ordered, above, target, scale, SIZE: tl.constexpr):
     """(q_n, reached) for descending q [SIZE]: q_n the first value where above + w(q_1) + ... + w(q_n) reaches
@@ -132,9 +133,9 @@ def start_search(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, target:
 
     x [B, V] the logits (scaled by `scale` as they are read), e = exp(x · scale - max) (`nucleus_reads.exp_and_mass`),
     target [B] int64 the masses T, maxima [B, chunks] those of x · scale over chunks of `chunk` entries
-    (`nucleus_reads.chunk_maxima`). (T is computed by torch in float64: a triton kernel takes a Python float
-    such as top_p as a float32.) A row whose `count` likeliest entries reach the
-    target (`count` 0: none) starts resolved, lo = hi = its threshold t; the others at [first, one_bits].
+    (`nucleus_reads.chunk_maxima`). (T comes from torch in float64: a triton kernel takes a Python float such as
+    top_p as a float32.) A row whose `count` likeliest entries reach the target (`count` 0: none) starts
+    resolved, lo = hi = its threshold t; the others at [first, one_bits].
     Where t tops the least maximum of the chunks read (or they are the whole row), the threshold logit
     min {x_i · scale : e_i >= t} is known too: cut. The likeliest entries are those above the count-th largest,
     then up to 2 count in all of its ties."""
