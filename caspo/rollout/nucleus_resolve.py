@@ -1,20 +1,24 @@
-"""Where a row's nucleus threshold is read off a few sorted entries instead of searched: one program per row.
+"""Where a row's nucleus threshold is read off a few of its entries instead of searched: one program per row.
 
 The nucleus search (`sampling.nucleus_threshold`, docs/engine/nucleus.md) narrows an interval of float32 bit
-patterns pass by pass. Two shortcuts resolve a row without the remaining passes; both sort a few entries
-of e = exp(x - max x) descending, q_1 >= q_2 >= ..., and take as the threshold t the first q_n whose prefix
-of integer masses A + w(q_1) + ... + w(q_n), w = floor(q 2^shift), reaches the target T = ceil(top_p W):
+patterns pass by pass. Two shortcuts resolve a row without the remaining passes. Both hold a set G of entries
+of e = exp(x - max x) that contains every entry of the row above some level L, and a mass A of entries above
+them all; the threshold t is then the largest value b with
 
-    start_search    at the start, among the row's likeliest entries: A = 0 and the entries at or above the
-                    COUNT-th largest of the COUNT chunks with the largest maxima (section 4b)
-    finish_search   after a few passes, among the entries of the row's interval that `nucleus_reads.collect`
-                    gathered: A = the mass above the interval (section 4c)
+    A + sum of w(g) over {g in G : g >= b}  >=  T,     w = floor(g 2^shift),  T = ceil(top_p W),
+
+wherever b >= L (there the sum is the row's mass W(b), which falls as b rises; section 2 in integer masses).
+A program finds it bit by bit from the top of the float32 patterns, 31 masked sums over G, with no sort:
+
+    start_search    at the start: G the entries of the COUNT chunks with the largest maxima (ties by index),
+                    L the least of those maxima, A = 0 (section 4b)
+    finish_search   after a few passes: G the entries of the row's interval that `nucleus_reads.collect`
+                    gathered, L its low end, A the mass above the interval (section 4c)
 
 As torch operations each was about thirty small kernels (top-k, gathers, sorts, cumulative sums, selects),
-which in a CUDA graph cost the device a few microseconds each: most of the sampler's time where a trained
-model's rows resolve from their likeliest tokens. Here each program reads what it needs of its row, sorts
-in registers and writes the search's state: lo, hi (int64 bit patterns), skip (int8: the row is resolved),
-known (int8: its threshold logit too) and cut (that logit).
+which in a CUDA graph cost the device a few microseconds each. Each program writes the search's state itself:
+lo, hi (int64 bit patterns), skip (int8: the row is resolved), known (int8: its threshold logit too) and cut
+(that logit).
 """
 
 from __future__ import annotations
@@ -28,43 +32,35 @@ FINISH_WARPS = 4
 
 
 @triton.jit
-def _first_reaching(ordered, above, target, scale, SIZE: tl.constexpr):
-    """(q_n, reached) for descending q [SIZE]: q_n the first value where above + w(q_1) + ... + w(q_n) reaches
-    target, w = floor(q · scale) (int64); reached is false where none does."""
-    prefix = above + tl.cumsum((ordered * scale).to(tl.int64), 0)
-    n = tl.sum((prefix < target).to(tl.int32), 0)
-    return tl.max(tl.where(tl.arange(0, SIZE) == n, ordered, 0.0), 0), n < SIZE
-
-
-@triton.jit
-def _kth_largest_bits(bits, k):
-    """The bit pattern of the k-th largest of non-negative float32s given as their int32 bit patterns (which
-    order as the floats do): the largest b with at least k patterns >= b, settled one bit at a time."""
-    found = tl.zeros([], tl.int32)
-    for bit in tl.static_range(30, -1, -1):
+def _largest_level(levels, weight, base, target, BITS: tl.constexpr):
+    """The largest b in [0, 2^BITS) with base + the sum of weight over {levels >= b} at least target (0 where
+    none is), for levels [N] of non-negative integers: settled one bit at a time from the top, as the sum
+    falls while b rises."""
+    found = tl.zeros([], levels.dtype)
+    for bit in tl.static_range(BITS - 1, -1, -1):
         trial = found | (1 << bit)
-        found = tl.where(tl.sum((bits >= trial).to(tl.int32)) >= k, trial, found)
+        found = tl.where(base + tl.sum(tl.where(levels >= trial, weight, 0), 0) >= target, trial, found)
     return found
 
 
 @triton.jit
-def _top_chunks(Maxima, chunks, COUNT: tl.constexpr, CHUNKS: tl.constexpr):
-    """The indices [COUNT] of a row's COUNT chunks with the largest maxima (the first on ties); indices >= chunks
-    where the row has fewer. A chunk's maximum and index are packed into one int64 that sorts as the pair."""
+def _top_chunks(Maxima, Chosen, chunks, COUNT: tl.constexpr, CHUNKS: tl.constexpr):
+    """The indices [COUNT] of a row's chunks whose maxima top the COUNT-th largest, then of its ties in index
+    order, COUNT in all (indices >= chunks where the row has fewer), through Chosen [COUNT] (scratch)."""
     index = tl.arange(0, CHUNKS)
-    maxima = tl.load(Maxima + index, mask=index < chunks, other=float("-inf"))
-    bits = maxima.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32s that order as the floats do
-    packed = (ordered.to(tl.int64) << 32) | (CHUNKS - 1 - index).to(tl.int64)
-    ranked = tl.reshape(tl.sort(packed, descending=True), [CHUNKS // COUNT, COUNT])
-    first = tl.sum(tl.where(tl.arange(0, CHUNKS // COUNT)[:, None] == 0, ranked, 0), 0)  # the first COUNT
-    return CHUNKS - 1 - (first & 0xFFFFFFFF).to(tl.int32)
+    bits = tl.load(Maxima + index, mask=index < chunks, other=float("-inf")).to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + (1 << 31)  # in [0, 2^32), in the floats' order
+    kth = _largest_level(key, 1, 0, COUNT, BITS=32)
+    tie = key == kth
+    taken = (key > kth) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= COUNT - tl.sum((key > kth).to(tl.int32), 0)))
+    tl.store(Chosen + tl.cumsum(taken.to(tl.int32), 0) - 1, index, mask=taken)
+    tl.debug_barrier()  # the program's stores, visible to all of its threads
+    return tl.load(Chosen + tl.arange(0, COUNT))
 
 
 @triton.jit
-def _start_kernel(X, E, Maxima, Target, Lo, Hi, Skip, Known, Cut, Scratch,
-                  vocab, stride_row, chunks, count, x_scale, shift_scale, first, one_bits,
-                  COUNT: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CAPACITY: tl.constexpr):
+def _start_kernel(X, E, Maxima, Target, Lo, Hi, Skip, Known, Cut, Chosen, vocab, stride_row, chunks, x_scale,
+                  shift_scale, first, one_bits, COUNT: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0)
     target = tl.load(Target + row)
     lo, hi = first.to(tl.int64), one_bits.to(tl.int64)
@@ -72,32 +68,23 @@ def _start_kernel(X, E, Maxima, Target, Lo, Hi, Skip, Known, Cut, Scratch,
     known = tl.zeros([], tl.int1)
     cut = tl.full([], float("inf"), tl.float32)
     if COUNT > 0:
-        chunk = _top_chunks(Maxima + row * chunks, chunks, COUNT, CHUNKS)
+        chunk = _top_chunks(Maxima + row * chunks, Chosen + row * COUNT, chunks, COUNT, CHUNKS)
         index = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [COUNT, CHUNK]
         inside = (chunk[:, None] < chunks) & (index < vocab)
         e = tl.load(E + row * stride_row + index, mask=inside, other=0.0)  # padding weighs nothing, is never kept
-        bits = e.to(tl.int32, bitcast=True)
-        # the entries above the count-th largest (fewer than count), then as many of its ties as the slots hold:
-        # the top of the row's order, as every entry of the row above the count-th largest is in these chunks
-        kth = _kth_largest_bits(bits, count)
-        above = tl.reshape(bits > kth, [COUNT * CHUNK])
-        slot = tl.cumsum(above.to(tl.int32), 0) - 1
-        tl.store(Scratch + row * CAPACITY + slot, tl.reshape(e, [COUNT * CHUNK]), mask=above)
-        tl.debug_barrier()  # the program's stores, visible to all of its threads
-        larger = tl.sum(above.to(tl.int32), 0)
-        ties = tl.sum(tl.sum((bits == kth).to(tl.int32), 1), 0)
-        slots = tl.arange(0, CAPACITY)
-        values = tl.load(Scratch + row * CAPACITY + slots, mask=slots < larger, other=0.0)
-        values = tl.where((slots >= larger) & (slots < larger + ties), kth.to(tl.float32, bitcast=True), values)
-        t, resolved = _first_reaching(tl.sort(values, descending=True), 0, target, shift_scale, CAPACITY)
-        # every entry at or above t is in these chunks where t tops the least of their maxima (or they are all)
-        least_max = tl.min(tl.max(e, 1), 0)
-        known = resolved & ((t > least_max) | (COUNT >= chunks))
+        # every entry of the row above the least of these chunks' maxima is in them (e rises with x)
+        least = tl.min(tl.max(e, 1), 0)
+        bits = tl.reshape(e, [COUNT * CHUNK]).to(tl.int32, bitcast=True)
+        weight = (tl.reshape(e, [COUNT * CHUNK]) * shift_scale).to(tl.int64)
+        resolved = tl.sum(tl.where(bits >= least.to(tl.int32, bitcast=True), weight, 0), 0) >= target
+        t_bits = _largest_level(bits, weight, 0, target, BITS=31)
+        t = t_bits.to(tl.float32, bitcast=True)
+        # the threshold logit too, where every entry at or above t is in these chunks (or they are all)
+        known = resolved & ((t > least) | (COUNT >= chunks))
         x = tl.load(X + row * stride_row + index, mask=inside, other=float("inf")) * x_scale
         cut = tl.where(known, tl.min(tl.min(tl.where(e >= t, x, float("inf")), 1), 0), float("inf"))
-        t_bits = t.to(tl.int32, bitcast=True).to(tl.int64)
-        lo = tl.where(resolved, t_bits, lo)
-        hi = tl.where(resolved, t_bits, hi)
+        lo = tl.where(resolved, t_bits.to(tl.int64), lo)
+        hi = tl.where(resolved, t_bits.to(tl.int64), hi)
     tl.store(Lo + row, lo)
     tl.store(Hi + row, hi)
     tl.store(Skip + row, resolved.to(tl.int8))
@@ -115,13 +102,15 @@ def _finish_kernel(X, Values, Index, Counts, Above, Target, Lo, Hi, Skip, Known,
         above = tl.sum(tl.load(Above + row * parts + part, mask=part < parts, other=0), 0)
         slot = (row * parts + part[:, None]) * CAPACITY + tl.arange(0, CAPACITY)[None, :]  # [PARTS, CAPACITY]
         valid = tl.arange(0, CAPACITY)[None, :] < counts[:, None]  # past a part's count: empty (or garbage)
-        values = tl.load(Values + slot, mask=valid, other=0.0)  # an empty slot weighs nothing and sorts last
-        ordered = tl.sort(tl.reshape(values, [PARTS * CAPACITY]), descending=True)
-        t, _ = _first_reaching(ordered, above, tl.load(Target + row), shift_scale, PARTS * CAPACITY)
+        values = tl.load(Values + slot, mask=valid, other=0.0)  # an empty slot weighs nothing
+        flat = tl.reshape(values, [PARTS * CAPACITY])
+        # the whole interval's mass, W(lo) >= T, so some gathered entry reaches the target
+        t_bits = _largest_level(flat.to(tl.int32, bitcast=True), (flat * shift_scale).to(tl.int64), above,
+                                tl.load(Target + row), BITS=31)
+        t = t_bits.to(tl.float32, bitcast=True)
         logits = tl.load(X + row * stride_row + tl.load(Index + slot, mask=valid, other=0), mask=valid) * x_scale
-        t_bits = t.to(tl.int32, bitcast=True).to(tl.int64)
-        tl.store(Lo + row, t_bits)
-        tl.store(Hi + row, t_bits)
+        tl.store(Lo + row, t_bits.to(tl.int64))
+        tl.store(Hi + row, t_bits.to(tl.int64))
         tl.store(Skip + row, tl.full([], 1, tl.int8))
         tl.store(Known + row, tl.full([], 1, tl.int8))
         tl.store(Cut + row, tl.min(tl.min(tl.where(values >= t, logits, float("inf")), 1), 0))  # empty: 0 < t
@@ -134,22 +123,20 @@ def start_search(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, target:
     x [B, V] the logits (scaled by `scale` as they are read), e = exp(x · scale - max) (`nucleus_reads.exp_and_mass`),
     target [B] int64 the masses T, maxima [B, chunks] those of x · scale over chunks of `chunk` entries
     (`nucleus_reads.chunk_maxima`). (T comes from torch in float64: a triton kernel takes a Python float such as
-    top_p as a float32.) A row whose `count` likeliest entries reach the target (`count` 0: none) starts
-    resolved, lo = hi = its threshold t; the others at [first, one_bits].
-    Where t tops the least maximum of the chunks read (or they are the whole row), the threshold logit
-    min {x_i · scale : e_i >= t} is known too: cut. The likeliest entries are those above the count-th largest,
-    then up to 2 count in all of its ties."""
+    top_p as a float32.) A row whose `count` chunks with the largest maxima (rounded up to a power of two; 0:
+    none) hold the target's mass above the least of those maxima starts resolved, lo = hi = its threshold t; the
+    others at [first, one_bits]. Where t tops that least maximum (or the chunks are the whole row), the threshold
+    logit min {x_i · scale : e_i >= t} is known too: cut."""
     rows, vocab = x.shape
     chunks = maxima.shape[1]
     tile = min(triton.next_power_of_2(count), triton.next_power_of_2(chunks)) if count > 0 else 0  # chunks read
     lo, hi = (torch.empty(rows, dtype=torch.int64, device=x.device) for _ in range(2))
     skip, known = (torch.empty(rows, dtype=torch.int8, device=x.device) for _ in range(2))
     cut = torch.empty(rows, dtype=torch.float32, device=x.device)
-    capacity = 2 * triton.next_power_of_2(max(count, 1))
-    scratch = torch.empty(rows, capacity, dtype=torch.float32, device=x.device)
-    _start_kernel[(rows,)](x, e, maxima, target, lo, hi, skip, known, cut, scratch, vocab, x.stride(0), chunks, count,
-                           scale, 2.0 ** shift, first, one_bits, COUNT=tile, CHUNK=chunk,
-                           CHUNKS=max(2, triton.next_power_of_2(chunks)), CAPACITY=capacity, num_warps=START_WARPS)
+    chosen = torch.empty(rows, max(tile, 1), dtype=torch.int32, device=x.device)
+    _start_kernel[(rows,)](x, e, maxima, target, lo, hi, skip, known, cut, chosen, vocab, x.stride(0), chunks, scale,
+                           2.0 ** shift, first, one_bits, COUNT=tile, CHUNK=chunk,
+                           CHUNKS=max(2, triton.next_power_of_2(chunks)), num_warps=START_WARPS)
     return lo, hi, skip, known, cut
 
 
