@@ -54,6 +54,33 @@ def test_fused_pick_equals_the_torch_pick(vocab, temperature, top_k, top_p, marg
     assert torch.equal(via_sampler[0].cpu(), expected[0])
 
 
+def test_blocks_with_nothing_kept_give_the_torch_pick():
+    """Peaked rows at top-p 0.9, whose nucleus is a few tokens: most blocks of a part keep nothing, and their noise
+    is not hashed. The tokens and log-probs are still gumbel_pick's, also where one part keeps nothing at all, where
+    the kept tokens sit in one block of the last part, and for a flat row, where every block keeps some."""
+    from caspo.rollout.gumbel_kernel import fused_gumbel_pick
+
+    device = device_for_triton()
+    vocab = 20000  # three parts of 8,192, eight blocks of 1,024 each; the last part partial
+    logits = random_logits(8, vocab, 30.0, seed=5).float()
+    logits[6] = random_logits(1, vocab, 1.0, seed=6).float()[0]
+    logits[6, 17000:17003] = 60.0  # three tokens in one block of the last part; the first two parts keep nothing
+    logits[7] = 0.0  # flat: the nucleus is 90% of the row
+    seeds, positions = torch.arange(8) * 104729 + 3, torch.arange(8) * 7
+    inverse = inverse_temperature(0.6)
+    scaled = logits * inverse
+    cut = sorted_cut(scaled, 0, 0.9)
+    assert (scaled >= cut).sum(-1)[:6].max() < 8 and (scaled[6] >= cut[6]).nonzero()[:, 0].tolist() == [17000, 17001,
+                                                                                                            17002]
+    for draw in range(3):
+        got = fused_gumbel_pick(logits.to(device), inverse, cut.to(device), (seeds + draw).to(device),
+                                positions.to(device))
+        expected = gumbel_pick(scaled, cut, seeds + draw, positions)
+        assert torch.equal(got[0].cpu(), expected[0])
+        for value, want in zip(got[1:], expected[1:]):
+            assert torch.allclose(value.cpu(), want, atol=1e-5)
+
+
 def float32_keys_invert(vocab: int, seeds: torch.Tensor, positions: torch.Tensor, device: str):
     """Logits [1, vocab] whose entries i < j have float64 keys with j ahead by less than a float32 ulp and float32
     keys with i strictly ahead; every other entry is far behind. Returns (logits, i, j)."""

@@ -12,7 +12,9 @@ times. Here grid (rows, parts of the vocabulary): each program hashes the noise 
 keeps per-lane running maxima and online sums in registers, reduces them across threads once
 at the end and writes one partial per (row, part); one program per row then combines the parts.
 Both kernels read the counters themselves: in a CUDA graph each small torch op around them costs a
-few microseconds, and hashing the rows' counters with torch ops was about forty of them.
+few microseconds, and hashing the rows' counters with torch ops was about forty of them. Under a cut,
+a block of entries none of which is kept has only -inf keys, so its noise is not hashed: where a
+trained model's nucleus is a few tokens, that is nearly every block, and the pick is its sums.
 
 The float64 keys are the definition, but two float64 logarithms per entry made the kernel
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
@@ -94,6 +96,15 @@ def _gumbel32(h):
 
 
 @triton.jit
+def _rank_block(kept, row_hash, index, best, second, best_index):
+    """Each lane's largest float32 key kept + G (the first index on ties), and the largest of its others."""
+    key = kept + _gumbel32(_noise_hash(row_hash, index))
+    better = key > best  # strict: a lane keeps the first index of its maximum
+    return tl.where(better, key, best), tl.where(better, best, tl.maximum(second, key)), tl.where(better, index,
+                                                                                                  best_index)
+
+
+@triton.jit
 def _online_logsumexp(top, total, s):
     """Fold s into per-lane (max, sum of exp(s - max)) with one exponential an entry, e = exp(-|s - top|): the
     rescaling of the sum when s is a new max (the term of s is then exp(0) = 1), s's own term otherwise (the
@@ -159,12 +170,14 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
         x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf"))
         s = x * inverse_temperature
         inside_cut = s >= cut
-        kept = tl.where(inside_cut, s, float("-inf")) if CUT else s
-        key = kept + _gumbel32(_noise_hash(row_hash, index))
-        better = key > best
-        second = tl.where(better, best, tl.maximum(second, key))
-        best = tl.where(better, key, best)
-        best_index = tl.where(better, index, best_index)
+        if CUT:
+            # a block with nothing kept has every key -inf, which changes no lane's best or second: its noise is
+            # not hashed (at a trained model's top-p 0.9 that is nearly every block)
+            if tl.max(s, 0) >= cut:
+                best, second, best_index = _rank_block(tl.where(inside_cut, s, float("-inf")), row_hash, index,
+                                                       best, second, best_index)
+        else:
+            best, second, best_index = _rank_block(s, row_hash, index, best, second, best_index)
         full_top, full_total, e, rises = _online_logsumexp(full_top, full_total, s)
         if CUT:
             kept_total = _fold_kept(kept_total, inside_cut, e, rises)
