@@ -330,6 +330,31 @@ def test_screened_narrowing_equals_the_torch_passes(bound):
     assert screened[0] == (3 if bound is None else 0)  # the first pass's levels are far from T
 
 
+@pytest.mark.parametrize("std", [0.5, 3.0])
+def test_the_first_pass_screened_with_the_exponentials_narrows_as_the_int64_pass(std):
+    """exp_and_mass's screen of the first pass (every row's levels, summed as e is written) narrows each row as the
+    int64 pass does, and leaves a resolved row as it is."""
+    device = needs_triton()
+    from caspo.rollout.mass_above import narrow, screened_narrow
+    from caspo.rollout.nucleus_reads import exp_and_mass
+
+    vocab = 20000
+    x = random_logits(4, vocab, std, seed=21).float().to(device)
+    shift, first, plan = _nucleus_plan(vocab, 0.9, NUCLEUS_PIVOTS)
+    e, masses, sums = exp_and_mass(x, x.amax(-1), shift, first_pass=(first, _ONE_BITS, plan[0]))
+    assert sums.shape == (4, 3, 8) and sums.dtype == torch.float64
+    target = (masses.sum(-1).double() * 0.9).ceil().to(torch.int64)
+    skip = torch.tensor([0, 0, 0, 1], dtype=torch.int8, device=device)
+    start = [torch.full((4,), first, device=device), torch.full((4,), _ONE_BITS, device=device)]
+    start[0][3] = start[1][3] = 1 << 29  # a resolved row: width 1, skipped
+    lo, hi = (t.clone() for t in start)
+    screened_narrow(e, lo, hi, target, skip, shift, plan[0], sums=sums)
+    want_lo, want_hi = (t.clone() for t in start)
+    narrow(e, want_lo, want_hi, target, skip, shift, plan[0])
+    assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi) and lo[3] == hi[3] == 1 << 29
+    assert (hi - lo)[:3].max() < (_ONE_BITS - first) // 7
+
+
 def test_the_screen_leaves_a_level_at_the_target_to_the_int64_sums():
     """Targets set at a level's exact mass, and one above it: float32 sums cannot tell reached from short
     there, so those rows take the int64 pass (settled 0), and land where the torch pass does."""

@@ -52,7 +52,7 @@ def _level_sums(E, start, stop, levels, vocab, scale, LEVELS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _cut_levels(lo, hi, slots, m):
+def cut_levels(lo, hi, slots, m):
     """The m levels cut from the interval [lo, hi] of float32 bit patterns; the padding slots get +inf."""
     cuts = lo + (hi - lo + 1) * (slots + 1).to(tl.int64) // (m + 1)
     return tl.where(slots < m, cuts.to(tl.int32).to(tl.float32, bitcast=True), float("inf"))
@@ -88,7 +88,7 @@ def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
 def _cut_mass_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row, scale,
                      M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    levels = _cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
+    levels = cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
     _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK)
 
 
@@ -116,7 +116,7 @@ def _screen_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row,
     row, part = tl.program_id(0), tl.program_id(1)
     sums = tl.zeros([LEVELS], dtype=tl.float64)
     if tl.load(Skip + row) == 0:
-        levels = _cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
+        levels = cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
         acc = tl.zeros([BLOCK, LEVELS], dtype=tl.float32)
         for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
             index = offset + tl.arange(0, BLOCK)
@@ -173,7 +173,7 @@ def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Te
 
 
 def screened_narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor, skip: torch.Tensor,
-                    shift: int, m: int, bound: float = SCREEN_BOUND) -> torch.Tensor:
+                    shift: int, m: int, bound: float = SCREEN_BOUND, sums: torch.Tensor | None = None) -> torch.Tensor:
     """`narrow`, decided on float32 sums where they surely decide: the same lo, hi, bit for bit.
 
     With S the computed sum of e over a level's entries and V the vocabulary, the int64 mass W of the level
@@ -181,13 +181,16 @@ def screened_narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target:
     for a rounding bound b (SCREEN_BOUND). Where every level's interval lies wholly at or above T, or below it,
     the levels reached are known, and the row narrows; the other rows take `narrow`'s int64 pass, which skips
     the rows screened or already skipped. The bound's margin over the float32 roundings (about 2^-19 of S)
-    covers the float64 roundings of the test. Returns `settled` [B] int8: 0 for the rows the int64 pass decided."""
+    covers the float64 roundings of the test. Returns `settled` [B] int8: 0 for the rows the int64 pass decided.
+    sums: the float32-screened sums [B, parts, LEVELS] (float64) of these levels where another read of e made them
+    (`nucleus_reads.exp_and_mass` for the first pass, whose levels are every row's); none: this pass reads e."""
     rows, vocab = e.shape
-    partial = _part_sums_buffer(e, m, torch.float64)
+    partial = _part_sums_buffer(e, m, torch.float64) if sums is None else sums
     width, parts = partial.shape[2], partial.shape[1]
     settled = torch.empty(rows, dtype=torch.int8, device=e.device)
-    _screen_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), M=m, LEVELS=width, SPAN=SPAN,
-                                  BLOCK=SCREEN_BLOCK, num_warps=WARPS)
+    if sums is None:
+        _screen_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), M=m, LEVELS=width, SPAN=SPAN,
+                                      BLOCK=SCREEN_BLOCK, num_warps=WARPS)
     _screen_narrow_kernel[(rows,)](partial, lo, hi, target, skip, settled, parts, 2.0 ** shift, bound,
                                    float(vocab), M=m, LEVELS=width, PARTS=max(2, triton.next_power_of_2(parts)))
     narrow(e, lo, hi, target, settled, shift, m)

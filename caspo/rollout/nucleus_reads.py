@@ -5,7 +5,8 @@ copy is written) the search needs, per row (docs/engine/nucleus.md):
 
     chunk_maxima     max of x over each chunk of `chunk` entries              one read of x
     exp_and_mass     e_i = exp(x_i - max_k x_k), and each part's integer mass
-                     sum_i floor(e_i 2^shift) (int64, exact in any order)     one read of x, one write of e
+                     sum_i floor(e_i 2^shift) (int64, exact in any order); and
+                     the float32 screen of the search's first pass             one read of x, one write of e
     threshold_logit  min {x_i : e_i >= t}, t a float32 bit pattern per row    one read of x and e
     collect          the entries of e inside an interval [lo, hi] of bit patterns,
                      at most `capacity` a part, with their indices, and each part's
@@ -27,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
+from caspo.rollout.mass_above import cut_levels
 
 SPAN = 8192  # entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 1024  # entries per loop iteration
@@ -61,18 +64,26 @@ def _chunk_maxima_kernel(X, Maxima, vocab, chunks, stride_row, x_scale,
 
 
 @triton.jit
-def _exp_and_mass_kernel(X, RowMax, E, Partial, vocab, stride_row, x_scale, scale,
-                         SPAN: tl.constexpr, BLOCK: tl.constexpr):
+def _exp_and_mass_kernel(X, RowMax, E, Partial, ScreenSums, vocab, stride_row, x_scale, scale,
+                         SPAN: tl.constexpr, BLOCK: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+                         M: tl.constexpr, LEVELS: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     top = tl.load(RowMax + row)
     total = tl.zeros([BLOCK], dtype=tl.int64)
+    levels = cut_levels(tl.full([], LO, tl.int64), tl.full([], HI, tl.int64), tl.arange(0, LEVELS), M)
+    screened = tl.zeros([BLOCK, LEVELS], dtype=tl.float32)
     for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
         index = offset + tl.arange(0, BLOCK)
         inside = index < vocab
         e = _accurate_exp(tl.load(X + row * stride_row + index, mask=inside, other=float("-inf")) * x_scale - top)
         tl.store(E + row * stride_row + index, e, mask=inside)
         total += (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation
+        if M > 0:  # the first pass's float32 screen, whose levels are every row's (`mass_above._screen_kernel`)
+            screened += tl.where(e[:, None] >= levels[None, :], e[:, None], 0.0)
     tl.store(Partial + row * tl.num_programs(1) + part, tl.sum(total, axis=0))
+    if M > 0:
+        tl.store(ScreenSums + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS),
+                 tl.sum(screened.to(tl.float64), axis=0))
 
 
 @triton.jit
@@ -139,17 +150,26 @@ def chunk_maxima(x: torch.Tensor, chunk: int, scale: float = 1.0) -> torch.Tenso
     return maxima
 
 
-def exp_and_mass(x: torch.Tensor, row_max: torch.Tensor, shift: int, scale: float = 1.0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def exp_and_mass(x: torch.Tensor, row_max: torch.Tensor, shift: int, scale: float = 1.0,
+                 first_pass: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
     """(e [B, V], masses [B, parts] int64): e = exp(x · scale - row_max[:, None]) and, for each part of SPAN
-    entries, sum_i floor(e_i 2^shift) (a row's total mass is their sum)."""
+    entries, sum_i floor(e_i 2^shift) (a row's total mass is their sum).
+
+    first_pass (lo, hi, m): also the float32 screen of the search's first pass, whose m levels every row cuts
+    from the same interval [lo, hi]: a third result [B, parts, levels] (float64) for
+    `mass_above.screened_narrow(sums=)`, in place of another read of e. Each lane sums SPAN / BLOCK entries,
+    inside the screen's rounding bound."""
     _check(x)
     rows, vocab = x.shape
     e = torch.empty_like(x)
     partial = torch.empty(rows, _parts(vocab), dtype=torch.int64, device=x.device)
-    _exp_and_mass_kernel[(rows, _parts(vocab))](x, row_max.float().contiguous(), e, partial, vocab, x.stride(0),
-                                                scale, 2.0 ** shift, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
-    return e, partial
+    lo, hi, m = first_pass or (0, 0, 0)
+    width = max(2, triton.next_power_of_2(m))
+    sums = torch.empty(rows, _parts(vocab), width, dtype=torch.float64, device=x.device) if m else partial
+    _exp_and_mass_kernel[(rows, _parts(vocab))](x, row_max.float().contiguous(), e, partial, sums, vocab, x.stride(0),
+                                                scale, 2.0 ** shift, SPAN=SPAN, BLOCK=BLOCK, LO=lo, HI=hi, M=m,
+                                                LEVELS=width, num_warps=WARPS)
+    return (e, partial, sums) if m else (e, partial)
 
 
 def threshold_logit(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, skip: torch.Tensor,

@@ -148,7 +148,11 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
     collect_after = NUCLEUS_COLLECT_AFTER if collect_after is None else collect_after
     screened_passes = NUCLEUS_SCREENED_PASSES if screened_passes is None else screened_passes
     maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
-    e, masses = exp_and_mass(x, maxima.amax(-1), shift, scale)
+    first_sums = None
+    if screened_passes > 0 and plan:  # the first pass screened as the exponentials are written
+        e, masses, first_sums = exp_and_mass(x, maxima.amax(-1), shift, scale, first_pass=(first, _ONE_BITS, plan[0]))
+    else:
+        e, masses = exp_and_mass(x, maxima.amax(-1), shift, scale)
     target = (masses.sum(1).double() * top_p).ceil().to(torch.int64)  # T [B]
     lo, hi, skip, known, cut = start_search(x, e, maxima, target, shift, first, _ONE_BITS, candidates, NUCLEUS_CHUNK,
                                             scale)
@@ -156,7 +160,10 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
         if i == collect_after:
             gathered = collect(e, lo, hi, skip, shift, collect_capacity)
             finish_search(x, gathered, target, lo, hi, skip, known, cut, shift, scale)
-        (screened_narrow if i < screened_passes else narrow)(e, lo, hi, target, skip, shift, m)
+        if i == 0 and first_sums is not None:
+            screened_narrow(e, lo, hi, target, skip, shift, m, sums=first_sums)
+        else:
+            (screened_narrow if i < screened_passes else narrow)(e, lo, hi, target, skip, shift, m)
     return torch.where(known != 0, cut, threshold_logit(x, e, lo, known, scale))[:, None]
 
 
