@@ -19,6 +19,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     each raised with a message naming the problem and the fix. Imported only when an error is being handled."""
     from caspo.data.examples import DataError
     from caspo.models.provenance import ProvenanceError
+    from caspo.rollout.native.kv_cache import CacheDoesNotFit
     from caspo.rollout.native.spec import UnsupportedModelError
     from caspo.train.checkpoint import CheckpointError
     from caspo.train.loop import RunStopped
@@ -26,7 +27,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     # OSError: a missing file or folder, a model that is neither a folder nor on the hub, a run folder in use
     return (ConfigError, DataError, ProvenanceError, UnsupportedModelError, CheckpointError, RunStopped,
-            LabelFileError, OSError)
+            LabelFileError, CacheDoesNotFit, OSError)
 
 
 class Commands(TyperGroup):

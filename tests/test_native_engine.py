@@ -505,3 +505,21 @@ def test_an_unsupported_family_raises():
 
     with pytest.raises(UnsupportedModelError, match="model_type='gpt2'"):
         decoder_spec(GPT2Config())
+
+
+def test_a_cache_that_does_not_fit_names_its_size_and_the_setting_to_lower(monkeypatch):
+    import caspo.rollout.native.kv_cache as kv_cache
+    from caspo.cli import user_errors
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.00 GiB")
+
+    monkeypatch.setattr(kv_cache.torch, "zeros", out_of_memory)
+    # 28 layers × (k, v) × 2 kv heads × 128 dims × 2 bytes = 28,672 bytes a position; × 256 × 4,096 = 28 GiB.
+    with pytest.raises(kv_cache.CacheDoesNotFit) as caught:
+        KVCache(slots=256, max_seq_len=4096, layers=28, kv_heads=2, head_dim=128, dtype=torch.bfloat16, device="cpu")
+    message = str(caught.value)
+    assert "28.0 GiB: 256 slots of 4096 positions" in message
+    assert "rollout.gpu_memory_fraction" in message and "rollout.capacity_tokens" in message
+    assert isinstance(caught.value, torch.OutOfMemoryError)  # whoever handles an OOM still sees one
+    assert isinstance(caught.value, user_errors())  # the CLI prints the line, not a traceback

@@ -24,6 +24,10 @@ import torch
 from caspo.device_memory import device_memory_bytes
 
 
+class CacheDoesNotFit(torch.OutOfMemoryError):
+    """The KV cache's share does not fit beside what the process already holds (weights, optimizer state)."""
+
+
 @dataclass(frozen=True)
 class CapacityReport:
     tokens: int  # token positions the cache holds: blocks × block_tokens
@@ -86,8 +90,25 @@ class KVCache:
 
     # ------------------------------------------------------------ memory
     def allocate(self) -> None:
-        if self.kv is None:
+        if self.kv is not None:
+            return
+        try:
             self.kv = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            raise CacheDoesNotFit(self._does_not_fit()) from None
+
+    def _does_not_fit(self) -> str:
+        gib = 2**30
+        needed = self.slots * self.max_seq_len * self.bytes_per_token(
+            layers=self.layers, kv_heads=self.shape[4], head_dim=self.shape[6], dtype=self.dtype, planes=self.planes)
+        room = ""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            held = torch.cuda.memory_reserved(self.device)
+            room = f": {self.device} has {free / gib:.1f} GiB free beside the {held / gib:.1f} GiB this process holds"
+        return (f"the KV cache ({needed / gib:.1f} GiB: {self.slots} slots of {self.max_seq_len} positions) does not "
+                f"fit{room} (weights, optimizer state); lower rollout.gpu_memory_fraction, its share of the card, "
+                f"or size it with rollout.capacity_tokens")
 
     def release(self) -> None:
         self.kv = None
