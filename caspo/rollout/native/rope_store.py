@@ -21,7 +21,7 @@ from triton.runtime.jit import JITFunction
 
 
 @triton.jit
-def _rounded(x, DTYPE: tl.constexpr):
+def rounded(x, DTYPE: tl.constexpr):
     """x (float32) rounded to DTYPE, to nearest even, and held in float32."""
     if DTYPE == tl.bfloat16:  # on the bits: triton's CPU interpreter truncates a bfloat16 cast
         bits = x.to(tl.uint32, bitcast=True)
@@ -48,8 +48,8 @@ def _rope_store_kernel(QKV, Cos, Sin, Positions, Slots, Q, CacheK, CacheV, token
         cos_b = tl.load(Cos + position * 2 * HALF + HALF + offs, mask=inside, other=0.0).to(tl.float32)
         sin_a = tl.load(Sin + position * 2 * HALF + offs, mask=inside, other=0.0).to(tl.float32)
         sin_b = tl.load(Sin + position * 2 * HALF + HALF + offs, mask=inside, other=0.0).to(tl.float32)
-        a, b = (_rounded(_rounded(a * cos_a, dtype) - _rounded(b * sin_a, dtype), dtype),
-                _rounded(_rounded(b * cos_b, dtype) + _rounded(a * sin_b, dtype), dtype))
+        a, b = (rounded(rounded(a * cos_a, dtype) - rounded(b * sin_a, dtype), dtype),
+                rounded(rounded(b * cos_b, dtype) + rounded(a * sin_b, dtype), dtype))
     if head < HEADS:
         dst = Q + token * stride_q_token + head * stride_q_head + offs
     else:

@@ -13,7 +13,8 @@ gate/up each run as one GEMM over a fused weight whose row blocks are the named 
 (`compiled_on_cuda`); and a decode step's attention runs in the split-K Triton kernel of
 `decode_attention.py` (`Runner.decode_kernel`, set by the engine). RoPE and the K/V-cache write
 run as one Triton kernel on CUDA (`rope_store.py`, `Runner.rope_kernel`, set by the engine's
-`rope_kernel`). Each layer's residual add after its MLP runs in the next norm's kernel
+`rope_kernel`); in a decode step that kernel is the attention kernel's prologue where one program reads a
+row's whole key range (`rope_attention.py`). Each layer's residual add after its MLP runs in the next norm's kernel
 (`DecoderLayer.deferred`).
 """
 
@@ -32,10 +33,11 @@ from caspo.rollout.native.spec import DecoderSpec
 
 try:
     from caspo.rollout.native.decode_attention import decode_attention
+    from caspo.rollout.native.rope_attention import rope_decode_attention
     from caspo.rollout.native.rope_store import rope_store
     from caspo.rollout.native.shared_prefix_attention import shared_prefix_decode_attention
 except ImportError:  # CPU builds of torch come without triton; the engine refuses the kernels then
-    decode_attention = rope_store = shared_prefix_decode_attention = None
+    decode_attention = rope_decode_attention = rope_store = shared_prefix_decode_attention = None
 
 
 @dataclass
@@ -204,9 +206,14 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         cache_k, cache_v = kv
+        heads = self.split[0] // self.head_dim
+        if batch.rope_kernel and batch.lengths is not None and batch.groups is None:  # a decode step, one launch
+            out = rope_decode_attention(qkv[:, 0], *rope, batch.positions[:, 0], batch.lengths, batch.slots,
+                                        batch.key_len, cache_k, cache_v, heads)
+            return self.o_proj(out.reshape(B, 1, -1))
         # Write first, then read: a token attends to itself and to every earlier position of its slot.
         if batch.rope_kernel:
-            q = rope_store(qkv, *rope, batch.positions, batch.slots, cache_k, cache_v, self.split[0] // self.head_dim)
+            q = rope_store(qkv, *rope, batch.positions, batch.slots, cache_k, cache_v, heads)
         else:
             q, k, v = rotary_split(qkv, *rope, self.split, self.head_dim)
             cache_k[batch.slots[:, None], :, batch.positions] = k
