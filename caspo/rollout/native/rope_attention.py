@@ -12,13 +12,14 @@ grid (B, Hkv):
 The output, and the cache, equal `rope_store` followed by `decode_attention` bit for bit.
 
 Only where one program reads a row's whole key range, that is where `split_plan` gives one split (at two KV
-heads, every batch of 132 rows or more, and every batch whose keys are shorter than 128): with several splits a
+heads, every batch of 132 rows or more, and every batch whose key range is shorter than 256): with several splits a
 program of another split could read the new key before it is written. And only in bf16 / fp16: in float32 the
 rotation's products could be contracted into FMAs, which `rope_store`, compiled without contraction, never
 makes. Elsewhere `rope_decode_attention` runs the two kernels, which compute the same numbers.
 
 Why: at 256 rows a decode step's `rope_store` launch was about 4.5 µs a layer on an H200, 3% of the step, for
-a kernel that reads and writes a few kilobytes.
+a kernel that reads and writes a few kilobytes. Without it the top-p 1.0 rollout on an H100 went from 62.6 k to
+64.0–64.4 k tokens/s (benchmarks/RESULTS.md, fifteenth series).
 """
 
 from __future__ import annotations
