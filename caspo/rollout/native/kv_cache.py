@@ -99,8 +99,7 @@ class KVCache:
 
     def _does_not_fit(self) -> str:
         gib = 2**30
-        needed = self.slots * self.max_seq_len * self.bytes_per_token(
-            layers=self.layers, kv_heads=self.shape[4], head_dim=self.shape[6], dtype=self.dtype, planes=self.planes)
+        needed = self.capacity_report().bytes
         room = ""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
