@@ -306,6 +306,9 @@ class TrainConfig:
     loss_scale: float = 128.0
     # Recompute activations in the backward: checkpoint each decoder block (in every loop of a looped model).
     activation_checkpointing: bool = False
+    # With it on, checkpoint one block in n (blocks 0, n, 2n, ...; 1: all): the memory of the blocks left out for
+    # their recompute, as torchtitan's selective layer checkpointing. Causal LMs with a `layers` list.
+    activation_checkpointing_every: int = 1
     # torch.compile each decoder block of the models the trainer runs (policy, reference, critic, CASPO's φ and
     # its reference): the element-wise work between GEMMs is fused. The first steps pay the compilation;
     # needs causal LMs with a `layers` list (not looped models) and rollout.backend=native.

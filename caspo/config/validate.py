@@ -133,6 +133,7 @@ RANGES: dict[str, Range] = {
     "train.minibatch_size": COUNT,
     "train.micro_batch_size": COUNT,
     "train.micro_batch_tokens": at_least(0, "0 = micro-batches of train.micro_batch_size rows"),
+    "train.activation_checkpointing_every": at_least(1, "1 = every block"),
     "train.score_micro_batch_size": at_least(0, "0 = train.micro_batch_size"),
     "train.score_micro_batch_tokens": at_least(0, "0 = train.micro_batch_tokens"),
     "train.epochs_per_rollout": COUNT,
@@ -250,6 +251,9 @@ def validate(cfg: Config) -> None:
     if r.admit_batch and r.max_batch and r.admit_batch > r.max_batch:
         raise ConfigError(f"rollout.admit_batch={r.admit_batch} exceeds rollout.max_batch={r.max_batch}, the "
                           "slots there are: lower it, or raise max_batch")
+    if t.activation_checkpointing_every != 1 and not t.activation_checkpointing:
+        raise ConfigError(f"train.activation_checkpointing_every={t.activation_checkpointing_every} chooses which "
+                          "blocks train.activation_checkpointing checkpoints: set that to true, or this to 1")
     if t.compile and r.backend != "native":  # the hf engine would generate through the compiled blocks
         raise ConfigError("train.compile=true needs rollout.backend=native: the hf engine generates with the "
                           "policy's own blocks")

@@ -119,8 +119,12 @@ def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 4, he
     )
 
 
-def enable_recompute(model: torch.nn.Module) -> None:
-    """Checkpoint every block (every block of every loop, for a looped model), non-reentrant."""
+def enable_recompute(model: torch.nn.Module, every: int = 1) -> None:
+    """Checkpoint every block (every block of every loop, for a looped model), non-reentrant. With every = n > 1,
+    only blocks 0, n, 2n, ... of a causal LM's `layers` (torchtitan's selective layer checkpointing): a block left
+    out keeps its activations and is not run again in the backward."""
+    from caspo.models.looped import LoopedPreTrainedModel
+
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"{type(model).__name__} does not support train.activation_checkpointing=true; "
                           "set it to false")
@@ -129,6 +133,21 @@ def enable_recompute(model: torch.nn.Module) -> None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if every == 1:
+        return
+    layers = getattr(model.base_model, "layers", None)
+    if (isinstance(model, LoopedPreTrainedModel) or not isinstance(layers, torch.nn.ModuleList)
+            or not all(getattr(layer, "gradient_checkpointing", False) for layer in layers)):
+        raise ConfigError(f"train.activation_checkpointing_every={every} needs a causal LM whose `layers` are "
+                          f"checkpointed block by block; {type(model).__name__} is not: set it to 1")
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index % every == 0
+
+
+def recompute_if_asked(train_cfg, model: torch.nn.Module) -> None:
+    """enable_recompute(model, train.activation_checkpointing_every) when train.activation_checkpointing is set."""
+    if train_cfg.activation_checkpointing:
+        enable_recompute(model, train_cfg.activation_checkpointing_every)
 
 
 # Graphs dynamo may build for one code object before it runs new shapes of it eagerly, with only a logged

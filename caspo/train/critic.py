@@ -11,7 +11,7 @@ from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.models.critic import critic_values, load_critic
-from caspo.models.policy import compile_if_asked, enable_recompute
+from caspo.models.policy import compile_if_asked, recompute_if_asked
 from caspo.train import distributed
 from caspo.train.advantages import token_rewards
 from caspo.train.method_state import LearnerLoss, MethodState
@@ -68,8 +68,7 @@ class Critic(MethodState):
     def __init__(self, cfg: Config, policy_path: str, device: torch.device):
         super().__init__()
         model = load_critic(policy_path, device).eval()
-        if cfg.train.activation_checkpointing:
-            enable_recompute(model)
+        recompute_if_asked(cfg.train, model)
         compile_if_asked(cfg.train, model)
         m = cfg.method
         self.learners = {"critic": learner(model, cfg, lr=m.critic_lr, weight_decay=m.critic_weight_decay,

@@ -17,7 +17,7 @@ from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
 from caspo.device_memory import limit_device_memory
 from caspo.methods import Method, resolve_method
-from caspo.models.policy import compile_if_asked, enable_recompute, load_policy, resolve_device, resolve_model_path
+from caspo.models.policy import compile_if_asked, load_policy, recompute_if_asked, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
 from caspo.precision import LossScaler, compute_dtype
 from caspo.reward.pool import RewardPool
@@ -88,8 +88,7 @@ def build_trainer(cfg: Config) -> Trainer:
     path = resolve_model_path(cfg.model.policy, cfg.model.revision)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, device).eval()
-    if cfg.train.activation_checkpointing:
-        enable_recompute(policy)
+    recompute_if_asked(cfg.train, policy)
     data = load_task_data(cfg, tokenizer)
     needs_ref = cfg.method.kl_coef > 0 or cfg.method.kl_reward_coef > 0
     actor = learner(policy, cfg)
