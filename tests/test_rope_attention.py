@@ -128,3 +128,12 @@ def test_an_fp16_engine_samples_the_same_tokens_with_the_fused_decode():
     assert [c.tokens for c in got] == [c.tokens for c in expected]
     assert [c.logprobs for c in got] == [c.logprobs for c in expected]
     assert sum(len(c.tokens) for c in got) > 5 * 2  # decode steps ran, not only prefills
+
+
+def test_the_fused_kernel_refuses_mixed_dtypes_and_a_key_range_past_the_cache():
+    device = device_for_triton()
+    qkv, cos, sin, positions, lengths, slots, cache = decode_inputs(torch.float16, device)
+    with pytest.raises(ValueError, match="one dtype"):
+        rope_decode_attention(qkv, cos.float(), sin.float(), positions, lengths, slots, 48, cache[0], cache[1], 4)
+    with pytest.raises(ValueError, match="key_len must be in"):
+        rope_decode_attention(qkv, cos, sin, positions, lengths, slots, 49, cache[0], cache[1], 4)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from caspo.rollout.native.decode_attention import (
     BLOCK_N,
+    INTERPRETED,
     LOG2E,
     NUM_STAGES,
     NUM_WARPS,
@@ -116,6 +117,13 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if qkv.stride(-1) != 1 or cache_k.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1:
         raise ValueError("rope_decode_attention needs qkv, the caches and the tables contiguous in their last "
                          "dimension")
+    if not qkv.dtype == cos.dtype == sin.dtype == cache_k.dtype == cache_v.dtype:
+        raise ValueError(f"rope_decode_attention needs one dtype for qkv, the tables and the caches; got {qkv.dtype}, "
+                         f"{cos.dtype}, {sin.dtype}, {cache_k.dtype}, {cache_v.dtype}")
+    if not 1 <= key_len <= cache_k.shape[2]:
+        raise ValueError(f"key_len must be in [1, {cache_k.shape[2]}] (the cache length), got {key_len}")
+    if not INTERPRETED and qkv.device.type != "cuda":
+        raise ValueError("rope_decode_attention needs CUDA tensors (or TRITON_INTERPRET=1 set before importing it)")
     out = torch.empty(B, heads, D, dtype=qkv.dtype, device=qkv.device)
     group = heads // kv_heads
     _rope_attend_kernel[(B, kv_heads)](
