@@ -193,8 +193,8 @@ def collect(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Ten
     entries: (values [B, parts, capacity] float32, their indices int32, counts [B, parts] int32, above [B, parts]
     int64).
     A part keeps `capacity` of its entries, in no set order, and counts them all (a count above `capacity`
-    means some were left out); slots past a part's count hold garbage. What the search reads of them (their
-    sorted values, the least logit at or above a level) does not depend on the order. `above` is each part's
+    means some were left out); slots past a part's count hold garbage. What the search reads of them (the
+    threshold among their values, the least logit at or above it) does not depend on the order. `above` is each part's
     mass sum floor(e_i 2^shift) over e_i > hi. Rows that `skip` [B] (int8) marks are not read: count 0, above 0."""
     _check(e)
     rows, vocab = e.shape

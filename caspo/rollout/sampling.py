@@ -57,14 +57,15 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 # (benchmarks/sampler_bench.py times other m).
 NUCLEUS_PIVOTS = 7
 # A row whose NUCLEUS_TOP likeliest tokens already hold top_p has its threshold among them: read off
-# their sorted masses, the row skips the passes (a trained model's nucleus at top-p 0.9 is that small;
+# their masses, the row skips the passes (a trained model's nucleus at top-p 0.9 is that small;
 # a random-init model's holds ~50,000 tokens and always searches). They are found among the NUCLEUS_TOP
 # chunks of NUCLEUS_CHUNK tokens with the largest maxima (largest_values), not by a top-k over the row.
 NUCLEUS_TOP = 64
 NUCLEUS_CHUNK = 128
 # On CUDA, after NUCLEUS_COLLECT_AFTER passes a row whose interval holds at most NUCLEUS_COLLECT_CAPACITY
-# entries in each part of its row (`nucleus_reads.SPAN` entries) has them gathered and sorted, and skips the
-# remaining passes: at top-p 0.9 a random-init model's rows hold a few hundred entries after 4 of 10 passes.
+# entries in each part of its row (`nucleus_reads.SPAN` entries) has them gathered, its threshold read off
+# them, and skips the remaining passes: at top-p 0.9 a random-init model's rows hold a few hundred entries after
+# 4 of 10 passes.
 NUCLEUS_COLLECT_AFTER = 4
 NUCLEUS_COLLECT_CAPACITY = 64
 # On CUDA the first NUCLEUS_SCREENED_PASSES passes are decided on float32 sums where those surely decide
@@ -140,7 +141,7 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
     (`nucleus_resolve`). A row whose threshold its likeliest tokens resolve reads its threshold logit off them
     too, unless a token outside their chunks ties with the threshold; the others take one more read. After
     `collect_after` passes (default NUCLEUS_COLLECT_AFTER, read at the call; as many as the plan has or more:
-    never) a row whose interval holds few entries is finished by a sort of them. The first `screened_passes`
+    never) a row whose interval holds few entries is finished from them (`finish_search`). The first `screened_passes`
     passes (default NUCLEUS_SCREENED_PASSES) are screened on float32 sums, which leaves every interval as the
     int64 sums would."""
     if narrow is None:
