@@ -81,6 +81,71 @@ def test_blocks_with_nothing_kept_give_the_torch_pick():
             assert torch.allclose(value.cpu(), want, atol=1e-5)
 
 
+def search_and_pick_inputs(device: str):
+    """Logits [8, 20000] as in the test above (peaked rows, kept tokens in one block of the last part, a flat
+    row), the nucleus search's threshold at top-p 0.9 and T = 0.6, and its sums."""
+    from caspo.rollout.sampling import NUCLEUS_PIVOTS, NUCLEUS_TOP, _nucleus_plan, _nucleus_threshold_by_kernels
+
+    vocab = 20000
+    logits = random_logits(8, vocab, 30.0, seed=5).float()
+    logits[6] = random_logits(1, vocab, 1.0, seed=6).float()[0]
+    logits[6, 17000:17003] = 60.0
+    logits[7] = 0.0
+    inverse = inverse_temperature(0.6)
+    shift, first, plan = _nucleus_plan(vocab, 0.9, NUCLEUS_PIVOTS)
+    cut, search = _nucleus_threshold_by_kernels(logits.to(device), 0.9, shift, first, plan, NUCLEUS_TOP, inverse)
+    return logits, inverse, cut, search
+
+
+def test_the_searchs_sums_give_the_torch_pick():
+    """With the search's sums the pick reads only the blocks that keep something and takes the untruncated
+    normalizer from the search's mass: gumbel_pick's tokens, its log-probs to float32 rounding."""
+    from caspo.rollout.gumbel_kernel import fused_gumbel_pick
+
+    device = device_for_triton()
+    logits, inverse, cut, search = search_and_pick_inputs(device)
+    scaled = logits * inverse
+    assert torch.equal(cut.cpu(), sorted_cut(scaled, 0, 0.9))
+    seeds, positions = torch.arange(8) * 104729 + 3, torch.arange(8) * 7
+    for draw in range(3):
+        got = fused_gumbel_pick(logits.to(device), inverse, cut, (seeds + draw).to(device), positions.to(device),
+                                search=search)
+        expected = gumbel_pick(scaled, cut.cpu(), seeds + draw, positions)
+        assert torch.equal(got[0].cpu(), expected[0])
+        for value, want in zip(got[1:], expected[1:]):
+            assert torch.allclose(value.cpu(), want, atol=1e-5)
+
+
+def test_the_pick_does_not_read_a_block_the_chunk_maxima_rule_out():
+    """A block whose chunks' maxima lie below the cut is skipped unread: planting a huge logit there after the
+    search changes nothing with the search's sums, and wins without them."""
+    from caspo.rollout.gumbel_kernel import fused_gumbel_pick
+
+    device = device_for_triton()
+    logits, inverse, cut, search = search_and_pick_inputs(device)
+    seeds, positions = torch.arange(8) * 104729 + 3, torch.arange(8) * 7
+    clean = fused_gumbel_pick(logits.to(device), inverse, cut, seeds.to(device), positions.to(device), search=search)
+    planted = logits.clone()
+    planted[0, 2048 + 5] = 1e4  # row 0 keeps a few tokens of a peaked row; block 2 of its first part keeps none
+    assert search.chunk_maxima[0, 2048 // 128: 3072 // 128].max() < cut[0, 0]
+    got = fused_gumbel_pick(planted.to(device), inverse, cut, seeds.to(device), positions.to(device), search=search)
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1], clean[1])
+    unsearched = fused_gumbel_pick(planted.to(device), inverse, cut, seeds.to(device), positions.to(device))
+    assert unsearched[0][0].item() == 2048 + 5
+
+
+def test_search_sums_need_a_threshold_and_their_shapes():
+    from caspo.rollout.gumbel_kernel import fused_gumbel_pick
+
+    device = device_for_triton()
+    logits, inverse, cut, search = search_and_pick_inputs(device)
+    counters = torch.arange(8).to(device), torch.arange(8).to(device)
+    with pytest.raises(ValueError, match="need a threshold"):
+        fused_gumbel_pick(logits.to(device), inverse, None, *counters, search=search)
+    with pytest.raises(ValueError, match="maxima"):
+        fused_gumbel_pick(logits[:, :10000].contiguous().to(device), inverse, cut, *counters, search=search)
+
+
 def float32_keys_invert(vocab: int, seeds: torch.Tensor, positions: torch.Tensor, device: str):
     """Logits [1, vocab] whose entries i < j have float64 keys with j ahead by less than a float32 ulp and float32
     keys with i strictly ahead; every other entry is far behind. Returns (logits, i, j)."""

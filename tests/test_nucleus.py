@@ -426,11 +426,11 @@ def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
 
     x = kernel_logits(vocab)  # 5,000: 40 chunks, fewer than the candidates, all of them read
     shift, first, plan = _nucleus_plan(vocab, top_p, NUCLEUS_PIVOTS)
-    got = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates).cpu()
+    got = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates)[0].cpu()
     expected = nucleus_threshold(x, top_p, candidates=candidates)
     assert torch.equal(got, expected)
     scale = inverse_temperature(0.6)  # the kernels scale as they read: the threshold of a scaled copy
-    scaled = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates, scale).cpu()
+    scaled = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates, scale)[0].cpu()
     assert torch.equal(scaled, nucleus_threshold(x * scale, top_p, candidates=candidates))
     assert torch.equal(nucleus_threshold(x, top_p, candidates=candidates, scale=scale), scaled)
     if candidates and top_p == 0.145 and vocab == 9000:
@@ -495,7 +495,7 @@ def test_rows_finished_from_their_gathered_interval_equal_the_passes(collect_aft
     scale = inverse_temperature(0.6) if collect_after == 4 else 1.0  # the kernels scale as they read
     shift, first, plan = _nucleus_plan(9000, top_p, NUCLEUS_PIVOTS)
     got = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates, scale,
-                                        collect_after=collect_after, collect_capacity=capacity).cpu()
+                                        collect_after=collect_after, collect_capacity=capacity)[0].cpu()
     assert torch.equal(got, nucleus_threshold(x * scale, top_p, candidates=candidates))
 
 
@@ -606,9 +606,9 @@ def test_screened_passes_give_the_int64_search_on_the_gpu(std):
     logits, _, _ = cuda_batch(256, std, seed=4)
     shift, first, plan = _nucleus_plan(VOCAB, 0.9, NUCLEUS_PIVOTS)
     scale = inverse_temperature(0.6)
-    screened = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale,
-                                             screened_passes=len(plan))
-    exact = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale, screened_passes=0)
+    screened, _ = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale,
+                                                screened_passes=len(plan))
+    exact, _ = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale, screened_passes=0)
     assert torch.equal(screened, exact)
 
 
@@ -625,7 +625,7 @@ def test_kernel_search_equals_the_torch_search_on_the_gpu(std):
     logits, _, _ = cuda_batch(256, std, seed=5)
     shift, first, plan = _nucleus_plan(VOCAB, 0.9, NUCLEUS_PIVOTS)
     scale = inverse_temperature(0.6)
-    got = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale)
+    got, _ = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale)
     x = logits * scale
     e, _ = exp_and_mass(logits, chunk_maxima(logits, 128, scale).amax(-1), shift, scale)
     weight = (e * 2.0 ** shift).to(torch.int64)

@@ -16,6 +16,11 @@ few microseconds, and hashing the rows' counters with torch ops was about forty 
 a block of entries none of which is kept has only -inf keys, so its noise is not hashed: where a
 trained model's nucleus is a few tokens, that is nearly every block, and the pick is its sums.
 
+After a nucleus search (`SearchSums`) even those sums need not be read: the search has the maxima of
+every chunk of the scaled logits, which say which blocks keep nothing, and the row's whole mass, which is
+the untruncated log-probs' normalizer. The pick then reads only the blocks that keep something, and sums
+over the kept entries alone.
+
 The float64 keys are the definition, but two float64 logarithms per entry made the kernel
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
 float32 keys, whose error is far below MARGIN (`gumbel_noise32`), and computes the float64 key
@@ -28,6 +33,8 @@ Log-probs agree to float32 rounding (the sums run in another order).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +46,19 @@ WARPS = 8
 # of it. The float32 key's error is below 2e-6 + ulp(key) (gumbel_noise32; tests/test_gumbel_kernel.py
 # checks every counter value on the device), and a difference of two keys needs twice that.
 MARGIN = 2.0**-14
+
+
+class SearchSums(NamedTuple):
+    """What a nucleus search has already read off the scaled logits s = logits · r, for the pick to reuse."""
+
+    chunk_maxima: torch.Tensor  # [B, ceil(V / chunk)] float32: the max of s over each chunk
+    chunk: int  # entries a chunk, a power of two dividing BLOCK
+    row_max: torch.Tensor  # [B] float32: the max of s
+    mass: torch.Tensor  # [B] int64: sum_i floor(exp(s_i - row_max) · 2^shift)
+    shift: int
+
+    # log sum_i exp(s_i), the untruncated log-probs' normalizer, is row_max + log(mass · 2^-shift) to float32
+    # rounding: the mass falls short of the sum of exponentials by less than V · 2^-shift, and that sum is >= 1.
 
 
 @triton.jit
@@ -152,8 +172,10 @@ def _rank_in_float64(Logits, row_hash, cut, inverse_temperature, vocab, start,
 
 @triton.jit
 def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature, vocab, stride_row, margin,
-                        BestKey, BestIndex, KeptTotal, FullTop, FullTotal,
-                        CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+                        BestKey, BestIndex, KeptTotal, FullTop, FullTotal, ChunkMaxima, chunks,
+                        CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Each part's winner, and its sums: of the whole part (FullTop, FullTotal) and of its kept entries against
+    the same maxima (KeptTotal); with chunk maxima (CHUNK > 0), of its kept entries alone (FullTop, KeptTotal)."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     row_logits = Logits + row * stride_row
@@ -167,20 +189,30 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
     full_total = tl.zeros([BLOCK], tl.float32)
     for offset in range(0, SPAN, BLOCK):
         index = part * SPAN + offset + tl.arange(0, BLOCK)
-        x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf"))
-        s = x * inverse_temperature
-        inside_cut = s >= cut
-        if CUT:
-            # a block with nothing kept has every key -inf, which changes no lane's best or second: its noise is
-            # not hashed (at a trained model's top-p 0.9 that is nearly every block)
-            if tl.max(s, 0) >= cut:
-                best, second, best_index = _rank_block(tl.where(inside_cut, s, float("-inf")), row_hash, index,
-                                                       best, second, best_index)
+        if CHUNK:  # a block whose chunks all lie below the cut keeps nothing: it is not read
+            chunk = (part * SPAN + offset) // CHUNK + tl.arange(0, BLOCK // CHUNK)
+            block_top = tl.max(tl.load(ChunkMaxima + row * chunks + chunk, mask=chunk < chunks,
+                                       other=float("-inf")), 0)
+            if block_top >= cut:
+                s = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")) * inverse_temperature
+                kept = tl.where(s >= cut, s, float("-inf"))
+                best, second, best_index = _rank_block(kept, row_hash, index, best, second, best_index)
+                full_top, kept_total, _, _ = _online_logsumexp(full_top, kept_total, kept)
         else:
-            best, second, best_index = _rank_block(s, row_hash, index, best, second, best_index)
-        full_top, full_total, e, rises = _online_logsumexp(full_top, full_total, s)
-        if CUT:
-            kept_total = _fold_kept(kept_total, inside_cut, e, rises)
+            x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf"))
+            s = x * inverse_temperature
+            inside_cut = s >= cut
+            if CUT:
+                # a block with nothing kept has every key -inf, which changes no lane's best or second: its noise
+                # is not hashed (at a trained model's top-p 0.9 that is nearly every block)
+                if tl.max(s, 0) >= cut:
+                    best, second, best_index = _rank_block(tl.where(inside_cut, s, float("-inf")), row_hash, index,
+                                                           best, second, best_index)
+            else:
+                best, second, best_index = _rank_block(s, row_hash, index, best, second, best_index)
+            full_top, full_total, e, rises = _online_logsumexp(full_top, full_total, s)
+            if CUT:
+                kept_total = _fold_kept(kept_total, inside_cut, e, rises)
     top = tl.max(best, 0)
     near = top - margin * tl.maximum(tl.abs(top), 1.0)
     contested = (tl.sum((best >= near).to(tl.int32), 0) > 1) | (tl.max(second, 0) >= near)
@@ -198,7 +230,8 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
     tl.store(BestIndex + out, index)
     part_top = tl.max(full_top, 0)
     tl.store(FullTop + out, part_top)
-    tl.store(FullTotal + out, _part_total(full_top, full_total, part_top))
+    if not CHUNK:
+        tl.store(FullTotal + out, _part_total(full_top, full_total, part_top))
     if CUT:  # against the same max: the part's kept logsumexp is FullTop + log(KeptTotal)
         tl.store(KeptTotal + out, _part_total(full_top, kept_total, part_top))
 
@@ -227,9 +260,11 @@ def _part_logsumexp(Top, Total, at, inside):
 
 
 @triton.jit
-def _combine_kernel(BestKey, BestIndex, KeptTotal, FullTop, FullTotal, Logits, stride_row, inverse_temperature,
-                    parts, Tokens, LogProbs, FullLogProbs, CUT: tl.constexpr, PARTS: tl.constexpr):
-    """One program per row: the winner among the parts' winners (the first part on ties) and its log-probs."""
+def _combine_kernel(BestKey, BestIndex, KeptTotal, FullTop, FullTotal, RowMax, Mass, mass_scale, Logits, stride_row,
+                    inverse_temperature, parts, Tokens, LogProbs, FullLogProbs, CUT: tl.constexpr,
+                    PARTS: tl.constexpr, SEARCHED: tl.constexpr):
+    """One program per row: the winner among the parts' winners (the first part on ties) and its log-probs; when
+    SEARCHED, the untruncated one against the search's sums (`SearchSums`)."""
     row = tl.program_id(0)
     part = tl.arange(0, PARTS)
     inside = part < parts
@@ -239,25 +274,40 @@ def _combine_kernel(BestKey, BestIndex, KeptTotal, FullTop, FullTotal, Logits, s
     token = tl.load(BestIndex + row * parts + first).to(tl.int64)
     picked = tl.load(Logits + row * stride_row + token) * inverse_temperature
     tl.store(Tokens + row, token)
-    tl.store(FullLogProbs + row, picked - _part_logsumexp(FullTop, FullTotal, at, inside))
+    if SEARCHED:
+        normalizer = tl.load(RowMax + row) + tl.log(tl.load(Mass + row).to(tl.float32) * mass_scale)
+        tl.store(FullLogProbs + row, picked - normalizer)
+    else:
+        tl.store(FullLogProbs + row, picked - _part_logsumexp(FullTop, FullTotal, at, inside))
     if CUT:  # the kept sums share the whole sums' maxima
         tl.store(LogProbs + row, picked - _part_logsumexp(FullTop, KeptTotal, at, inside))
 
 
 def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshold: torch.Tensor | None,
-                      seeds: torch.Tensor, positions: torch.Tensor, margin: float = MARGIN
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      seeds: torch.Tensor, positions: torch.Tensor, margin: float = MARGIN,
+                      search: SearchSums | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B], log-probs [B], untruncated log-probs [B]) for float32 logits [B, V] (last dim contiguous).
 
     inverse_temperature: `sampling.inverse_temperature(T)`; threshold [B, 1] float32 applies to
     logits · inverse_temperature (None: nothing is cut, and both log-probs are the same numbers);
     seeds, positions [B] int64: the noise's counters (`sampling.noise_row_hash` of them, hashed in the kernel).
     margin: the float32 keys' tie band (inf: every part ranks in float64; the tests use it to check both paths).
+    search: the nucleus search's sums of these logits under this threshold: only the blocks that keep something
+    are read. Same tokens; the log-probs agree to float32 rounding.
     Two kernels: the parts' winners and sums, then one program per row that combines them.
     """
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"fused_gumbel_pick needs float32 logits with a contiguous last dimension, got {logits.dtype}")
     rows, vocab = logits.shape
+    chunk = 0
+    if search is not None:
+        chunk = search.chunk
+        if threshold is None or BLOCK % chunk or chunk & (chunk - 1) or search.chunk_maxima.shape != (
+                rows, triton.cdiv(vocab, chunk)) or (rows,) != search.row_max.shape or (rows,) != search.mass.shape:
+            raise ValueError(f"search sums of logits {tuple(logits.shape)} need a threshold, chunks of a power of "
+                             f"two dividing {BLOCK}, maxima [rows, chunks], a row max and a mass [rows]; got chunk "
+                             f"{chunk}, {tuple(search.chunk_maxima.shape)}, {tuple(search.row_max.shape)}, "
+                             f"{tuple(search.mass.shape)}")
     parts = triton.cdiv(vocab, SPAN)
     best_key = torch.empty(rows, parts, dtype=torch.float64, device=logits.device)
     best_index = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
@@ -268,13 +318,18 @@ def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshol
         kept_total = torch.empty_like(full_total)
         threshold = threshold.float().contiguous()
     seeds, positions = seeds.long().contiguous(), positions.long().contiguous()
+    maxima = search.chunk_maxima.contiguous() if search is not None else logits  # (unread without a search)
     _gumbel_pick_kernel[(rows, parts)](logits, seeds, positions, threshold if cut else logits, inverse_temperature,
                                        vocab, logits.stride(0), margin, best_key, best_index, kept_total,
-                                       full_top, full_total, CUT=cut, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
+                                       full_top, full_total, maxima, maxima.shape[-1], CUT=cut, SPAN=SPAN,
+                                       BLOCK=BLOCK, CHUNK=chunk, num_warps=WARPS)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     full = torch.empty(rows, dtype=torch.float32, device=logits.device)
     kept = torch.empty_like(full) if cut else full
-    _combine_kernel[(rows,)](best_key, best_index, kept_total, full_top, full_total, logits, logits.stride(0),
-                             inverse_temperature, parts, tokens, kept, full, CUT=cut,
-                             PARTS=max(2, triton.next_power_of_2(parts)), num_warps=1)
+    searched = search is not None
+    row_max, mass = (search.row_max.float().contiguous(), search.mass.contiguous()) if searched else (full, full)
+    _combine_kernel[(rows,)](best_key, best_index, kept_total, full_top, full_total, row_max, mass,
+                             2.0 ** -search.shift if searched else 1.0, logits, logits.stride(0), inverse_temperature,
+                             parts, tokens, kept, full, CUT=cut, PARTS=max(2, triton.next_power_of_2(parts)),
+                             SEARCHED=searched, num_warps=1)
     return tokens, kept, full

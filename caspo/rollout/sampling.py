@@ -13,13 +13,13 @@ import hashlib
 import torch
 
 try:
-    from caspo.rollout.gumbel_kernel import fused_gumbel_pick
+    from caspo.rollout.gumbel_kernel import SearchSums, fused_gumbel_pick
     from caspo.rollout.mass_above import narrow, screened_narrow
     from caspo.rollout.nucleus_reads import chunk_maxima, collect, exp_and_mass, threshold_logit
     from caspo.rollout.nucleus_resolve import finish_search, start_search
 except ImportError:  # CPU builds of torch come without triton; only CUDA needs the kernels
     fused_gumbel_pick = narrow = screened_narrow = chunk_maxima = collect = exp_and_mass = threshold_logit = None
-    finish_search = start_search = None
+    finish_search = start_search = SearchSums = None
 
 MASK32 = 0xFFFFFFFF
 
@@ -115,8 +115,8 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     candidates = NUCLEUS_TOP if candidates is None else candidates
     shift, first, plan = _nucleus_plan(logits.shape[-1], top_p, pivots)
     if logits.is_cuda:
-        threshold = _nucleus_threshold_by_kernels(logits.float().contiguous(), top_p, shift, first, plan,
-                                                  candidates, scale)
+        threshold, _ = _nucleus_threshold_by_kernels(logits.float().contiguous(), top_p, shift, first, plan,
+                                                     candidates, scale)
         return threshold if scale != 1.0 else threshold.to(logits.dtype)  # exact: one of the logits
     x = logits.float() * scale if scale != 1.0 else logits.float()
     e = torch.exp(x - x.amax(-1, keepdim=True))
@@ -135,8 +135,9 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
 def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, first: int, plan: list[int],
                                   candidates: int, scale: float = 1.0, collect_after: int | None = None,
                                   collect_capacity: int = NUCLEUS_COLLECT_CAPACITY,
-                                  screened_passes: int | None = None) -> torch.Tensor:
-    """nucleus_threshold on CUDA: the same search, its reads of the rows Triton kernels (`nucleus_reads`,
+                                  screened_passes: int | None = None) -> tuple[torch.Tensor, SearchSums]:
+    """nucleus_threshold on CUDA, and the sums it read that the pick can reuse (`SearchSums`): the same search,
+    its reads of the rows Triton kernels (`nucleus_reads`,
     `mass_above`), which scale the logits x as they read them, and its shortcuts one program per row
     (`nucleus_resolve`). A row whose threshold its likeliest tokens resolve reads its threshold logit off them
     too, unless a token outside their chunks ties with the threshold; the others take one more read. After
@@ -149,12 +150,14 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
     collect_after = NUCLEUS_COLLECT_AFTER if collect_after is None else collect_after
     screened_passes = NUCLEUS_SCREENED_PASSES if screened_passes is None else screened_passes
     maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
+    row_max = maxima.amax(-1)
     first_sums = None
     if screened_passes > 0 and plan:  # the first pass screened as the exponentials are written
-        e, masses, first_sums = exp_and_mass(x, maxima.amax(-1), shift, scale, first_pass=(first, _ONE_BITS, plan[0]))
+        e, masses, first_sums = exp_and_mass(x, row_max, shift, scale, first_pass=(first, _ONE_BITS, plan[0]))
     else:
-        e, masses = exp_and_mass(x, maxima.amax(-1), shift, scale)
-    target = (masses.sum(1).double() * top_p).ceil().to(torch.int64)  # T [B]
+        e, masses = exp_and_mass(x, row_max, shift, scale)
+    mass = masses.sum(1)
+    target = (mass.double() * top_p).ceil().to(torch.int64)  # T [B]
     lo, hi, skip, known, cut = start_search(x, e, maxima, target, shift, first, _ONE_BITS, candidates, NUCLEUS_CHUNK,
                                             scale)
     for i, m in enumerate(plan):
@@ -165,7 +168,8 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
             screened_narrow(e, lo, hi, target, skip, shift, m, sums=first_sums)
         else:
             (screened_narrow if i < screened_passes else narrow)(e, lo, hi, target, skip, shift, m)
-    return torch.where(known != 0, cut, threshold_logit(x, e, lo, known, scale))[:, None]
+    threshold = torch.where(known != 0, cut, threshold_logit(x, e, lo, known, scale))[:, None]
+    return threshold, SearchSums(maxima, NUCLEUS_CHUNK, row_max, mass, shift)
 
 
 def narrow_by_torch(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor,
@@ -292,10 +296,14 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
         return gumbel_pick(scaled, cut_threshold(scaled, top_k, top_p), seeds, positions)
     if fused_gumbel_pick is None:
         raise RuntimeError("the fused sampler needs triton (it comes with CUDA builds of torch); pass fused=False")
-    threshold = None
-    if top_k > 0 or top_p < 1.0:
+    threshold = search = None
+    if top_k == 0 and top_p < 1.0 and logits.is_cuda:  # the pick reuses the search's sums (SearchSums)
+        shift, first, plan = _nucleus_plan(logits.shape[-1], top_p, NUCLEUS_PIVOTS)
+        threshold, search = _nucleus_threshold_by_kernels(logits.contiguous(), top_p, shift, first, plan,
+                                                          NUCLEUS_TOP, inverse)
+    elif top_k > 0 or top_p < 1.0:
         threshold = cut_threshold(logits, top_k, top_p, scale=inverse)
-    return fused_gumbel_pick(logits.contiguous(), inverse, threshold, seeds, positions)
+    return fused_gumbel_pick(logits.contiguous(), inverse, threshold, seeds, positions, search=search)
 
 
 def inverse_temperature(temperature: float) -> float:
