@@ -55,6 +55,7 @@ from _common import (
     save_value_model,
     text_rates,
 )
+from memory_growth import growth_tracked
 
 from caspo.config import load_config
 from caspo.data.build import load_task_data
@@ -89,6 +90,9 @@ def main() -> None:
     parser.add_argument("--profile", default="",
                         help="a folder: each method's last step runs under torch.profiler, and its kernels and "
                              "phases (wall time and GPU span) are written there as profile_<method>.txt")
+    parser.add_argument("--memory-growth", default="",
+                        help="a folder: what each outer step leaves allocated, by allocation site "
+                             "(memory_growth.py), written there as memory_growth_<method>.txt")
     parser.add_argument("--nproc", type=int, default=1,
                         help="FSDP2 ranks on this host, one device each (`caspo train --nproc`); MFU over all of them")
     args = parser.parse_args()
@@ -137,6 +141,9 @@ def main() -> None:
                             "--nproc", str(args.nproc)], check=True)
         elif args.profile:
             with profiled_last_step(args.steps, Path(args.profile) / f"profile_{method}.txt"):
+                train(cfg)
+        elif args.memory_growth:
+            with growth_tracked(Path(args.memory_growth) / f"memory_growth_{method}.txt"):
                 train(cfg)
         else:
             train(cfg)

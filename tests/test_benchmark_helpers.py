@@ -118,3 +118,38 @@ def test_step_ratios_divide_each_last_step_by_grpos_and_caspos():
     assert rows == [["grpo", "10.0", "1.00", "0.77"], ["ppo_critic", "14.0", "1.40", "1.08"],
                     ["caspo", "13.0", "1.30", "1.00"], ["vineppo", "26.0", "2.60", "2.00"]]
     assert step_ratios({"vineppo": 26.0, "caspo": 13.0}) == [["vineppo", "26.0", "2.00"], ["caspo", "13.0", "1.00"]]
+
+
+# ---------------------------------------------------------------- memory_growth: the per-step diff of live blocks
+
+from memory_growth import live_blocks, net_by_site, report  # noqa: E402
+
+
+def snapshot(blocks, pool=(0, 0)):
+    """A `torch.cuda.memory._snapshot()`-shaped dict: one segment holding (address, size, state, file, line)."""
+    return {"segments": [{"segment_pool_id": pool, "blocks": [
+        {"address": a, "size": s, "state": state,
+         "frames": [{"filename": "/x/torch/cuda/memory.py", "line": 1, "name": "alloc"},
+                    {"filename": f"/r/caspo/{f}", "line": line, "name": "fn"}]}
+        for a, s, state, f, line in blocks]}]}
+
+
+def test_growth_names_the_site_that_keeps_a_block_every_step_and_not_the_one_that_replaces_its_own():
+    mib = 2**20
+    # every step: the batch (site a.py:1) is replaced by one of another size; b.py:2 keeps one more block
+    steps = [live_blocks(snapshot([(100 + i, (10 + i) * mib, "active_allocated", "a.py", 1),
+                                   *((200 + j, 3 * mib, "active_allocated", "b.py", 2) for j in range(i)),
+                                   (300, 50 * mib, "inactive", "c.py", 3)]))
+             for i in range(4)]
+    assert 300 not in steps[0]  # a freed (cached) block is not held
+    assert net_by_site(steps[1], steps[2]) == {"a.py:1 fn": mib, "b.py:2 fn": 3 * mib}
+    text = report(steps)
+    assert text.splitlines()[3].split() == ["3", "0.018", "+0.004"]  # 12 + 6 MiB after 11 + 3: +4 MiB
+    rising = text.split("steps 3..4:")[1].splitlines()[1:]
+    assert rising[0].split()[0] == "+6.0" and rising[0].endswith("b.py:2 fn")  # 3 MiB in each of steps 3 and 4
+    assert rising[1].endswith("a.py:1 fn")
+
+
+def test_blocks_of_a_graph_pool_are_named_as_such():
+    live = live_blocks(snapshot([(1, 8, "active_allocated", "graphs.py", 9)], pool=(1, 2)))
+    assert live[1] == (8, "graphs.py:9 fn [graph pool (1, 2)]")
