@@ -215,13 +215,20 @@ class SamplerGraphs:
         return tokens[:n], packed[:n]
 
 
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """A CUDA graph of `step()` in memory pool `pool` (None: a new one), and the outputs of its capture.
 
     One warm-up run on a side stream first: library handles, workspaces and Triton compilations are
-    created on first use, which must not happen during capture.
+    created on first use, which must not happen during capture. The side stream is the same for every
+    capture: cuBLAS keeps a workspace for each stream it has run on, so a new stream per capture (each
+    engine wake recaptures) would hold one more workspace every outer step.
     """
-    stream = torch.cuda.Stream(device)
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    stream = _WARMUP_STREAMS[device]
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         step()
