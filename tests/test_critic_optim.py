@@ -47,3 +47,18 @@ def test_a_huge_critic_loss_is_clipped_at_the_critic_clip(critic):
     assert before > 1e3  # the norm before clipping, as the run log reports it
     # clipped to the critic's 0.25, not the policy's 1.0 (clip_grad_norm_ scales by c / (norm + 1e-6))
     assert 0.25 * (1 - 1e-6) <= float(after) <= 0.25
+
+
+def test_no_learner_holds_gradients_after_an_outer_step(tmp_path):
+    """Gradients are freed once applied: the rollout and scoring phases of the next step have that memory."""
+    from caspo.train import loop
+
+    tr = loop.build_trainer(load_config("tests", [
+        "method.name=ppo_critic", f"train.output_dir={tmp_path}", "train.minibatch_size=4",
+        "train.micro_batch_size=2", "eval.before=false", "eval.after=false"]))
+    with tr.pool:
+        loop.outer_step(tr)
+    critic = tr.method_state.learners["critic"]
+    assert tr.step == 1 and critic.optimizer.state  # both optimizers stepped...
+    for model in (tr.actor.model, critic.model):
+        assert all(p.grad is None for p in model.parameters())  # ...and hold no gradient after

@@ -55,6 +55,7 @@ def test_the_online_step_weighs_and_shifts_as_ipvrm(value_model_folder):
     bce = torch.nn.functional.binary_cross_entropy_with_logits(shift, REWARDS, reduction="none")
     assert out["value_boundaries"] == 16
     assert out["value_bce"] == pytest.approx(float((weight * 2 * bce).sum() / 16), rel=1e-5)
+    assert state.online.optimizer.state and all(p.grad is None for p in state.model.policy.parameters())  # freed
     plain = online_values(value_model_folder).online_step(batch_of(REWARDS, GROUPS), micro_batch_size=3)
     assert plain["value_bce"] == pytest.approx(math.log(2), rel=1e-5)  # BCE(0, r) = log 2 everywhere
 

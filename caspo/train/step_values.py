@@ -215,6 +215,7 @@ class PrefixValues(MethodState):
         params = [p for p in self.model.policy.parameters() if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.online.grad_clip))
         self.online.optimizer.step()
+        self.online.optimizer.zero_grad(set_to_none=True)  # φ's gradients are not held until its next step
         self.online.scheduler.step()
         return {"value_bce": total, "value_boundaries": boundaries, "value_grad_norm": grad_norm}
 
