@@ -38,16 +38,16 @@ from caspo.rollout.native.decode_attention import (
     decode_attention,
     split_plan,
 )
-from caspo.rollout.native.rope_store import rope_store, rounded
+from caspo.rollout.native.rope_store import rope_store, rotated_half
 
 
 @triton.jit
 def _rotated(x_ptrs, partner_ptrs, mask, cos, sin, sign, DTYPE: tl.constexpr):
     """RoPE of head vectors at x_ptrs, whose other half is at partner_ptrs: x·cos + sign·partner·sin with
-    sign -1 on the first half, every product and the sum rounded to DTYPE (`rope_store`'s numbers)."""
+    sign -1 on the first half (`rope_store`'s numbers)."""
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return rounded(rounded(x * cos, DTYPE) + sign * rounded(partner * sin, DTYPE), DTYPE)
+    return rotated_half(x, partner, cos, sin, sign, DTYPE)
 
 
 @triton.jit

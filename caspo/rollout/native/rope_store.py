@@ -31,6 +31,13 @@ def rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def rotated_half(x, partner, cos, sin, sign, DTYPE: tl.constexpr):
+    """One half of a rotated head, x·cos + sign·partner·sin (sign −1 on the first half, +1 on the second), with
+    each product and the sum rounded to DTYPE as eager does: the numbers of both RoPE kernels (float32 in/out)."""
+    return rounded(rounded(x * cos, DTYPE) + sign * rounded(partner * sin, DTYPE), DTYPE)
+
+
+@triton.jit
 def _rope_store_kernel(QKV, Cos, Sin, Positions, Slots, Q, CacheK, CacheV, tokens_per_row,
                        stride_qkv, stride_q_token, stride_q_head, stride_slot, stride_head, stride_pos,
                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
@@ -48,8 +55,7 @@ def _rope_store_kernel(QKV, Cos, Sin, Positions, Slots, Q, CacheK, CacheV, token
         cos_b = tl.load(Cos + position * 2 * HALF + HALF + offs, mask=inside, other=0.0).to(tl.float32)
         sin_a = tl.load(Sin + position * 2 * HALF + offs, mask=inside, other=0.0).to(tl.float32)
         sin_b = tl.load(Sin + position * 2 * HALF + HALF + offs, mask=inside, other=0.0).to(tl.float32)
-        a, b = (rounded(rounded(a * cos_a, dtype) - rounded(b * sin_a, dtype), dtype),
-                rounded(rounded(b * cos_b, dtype) + rounded(a * sin_b, dtype), dtype))
+        a, b = rotated_half(a, b, cos_a, sin_a, -1.0, dtype), rotated_half(b, a, cos_b, sin_b, 1.0, dtype)
     if head < HEADS:
         dst = Q + token * stride_q_token + head * stride_q_head + offs
     else:
