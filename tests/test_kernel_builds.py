@@ -1,4 +1,5 @@
-"""The decode-attention kernels compile for an H100/H200 (sm_90) without spilling registers, on any machine.
+"""The rollout's decode kernels (attention, RoPE, the Gumbel pick) compile for an H100/H200 (sm_90) without
+spilling registers, on any machine.
 
 Triton's interpreter (the CPU tests) runs a kernel's Python, not its compilation: a kernel it accepts may
 still fail to compile for the card, or spill registers to local memory. Triton compiles for an sm_90
@@ -22,25 +23,40 @@ import json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from caspo.rollout.native import decode_attention as da, shared_prefix_attention as spa
+from caspo.rollout import gumbel_kernel as gk
+from caspo.rollout.native import decode_attention as da, rope_attention as ra, rope_store as rs, \
+    shared_prefix_attention as spa
 
 TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Members": "*i64", "Slots": "*i64", "Lengths": "*i64",
-         "Starts": "*i64", "Count": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "qk_scale": "fp32"}
+         "Starts": "*i64", "Count": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "qk_scale": "fp32",
+         "QKV": "*bf16", "Cos": "*bf16", "Sin": "*bf16", "CacheK": "*bf16", "CacheV": "*bf16", "Positions": "*i64",
+         "Logits": "*fp32", "Seeds": "*i64", "Threshold": "*fp32", "inverse_temperature": "fp32", "margin": "fp32",
+         "BestKey": "*fp64", "BestIndex": "*i32", "KeptTotal": "*fp32", "FullTop": "*fp32", "FullTotal": "*fp32",
+         "ChunkMaxima": "*fp32"}
 SHAPE = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)  # Qwen2.5-1.5B: 12 heads, 2 KV heads, D = 128
+ATTENTION = {"num_warps": da.NUM_WARPS, "num_stages": da.NUM_STAGES}
+PICK = dict(SPAN=gk.SPAN, BLOCK=gk.BLOCK)
 KERNELS = {
-    "split": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=False), da.NUM_WARPS),
-    "split_from_starts": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=True), da.NUM_WARPS),
-    "combine": (da._combine_kernel, dict(GROUP=6, HEAD_DIM=128, BLOCK_G=8, BLOCK_S=4, BLOCK_D=128), 4),
+    "split": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=False), ATTENTION),
+    "split_from_starts": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=True), ATTENTION),
+    "combine": (da._combine_kernel, dict(GROUP=6, HEAD_DIM=128, BLOCK_G=8, BLOCK_S=4, BLOCK_D=128),
+                {"num_warps": 4, "num_stages": da.NUM_STAGES}),
     "prefix": (spa._prefix_kernel, dict(SHAPE, MEMBERS=10, BLOCK_Q=64, BLOCK_N=spa.PREFIX_BLOCK_N, PRECISION="tf32"),
-               spa.PREFIX_WARPS),
+               {"num_warps": spa.PREFIX_WARPS, "num_stages": da.NUM_STAGES}),
+    "rope_store": (rs._rope_store_kernel, dict(HEADS=12, KV_HEADS=2, HALF=64, BLOCK=64),
+                   {"num_warps": 1, "enable_fp_fusion": False}),
+    "rope_attend": (ra._rope_attend_kernel, dict(HEADS=12, KV_HEADS=2, GROUP=6, HEAD_DIM=128, BLOCK_G=16,
+                                                 BLOCK_D=128, BLOCK_N=ra.BLOCK_N, PRECISION="tf32"), ATTENTION),
+    "pick": (gk._gumbel_pick_kernel, dict(PICK, CUT=False, CHUNK=0), {"num_warps": gk.WARPS}),
+    "pick_under_cut": (gk._gumbel_pick_kernel, dict(PICK, CUT=True, CHUNK=0), {"num_warps": gk.WARPS}),
+    "pick_after_search": (gk._gumbel_pick_kernel, dict(PICK, CUT=True, CHUNK=128), {"num_warps": gk.WARPS}),
 }
 usage = {}
-for name, (fn, constexprs, warps) in KERNELS.items():
+for name, (fn, constexprs, options) in KERNELS.items():
     signature = {arg: "constexpr" if arg in constexprs else TYPES.get(arg, "i32") for arg in fn.arg_names}
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": da.NUM_STAGES})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -65,8 +81,9 @@ def usage():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["split", "split_from_starts", "combine", "prefix"])
-def test_decode_attention_kernels_compile_for_sm90_without_spilling(usage, kernel):
+@pytest.mark.parametrize("kernel", ["split", "split_from_starts", "combine", "prefix", "rope_store", "rope_attend",
+                                    "pick", "pick_under_cut", "pick_after_search"])
+def test_decode_kernels_compile_for_sm90_without_spilling(usage, kernel):
     resources = usage[kernel]
     assert int(resources["REG"]) <= 255
     assert resources["STACK"] == "0" and resources["LOCAL"] == "0", resources  # nothing spilled
