@@ -75,6 +75,23 @@ def test_kl_bound_and_non_finite_metrics():
     assert "non-finite metrics at step 2: pg_loss=nan, grad_norm=inf" in health.non_finite(bad)
 
 
+def test_memory_rising_every_step_is_a_leak_and_the_batch_moving_is_not():
+    leak = steps({"mem_allocated_gb": [37.5 + 0.16 * i for i in range(6)]})  # the capture-stream leak's rate
+    assert health.memory_rise(leak[:5], 5) is None  # window not full
+    message = health.memory_rise(leak, 5)
+    assert "rose in each of the last 5 steps, from 37.50 to 38.30 GiB (+0.160 GiB a step)" in message
+    assert "--memory-growth" in message and "train.health.memory_rise" in message
+    dip = steps({"mem_allocated_gb": [37.5, 37.7, 37.9, 37.85, 38.1, 38.3]})
+    assert health.memory_rise(dip, 5) is None  # one step gave memory back: not a holding every step
+    batch_sizes = steps({"mem_allocated_gb": [37.5 + 0.001 * i for i in range(6)]})
+    assert health.memory_rise(batch_sizes, 5) is None  # 1 MiB a step: the batch, under MEMORY_RISE_MIN_GIB
+    assert health.memory_rise(steps({"reward_mean": [0.5] * 6}), 5) is None  # a CPU run logs no memory
+    cfg = load_config("tests", ["train.health.memory_rise_steps=5"])
+    assert [a.detector for a in health.detect(leak, cfg)] == ["memory_rise"]  # on by default, as a warning
+    assert health.detect(leak, load_config("tests", ["train.health.memory_rise=off",
+                                                     "train.health.memory_rise_steps=5"])) == []
+
+
 def test_health_watch_warns_at_onset_stops_every_time_and_remembers_a_resumed_history():
     cfg = load_config("tests", ["train.health.kl=warn", "train.health.kl_max=1.0", "train.health.nan=stop"])
     watch = health.HealthWatch(cfg)

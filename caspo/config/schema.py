@@ -271,6 +271,9 @@ class HealthConfig:
     # the update's KL to the reference (the `kl` metric, as method.loss_agg reduces it) above kl_max
     kl: Literal["off", "warn", "stop"] = "warn"
     kl_max: float = 1.0
+    # CUDA memory allocated at a step's end rising in each of the last memory_rise_steps steps (a leak)
+    memory_rise: Literal["off", "warn", "stop"] = "warn"
+    memory_rise_steps: int = 10
     # a NaN or infinity in any metric of a step
     nan: Literal["off", "warn", "stop"] = "stop"
     # no outer step for this many seconds: a warning and <run>/status.json says "stalled" (0 = no watchdog)

@@ -144,6 +144,7 @@ RANGES: dict[str, Range] = {
     "train.log_samples": at_least(0),
     "train.health.no_reward_steps": COUNT,
     "train.health.rise_steps": COUNT,
+    "train.health.memory_rise_steps": COUNT,
     "train.health.rise_cap_fraction": TOP_P,
     "train.health.kl_max": POSITIVE,
     "train.health.watchdog_s": at_least(0, "0 = no watchdog"),

@@ -10,7 +10,8 @@ Per step (`step_health`):
     policy_tokens        tokens generated this step; value_tokens: prompt + response tokens a value model
                          (critic or prefix value model) read for the step's values
     t_roll_tokens_per_s  generated tokens / t_roll; t_step_tokens_per_s: generated tokens / t_step
-    mem_allocated_gb, mem_reserved_gb, mem_peak_gb   CUDA only: at the step's end, and the peak over it
+    mem_allocated_gb, mem_reserved_gb, mem_peak_gb   CUDA only: at the step's end (the memory_rise detector
+                                                     watches the first), and the peak over it
     mem_peak_reserved_gb                             CUDA only: the most the allocator reserved in the step
     mem_<phase>_peak_gb, mem_<phase>_peak_reserved_gb, mem_<phase>_reserved_gb
                                                      CUDA only: each phase's peaks and what it left reserved
@@ -150,6 +151,24 @@ def length_rise(history: list[dict], steps: int, length_cap: int, fraction: floa
             "train.health.rise_cap_fraction")
 
 
+MEMORY_RISE_MIN_GIB = 0.01  # a mean rise a step below this is the batch's size moving, not a holding
+
+
+def memory_rise(history: list[dict], steps: int) -> Optional[str]:
+    """CUDA memory allocated at a step's end higher than at the step before, in each of the last `steps` steps,
+    by at least MEMORY_RISE_MIN_GIB a step on average: something holds more memory every step."""
+    window = [r["mem_allocated_gb"] for r in history[-(steps + 1):] if "mem_allocated_gb" in r]
+    if len(window) < steps + 1 or not all(b > a for a, b in zip(window, window[1:])):
+        return None
+    per_step = (window[-1] - window[0]) / steps
+    if per_step < MEMORY_RISE_MIN_GIB:
+        return None
+    return (f"memory allocated at the end of a step rose in each of the last {steps} steps, from {window[0]:.2f} to "
+            f"{window[-1]:.2f} GiB (+{per_step:.3f} GiB a step): something holds more memory every step. "
+            "`benchmarks/trainer_smoke.py --memory-growth DIR` names the lines that allocate it. To go on, set "
+            "train.health.memory_rise=off or raise train.health.memory_rise_steps")
+
+
 def kl_high(history: list[dict], bound: float) -> Optional[str]:
     """The last step's `kl` (the update's KL to the reference) above `bound`."""
     if not history or history[-1].get("kl") is None or not history[-1]["kl"] > bound:
@@ -176,13 +195,13 @@ def non_finite(history: list[dict]) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Alarm:
-    detector: str  # a train.health key: no_reward, length_rise, kl, nan
+    detector: str  # a train.health key: no_reward, length_rise, kl, memory_rise, nan
     action: str  # "warn" or "stop"
     message: str
 
 
 def check_config(h: HealthConfig) -> None:
-    for key in ("no_reward_steps", "rise_steps"):
+    for key in ("no_reward_steps", "rise_steps", "memory_rise_steps"):
         if getattr(h, key) < 1:
             raise ConfigError(f"train.health.{key} must be >= 1, got {getattr(h, key)}")
     if not 0 < h.rise_cap_fraction <= 1:
@@ -199,6 +218,7 @@ def detect(history: list[dict], cfg: Config) -> list[Alarm]:
         "length_rise": lambda: length_rise(history, h.rise_steps, cfg.rollout.max_new_tokens, h.rise_cap_fraction,
                                            cfg.method.max_steps),
         "kl": lambda: kl_high(history, h.kl_max),
+        "memory_rise": lambda: memory_rise(history, h.memory_rise_steps),
         "nan": lambda: non_finite(history),
     }
     alarms = []
