@@ -32,11 +32,13 @@ def live_blocks(snapshot: dict) -> dict[int, tuple[int, str]]:
 
 
 def site(frames: list[dict], pool=(0, 0)) -> str:
-    """The innermost frames in the project (caspo/ or benchmarks/), innermost first; a CUDA graph's
-    private pool is named, since its blocks live as long as the graph (or a tensor of it)."""
-    own = [f for f in frames if "/caspo/" in f["filename"] or "/benchmarks/" in f["filename"]]
+    """The innermost frames in the project (caspo/ or benchmarks/), innermost first, else the innermost frame
+    (the backward runs on autograd's thread, under no project frame: a compiled block's backward is named by
+    inductor's generated file); a CUDA graph's private pool is named, since its blocks live as long as the
+    graph (or a tensor of it)."""
+    own = [f for f in frames if "/caspo/" in f["filename"] or "/benchmarks/" in f["filename"]] or frames[:1]
     where = " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in own[:SITE_FRAMES])
-    where = where or (f"{Path(frames[0]['filename']).name}:{frames[0]['line']}" if frames else "(no stack)")
+    where = where or "(no stack)"
     return where + (f" [graph pool {tuple(pool)}]" if tuple(pool) != (0, 0) else "")
 
 

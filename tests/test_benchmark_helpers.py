@@ -122,7 +122,7 @@ def test_step_ratios_divide_each_last_step_by_grpos_and_caspos():
 
 # ---------------------------------------------------------------- memory_growth: the per-step diff of live blocks
 
-from memory_growth import live_blocks, net_by_site, report  # noqa: E402
+from memory_growth import live_blocks, net_by_site, report, site  # noqa: E402
 
 
 def snapshot(blocks, pool=(0, 0)):
@@ -153,3 +153,7 @@ def test_growth_names_the_site_that_keeps_a_block_every_step_and_not_the_one_tha
 def test_blocks_of_a_graph_pool_are_named_as_such():
     live = live_blocks(snapshot([(1, 8, "active_allocated", "graphs.py", 9)], pool=(1, 2)))
     assert live[1] == (8, "graphs.py:9 fn [graph pool (1, 2)]")
+    # a compiled block's backward, on autograd's thread: no project frame, so inductor's file names it
+    inductor = {"filename": "/tmp/torchinductor_root/c3/c3ob.py", "line": 1161, "name": "call"}
+    assert site([inductor]) == "c3ob.py:1161 call"
+    assert site([]) == "(no stack)"
