@@ -196,7 +196,8 @@ def test_publication_and_sleep_keep_graphs_valid(family):
 
 def test_sleep_and_wake_cycles_hold_no_more_memory(monkeypatch):
     """Every wake recaptures the graphs. cuBLAS keeps a workspace for each stream it runs on, so the captures
-    warm up on one stream: a new one per capture held 0.16 GiB more every outer step at the 1.5B shape."""
+    warm up on one stream: a new one per capture held 0.16 GiB more in each of the first outer steps at the 1.5B
+    shape."""
     streams, enter = set(), torch.cuda.stream
     monkeypatch.setattr(torch.cuda, "stream", lambda s: (streams.add(s.cuda_stream), enter(s))[1])
     engine = native(build("qwen2"), cuda_graphs=True)

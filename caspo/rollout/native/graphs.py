@@ -224,7 +224,8 @@ def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, obj
     One warm-up run on a side stream first: library handles, workspaces and Triton compilations are
     created on first use, which must not happen during capture. The side stream is the same for every
     capture: cuBLAS keeps a workspace for each stream it has run on, so a new stream per capture (each
-    engine wake recaptures) would hold one more workspace every outer step.
+    engine wake recaptures) would hold more workspaces step after step, up to one for each of the 32
+    streams torch's pool hands out (about 1 GiB on an H100).
     """
     if device not in _WARMUP_STREAMS:
         _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
