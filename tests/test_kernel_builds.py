@@ -54,7 +54,11 @@ KERNELS = {
 usage = {}
 for name, (fn, constexprs, options) in KERNELS.items():
     signature = {arg: "constexpr" if arg in constexprs else TYPES.get(arg, "i32") for arg in fn.arg_names}
-    source = ASTSource(fn=fn, signature=signature,
+    # as the JIT specializes them on the engine's tensors: pointers and strides divisible by 16 (which lets
+    # the loads feeding tl.dot be pipelined through shared memory)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+               if signature[arg].startswith("*") or arg.startswith("stride")}
+    source = ASTSource(fn=fn, signature=signature, attrs=aligned,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as folder:
