@@ -4,8 +4,9 @@ A random-init Qwen2.5-1.5B-shaped policy (saved with the embedded character toke
 arithmetic prompts, 32 prompts × G = 8 samples of up to 1,024 new tokens from the native
 engine with CUDA graphs, bf16 compute with fp32 master weights, and the synthetic reward
 (`reward.synthetic`: the policy cannot see it, but advantages are non-zero). Two training
-steps of each method; prints the per-phase timers, the peak memory, the policy phase's model
-FLOP utilisation (6 · parameters · tokens / t_pol against --peak-tflops) and the post-publish
+steps of each method; prints the per-phase timers, the peak memory and what stays allocated after each
+step ("held": a rise step after step is memory held per step, which --memory-growth locates), the policy
+phase's model FLOP utilisation (6 · parameters · tokens / t_pol against --peak-tflops) and the post-publish
 parity (mean |behaviour − recomputed log-prob| of the sampled tokens), the graphs torch.compile built
 in each step ("compiled": train.compile meeting new shapes) and the allocator's retries, and appends
 one JSON line to --out. Memory knobs: --micro-tokens (token-budget micro-batches), --checkpointing,
@@ -157,8 +158,8 @@ def main() -> None:
             s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.nproc * args.peak_tflops * 1e12)
         print_table(["method", "step", *PHASES, "resp len", "steps", "MC tokens", "MC gen s", "MC score s",
                      "MC rounds (forwards)", "MC prefill/wait/host s", "MC rows/step of decoded", "MC grouped steps",
-                     "MC graphs", "MC shared", "|Δ logp|", "policy MFU", "peak GiB", "reserved GiB", "compiled",
-                     "retries"],
+                     "MC graphs", "MC shared", "|Δ logp|", "policy MFU", "peak GiB", "reserved GiB", "held GiB",
+                     "compiled", "retries"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
                       f"{s.get('steps_per_response', 0):.1f}", s.get("mc_tokens", "-"),
                       *(f"{s[k]:.1f}" if k in s else "-" for k in ("t_mc_generate", "t_mc_score")),
@@ -173,6 +174,7 @@ def main() -> None:
                       f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{s['policy_mfu']:.0%}",
                       f"{s['mem_peak_gb']:.1f}" if peak else "-",
                       f"{s['mem_peak_reserved_gb']:.1f}" if "mem_peak_reserved_gb" in s else "-",
+                      f"{s['mem_allocated_gb']:.2f}" if "mem_allocated_gb" in s else "-",
                       s.get("compiled_graphs", "-"),
                       s.get("mem_alloc_retries", "-")]
                      for s in steps])
