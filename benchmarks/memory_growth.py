@@ -1,6 +1,6 @@
 """What each outer step leaves allocated on the GPU, by the line that allocated it.
 
-`trainer_smoke.py --memory-growth FILE` runs the trainer with the CUDA caching allocator's history on
+`trainer_smoke.py --memory-growth DIR` runs the trainer with the CUDA caching allocator's history on
 (Python stacks), takes a snapshot of the live blocks after every outer step, and writes per step the
 bytes that stayed allocated, and each allocation site's net change against the step before: blocks
 alive now that were not (or were another size), less those freed since. A run whose allocated memory
@@ -55,8 +55,9 @@ def net_by_site(before: dict[int, tuple[int, str]], after: dict[int, tuple[int, 
 
 
 def report(steps: list[dict[int, tuple[int, str]]], top: int = 12) -> str:
-    """Each step's allocated total, then the sites whose holdings rose, summed over steps 2.. (step 1
-    allocates what every run keeps: optimizer state, compiled graphs), with the change in each step."""
+    """Each step's allocated total, then the sites whose holdings rose, summed over the changes of steps 3..
+    (steps 1 and 2 allocate what every run keeps: optimizer state, compiled graphs, the first recaptured
+    graphs), with the change in each step."""
     lines = ["step  allocated GiB  change GiB"]
     totals = [sum(size for size, _ in live.values()) for live in steps]
     for i, total in enumerate(totals):
