@@ -19,7 +19,7 @@ trained model's nucleus is a few tokens, that is nearly every block, and the pic
 After a nucleus search (`SearchSums`) even those sums need not be read: the search has the maxima of
 every chunk of the scaled logits, which say which blocks keep nothing, and the row's whole mass, which is
 the untruncated log-probs' normalizer. The pick then reads only the blocks that keep something, and sums
-over the kept entries alone.
+over the kept entries alone; a part that keeps nothing stores the partials of no entry and stops.
 
 The float64 keys are the definition, but two float64 logarithms per entry made the kernel
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
@@ -178,9 +178,18 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
     the same maxima (KeptTotal); with chunk maxima (CHUNK > 0), of its kept entries alone (FullTop, KeptTotal)."""
     row = tl.program_id(0)
     part = tl.program_id(1)
+    out = row * tl.num_programs(1) + part
+    cut = tl.load(Threshold + row) if CUT else float("-inf")
+    if CHUNK:  # a part whose chunks all lie below the cut keeps nothing: its partials are those of no entry
+        span = part * (SPAN // CHUNK) + tl.arange(0, SPAN // CHUNK)
+        if tl.max(tl.load(ChunkMaxima + row * chunks + span, mask=span < chunks, other=float("-inf")), 0) < cut:
+            tl.store(BestKey + out, float("-inf"))
+            tl.store(BestIndex + out, 0)
+            tl.store(FullTop + out, float("-inf"))
+            tl.store(KeptTotal + out, 0.0)
+            return
     row_logits = Logits + row * stride_row
     row_hash = _row_hash(tl.load(Seeds + row), tl.load(Positions + row))
-    cut = tl.load(Threshold + row) if CUT else float("-inf")
     best = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's largest float32 key
     second = tl.full([BLOCK], float("-inf"), tl.float32)  # and the largest of its others (ties included)
     best_index = tl.zeros([BLOCK], tl.int32)
@@ -225,7 +234,6 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
     if contested & (top > float("-inf")):
         top_key, index = _rank_in_float64(row_logits, row_hash, cut, inverse_temperature, vocab, part * SPAN,
                                           SPAN, BLOCK)
-    out = row * tl.num_programs(1) + part
     tl.store(BestKey + out, top_key)
     tl.store(BestIndex + out, index)
     part_top = tl.max(full_top, 0)
