@@ -290,9 +290,10 @@ def test_float32_noise_is_far_inside_the_margin():
 
 @pytest.mark.gpu
 def test_float32_noise_on_the_device():
-    """Every one of the 2^24 counter values: the device's float32 logarithms keep G within 4e-6 of float64."""
+    """Every one of the 2^24 counter values: the hardware's float32 logarithms (2-3 ulps) keep G within 8e-6 of
+    float64, so two keys' difference errs by less than a quarter of MARGIN."""
     from caspo.rollout.gumbel_kernel import MARGIN
 
     assert torch.cuda.is_available()
     error = check_noise32(torch.arange(1 << 24, dtype=torch.int32), "cuda")
-    assert error < 4e-6 < MARGIN / 4
+    assert error < 8e-6 < MARGIN / 4

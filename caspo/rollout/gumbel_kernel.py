@@ -23,7 +23,9 @@ over the kept entries alone; a part that keeps nothing stores the partials of no
 
 The float64 keys are the definition, but two float64 logarithms per entry made the kernel
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
-float32 keys, whose error is far below MARGIN (`gumbel_noise32`), and computes the float64 key
+float32 keys, whose error is far below MARGIN (`gumbel_noise32`; on the card its logarithms are the
+hardware's approximate ones: libdevice's accurate logf took most of a program's instructions at top-p 1.0),
+and computes the float64 key
 of its winner alone. When another entry's float32 key comes within MARGIN of the winner's, the
 order could differ, and the program ranks its part again in float64, as the definition does
 (about one program in 10^4). Tokens therefore equal `gumbel_pick`'s: the keys are the same
@@ -38,13 +40,17 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+from triton.runtime.jit import JITFunction
 
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 1024  # entries per loop iteration
 WARPS = 8
 # A winner by float32 keys is taken when no other entry of its part comes within MARGIN · max(1, |key|)
-# of it. The float32 key's error is below 2e-6 + ulp(key) (gumbel_noise32; tests/test_gumbel_kernel.py
-# checks every counter value on the device), and a difference of two keys needs twice that.
+# of it. The float32 key's error is below 8e-6 + ulp(key) (gumbel_noise32 with the hardware's logarithms, 2-3
+# ulps each, up to |G| = 17.3; libdevice's accurate ones, which triton's interpreter runs, keep 2e-6;
+# tests/test_gumbel_kernel.py checks every counter value on the device), and a difference of two keys needs
+# twice that.
 MARGIN = 2.0**-14
 
 
@@ -92,8 +98,18 @@ def _gumbel64(h):
 
 
 @triton.jit
-def _gumbel32(h):
-    """G in float32, accurate to a few float32 ulps of -log U over every counter value.
+def _ln(x, FAST: tl.constexpr):
+    """ln x (float32): with FAST the hardware's approximate log2 times ln 2 (about 2^-22 relative: two
+    instructions), else libdevice's accurate logf (about two dozen). Triton's interpreter has no libdevice."""
+    if FAST:
+        return libdevice.fast_logf(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _gumbel32(h, FAST: tl.constexpr):
+    """G in float32, accurate to a few float32 ulps of -log U over every counter value (with FAST, the
+    hardware's logarithms: within 8e-6 of the float64 G, whose magnitude stays below 17.3).
 
     Below U = 1/2, U is exact in float32. Above it -log U = -log(1 - m), m = 1 - U exact, is
     2 atanh(z) = 2 (z + z³/3 + z⁵/5 + ...) with z = m / (2 - m) <= 1/3: eight terms leave
@@ -111,14 +127,14 @@ def _gumbel32(h):
     series = 1.0 / 5.0 + z2 * series
     series = 1.0 / 3.0 + z2 * series
     series = 1.0 + z2 * series
-    minus_log_u = tl.where(k < (1 << 23), -tl.log(u), 2.0 * z * series)
-    return -tl.log(minus_log_u)
+    minus_log_u = tl.where(k < (1 << 23), -_ln(u, FAST), 2.0 * z * series)
+    return -_ln(minus_log_u, FAST)
 
 
 @triton.jit
-def _rank_block(kept, row_hash, index, best, second, best_index):
+def _rank_block(kept, row_hash, index, best, second, best_index, FAST: tl.constexpr):
     """Each lane's largest float32 key kept + G (the first index on ties), and the largest of its others."""
-    key = kept + _gumbel32(_noise_hash(row_hash, index))
+    key = kept + _gumbel32(_noise_hash(row_hash, index), FAST)
     better = key > best  # strict: a lane keeps the first index of its maximum
     return tl.where(better, key, best), tl.where(better, best, tl.maximum(second, key)), tl.where(better, index,
                                                                                                   best_index)
@@ -173,7 +189,8 @@ def _rank_in_float64(Logits, row_hash, cut, inverse_temperature, vocab, start,
 @triton.jit
 def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature, vocab, stride_row, margin,
                         BestKey, BestIndex, KeptTotal, FullTop, FullTotal, ChunkMaxima, chunks,
-                        CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                        CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                        FAST_LOG: tl.constexpr):
     """Each part's winner, and its sums: of the whole part (FullTop, FullTotal) and of its kept entries against
     the same maxima (KeptTotal); with chunk maxima (CHUNK > 0), of its kept entries alone (FullTop, KeptTotal)."""
     row = tl.program_id(0)
@@ -205,7 +222,7 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
             if block_top >= cut:
                 s = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")) * inverse_temperature
                 kept = tl.where(s >= cut, s, float("-inf"))
-                best, second, best_index = _rank_block(kept, row_hash, index, best, second, best_index)
+                best, second, best_index = _rank_block(kept, row_hash, index, best, second, best_index, FAST_LOG)
                 full_top, kept_total, _, _ = _online_logsumexp(full_top, kept_total, kept)
         else:
             x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf"))
@@ -216,9 +233,9 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
                 # is not hashed (at a trained model's top-p 0.9 that is nearly every block)
                 if tl.max(s, 0) >= cut:
                     best, second, best_index = _rank_block(tl.where(inside_cut, s, float("-inf")), row_hash, index,
-                                                           best, second, best_index)
+                                                           best, second, best_index, FAST_LOG)
             else:
-                best, second, best_index = _rank_block(s, row_hash, index, best, second, best_index)
+                best, second, best_index = _rank_block(s, row_hash, index, best, second, best_index, FAST_LOG)
             full_top, full_total, e, rises = _online_logsumexp(full_top, full_total, s)
             if CUT:
                 kept_total = _fold_kept(kept_total, inside_cut, e, rises)
@@ -245,17 +262,22 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
 
 
 @triton.jit
-def _gumbel_noise32_kernel(Counters, Out, n, BLOCK: tl.constexpr):
+def _gumbel_noise32_kernel(Counters, Out, n, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     k = tl.load(Counters + index, mask=index < n, other=0).to(tl.uint32)
-    tl.store(Out + index, _gumbel32(k << 8), mask=index < n)
+    tl.store(Out + index, _gumbel32(k << 8, FAST_LOG), mask=index < n)
+
+
+# Under TRITON_INTERPRET=1 (set before this module is imported) the kernels run in numpy, without libdevice.
+INTERPRETED = not isinstance(_gumbel_noise32_kernel, JITFunction)
 
 
 def gumbel_noise32(counters: torch.Tensor) -> torch.Tensor:
     """The pick's float32 G [n] of 24-bit counter values k [n] (int32), U = (k + 1/2) / 2^24: for checking
     its error against the float64 definition, -log(-log U)."""
     out = torch.empty(counters.shape, dtype=torch.float32, device=counters.device)
-    _gumbel_noise32_kernel[(triton.cdiv(counters.numel(), BLOCK),)](counters, out, counters.numel(), BLOCK=BLOCK)
+    _gumbel_noise32_kernel[(triton.cdiv(counters.numel(), BLOCK),)](counters, out, counters.numel(), BLOCK=BLOCK,
+                                                                    FAST_LOG=not INTERPRETED)
     return out
 
 
@@ -330,7 +352,7 @@ def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshol
     _gumbel_pick_kernel[(rows, parts)](logits, seeds, positions, threshold if cut else logits, inverse_temperature,
                                        vocab, logits.stride(0), margin, best_key, best_index, kept_total,
                                        full_top, full_total, maxima, maxima.shape[-1], CUT=cut, SPAN=SPAN,
-                                       BLOCK=BLOCK, CHUNK=chunk, num_warps=WARPS)
+                                       BLOCK=BLOCK, CHUNK=chunk, FAST_LOG=not INTERPRETED, num_warps=WARPS)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     full = torch.empty(rows, dtype=torch.float32, device=logits.device)
     kept = torch.empty_like(full) if cut else full
