@@ -84,7 +84,7 @@ def test_blocks_with_nothing_kept_give_the_torch_pick():
 def search_and_pick_inputs(device: str):
     """Logits [8, 20000] as in the test above (peaked rows, kept tokens in one block of the last part, a flat
     row), the nucleus search's threshold at top-p 0.9 and T = 0.6, and its sums."""
-    from caspo.rollout.sampling import NUCLEUS_PIVOTS, NUCLEUS_TOP, _nucleus_plan, _nucleus_threshold_by_kernels
+    from caspo.rollout.sampling import NUCLEUS_TOP, _nucleus_threshold_by_kernels
 
     vocab = 20000
     logits = random_logits(8, vocab, 30.0, seed=5).float()
@@ -92,8 +92,7 @@ def search_and_pick_inputs(device: str):
     logits[6, 17000:17003] = 60.0
     logits[7] = 0.0
     inverse = inverse_temperature(0.6)
-    shift, first, plan = _nucleus_plan(vocab, 0.9, NUCLEUS_PIVOTS)
-    cut, search = _nucleus_threshold_by_kernels(logits.to(device), 0.9, shift, first, plan, NUCLEUS_TOP, inverse)
+    cut, search = _nucleus_threshold_by_kernels(logits.to(device), 0.9, NUCLEUS_TOP, inverse)
     return logits, inverse, cut, search
 
 

@@ -425,15 +425,15 @@ def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
     from caspo.rollout.sampling import _nucleus_threshold_by_kernels
 
     x = kernel_logits(vocab)  # 5,000: 40 chunks, fewer than the candidates, all of them read
-    shift, first, plan = _nucleus_plan(vocab, top_p, NUCLEUS_PIVOTS)
-    got = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates)[0].cpu()
+    got = _nucleus_threshold_by_kernels(x.to(device), top_p, candidates)[0].cpu()
     expected = nucleus_threshold(x, top_p, candidates=candidates)
     assert torch.equal(got, expected)
     scale = inverse_temperature(0.6)  # the kernels scale as they read: the threshold of a scaled copy
-    scaled = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates, scale)[0].cpu()
+    scaled = _nucleus_threshold_by_kernels(x.to(device), top_p, candidates, scale)[0].cpu()
     assert torch.equal(scaled, nucleus_threshold(x * scale, top_p, candidates=candidates))
     assert torch.equal(nucleus_threshold(x, top_p, candidates=candidates, scale=scale), scaled)
     if candidates and top_p == 0.145 and vocab == 9000:
+        shift, first, _ = _nucleus_plan(vocab, top_p, NUCLEUS_PIVOTS)
         xd = x.to(device)
         maxima = chunk_maxima(xd, 128)
         e, masses = exp_and_mass(xd, maxima.amax(-1), shift)
@@ -493,8 +493,7 @@ def test_rows_finished_from_their_gathered_interval_equal_the_passes(collect_aft
     x = kernel_logits(9000)
     x = torch.cat([x, random_logits(2, 9000, 0.5, seed=11)])  # flat rows: thousands of tokens in the nucleus
     scale = inverse_temperature(0.6) if collect_after == 4 else 1.0  # the kernels scale as they read
-    shift, first, plan = _nucleus_plan(9000, top_p, NUCLEUS_PIVOTS)
-    got = _nucleus_threshold_by_kernels(x.to(device), top_p, shift, first, plan, candidates, scale,
+    got = _nucleus_threshold_by_kernels(x.to(device), top_p, candidates, scale,
                                         collect_after=collect_after, collect_capacity=capacity)[0].cpu()
     assert torch.equal(got, nucleus_threshold(x * scale, top_p, candidates=candidates))
 
@@ -604,11 +603,10 @@ def test_screened_passes_give_the_int64_search_on_the_gpu(std):
     from caspo.rollout.sampling import _nucleus_threshold_by_kernels
 
     logits, _, _ = cuda_batch(256, std, seed=4)
-    shift, first, plan = _nucleus_plan(VOCAB, 0.9, NUCLEUS_PIVOTS)
+    passes = len(_nucleus_plan(VOCAB, 0.9, NUCLEUS_PIVOTS)[2])
     scale = inverse_temperature(0.6)
-    screened, _ = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale,
-                                                screened_passes=len(plan))
-    exact, _ = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale, screened_passes=0)
+    screened, _ = _nucleus_threshold_by_kernels(logits, 0.9, NUCLEUS_TOP, scale, screened_passes=passes)
+    exact, _ = _nucleus_threshold_by_kernels(logits, 0.9, NUCLEUS_TOP, scale, screened_passes=0)
     assert torch.equal(screened, exact)
 
 
@@ -625,7 +623,7 @@ def test_kernel_search_equals_the_torch_search_on_the_gpu(std):
     logits, _, _ = cuda_batch(256, std, seed=5)
     shift, first, plan = _nucleus_plan(VOCAB, 0.9, NUCLEUS_PIVOTS)
     scale = inverse_temperature(0.6)
-    got, _ = _nucleus_threshold_by_kernels(logits, 0.9, shift, first, plan, NUCLEUS_TOP, scale)
+    got, _ = _nucleus_threshold_by_kernels(logits, 0.9, NUCLEUS_TOP, scale)
     x = logits * scale
     e, _ = exp_and_mass(logits, chunk_maxima(logits, 128, scale).amax(-1), shift, scale)
     weight = (e * 2.0 ** shift).to(torch.int64)

@@ -113,11 +113,11 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     searches) is how many likeliest tokens are tried first.
     """
     candidates = NUCLEUS_TOP if candidates is None else candidates
-    shift, first, plan = _nucleus_plan(logits.shape[-1], top_p, pivots)
     if logits.is_cuda:
-        threshold, _ = _nucleus_threshold_by_kernels(logits.float().contiguous(), top_p, shift, first, plan,
-                                                     candidates, scale)
+        threshold, _ = _nucleus_threshold_by_kernels(logits.float().contiguous(), top_p, candidates, scale,
+                                                     pivots=pivots)
         return threshold if scale != 1.0 else threshold.to(logits.dtype)  # exact: one of the logits
+    shift, first, plan = _nucleus_plan(logits.shape[-1], top_p, pivots)
     x = logits.float() * scale if scale != 1.0 else logits.float()
     e = torch.exp(x - x.amax(-1, keepdim=True))
     weight = (e * 2.0 ** shift).to(torch.int64)
@@ -132,8 +132,8 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
     return torch.where(kept, x if scale != 1.0 else logits, float("inf")).amin(-1, keepdim=True)
 
 
-def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, first: int, plan: list[int],
-                                  candidates: int, scale: float = 1.0, collect_after: int | None = None,
+def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, candidates: int, scale: float = 1.0, *,
+                                  pivots: int = NUCLEUS_PIVOTS, collect_after: int | None = None,
                                   collect_capacity: int = NUCLEUS_COLLECT_CAPACITY,
                                   screened_passes: int | None = None) -> tuple[torch.Tensor, SearchSums]:
     """nucleus_threshold on CUDA, and the sums it read that the pick can reuse (`SearchSums`): the same search,
@@ -149,6 +149,7 @@ def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, shift: int, fir
         raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
     collect_after = NUCLEUS_COLLECT_AFTER if collect_after is None else collect_after
     screened_passes = NUCLEUS_SCREENED_PASSES if screened_passes is None else screened_passes
+    shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
     maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
     row_max = maxima.amax(-1)
     first_sums = None
@@ -298,9 +299,7 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
         raise RuntimeError("the fused sampler needs triton (it comes with CUDA builds of torch); pass fused=False")
     threshold = search = None
     if top_k == 0 and top_p < 1.0 and logits.is_cuda:  # the pick reuses the search's sums (SearchSums)
-        shift, first, plan = _nucleus_plan(logits.shape[-1], top_p, NUCLEUS_PIVOTS)
-        threshold, search = _nucleus_threshold_by_kernels(logits.contiguous(), top_p, shift, first, plan,
-                                                          NUCLEUS_TOP, inverse)
+        threshold, search = _nucleus_threshold_by_kernels(logits.contiguous(), top_p, NUCLEUS_TOP, inverse)
     elif top_k > 0 or top_p < 1.0:
         threshold = cut_threshold(logits, top_k, top_p, scale=inverse)
     return fused_gumbel_pick(logits.contiguous(), inverse, threshold, seeds, positions, search=search)
