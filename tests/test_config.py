@@ -156,7 +156,7 @@ def test_config_is_the_bottom_layer():
     code = "import sys, caspo.config; print(sorted(m for m in sys.modules if m.startswith('caspo')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == str(["caspo", "caspo.config", "caspo.config.load", "caspo.config.schema",
-                                  "caspo.config.validate"])
+                                  "caspo.config.train_schema", "caspo.config.validate"])
 
 
 @pytest.mark.parametrize("override, message", [

@@ -37,13 +37,14 @@ from caspo.config.schema import (
     RewardConfig,
     RolloutConfig,
     SftConfig,
-    TrainConfig,
 )
+from caspo.config.train_schema import HealthConfig, TrainConfig, WandbConfig
 from caspo.config.validate import validate, validate_refresh
 
 __all__ = [
     "ArithConfig", "CaspoConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LossAgg", "MethodConfig",
-    "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "SftConfig", "TrainConfig",
+    "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "SftConfig", "TrainConfig", "HealthConfig",
+    "WandbConfig",
     "FLOAT_RE", "PRESET_DIR", "build", "coerce", "load_config", "parse_override", "resolve_preset", "set_dotted",
     "to_dict", "to_yaml", "validate", "validate_refresh",
 ]

@@ -33,7 +33,8 @@ import torch
 
 from caspo.algo.groups import group_pass_rate
 from caspo.batch import RolloutBatch
-from caspo.config.schema import Config, ConfigError, HealthConfig
+from caspo.config.schema import Config, ConfigError
+from caspo.config.train_schema import HealthConfig
 from caspo.device_memory import GIB
 from caspo.segment import SPLITTERS, merge_after_final_box, splitter_name
 
