@@ -2,7 +2,8 @@
 
 A random-init Qwen2.5-1.5B-shaped model (tied embeddings), 256 prompts of 128 tokens, 512
 new tokens each with EOS disabled, the full sampler (temperature, top-p, behaviour and
-untruncated log-probs). Prints a table and appends one JSON line to --out. A random model's
+untruncated log-probs). Prints a table and appends one JSON line to --out. "prefill s" times the same prompts
+with one new token each; "decode tokens/s" is the rest of the tokens over the rest of the time. A random model's
 top-p 0.9 nucleus holds ~50,000 tokens per row, the sampler's worst case; --logit-scale 8 makes it
 a few tokens, as a trained model's is. --profile prints the 25 CUDA kernels with the most device time in one
 more run of the last engine (graph replays included), and the share of the run they cover.
@@ -94,6 +95,7 @@ def main() -> None:
     # The native engine captures its graphs and compiles its sampler on first use of each shape:
     # one untimed run of the whole workload. transformers has nothing to warm but its kernels.
     short = [Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]]
+    first_tokens = [Request(r.prompt_ids, r.seed, max_new_tokens=1) for r in requests]
     max_seq_len = args.prompt_len + args.new_tokens
     cuda = torch.device(args.device).type == "cuda"
 
@@ -102,7 +104,7 @@ def main() -> None:
         if name not in ENGINES:
             raise SystemExit(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
         if name.startswith("native-graphs") and not cuda:
-            rows.append([name, "skipped: CUDA graphs need a CUDA device", "", "", "", "", ""])
+            rows.append([name, "skipped: CUDA graphs need a CUDA device", "", "", "", "", "", "", ""])
             continue
         engine, setup_s, _ = timed(args.device, partial(make_engine, name, model, args, max_seq_len))
         extra = {"top_logprobs": args.top_logprobs} if name != "hf" else {}
@@ -112,10 +114,14 @@ def main() -> None:
         tokens = sum(len(c.tokens) for c in completions)
         if tokens != args.prompts * args.new_tokens:
             raise SystemExit(f"{name}: {tokens} tokens generated, expected {args.prompts * args.new_tokens}")
+        # The same prompts with one new token each: the prefill and its sampling, so the rest is the decode steps'.
+        _, prefill_s, _ = timed(args.device, partial(engine.generate, first_tokens, sampling, **extra))
+        decode_rate = (tokens - args.prompts) / (seconds - prefill_s) if seconds > prefill_s else float("nan")
         results[name] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                         "prefill_s": round(prefill_s, 3), "decode_tokens_per_s": round(decode_rate, 1),
                          "setup_s": round(setup_s, 2), "warm_up_s": round(warm_s, 2), "peak_bytes": peak}
-        rows.append([name, f"{tokens / seconds:,.0f}", tokens, f"{seconds:.2f}", f"{setup_s:.1f}", f"{warm_s:.1f}",
-                     f"{peak / 2**30:.1f}" if peak else "-"])
+        rows.append([name, f"{tokens / seconds:,.0f}", tokens, f"{seconds:.2f}", f"{prefill_s:.2f}",
+                     f"{decode_rate:,.0f}", f"{setup_s:.1f}", f"{warm_s:.1f}", f"{peak / 2**30:.1f}" if peak else "-"])
         if args.profile and name == args.engines.split(",")[-1]:
             profile_rows = kernel_profile(partial(engine.generate, requests, sampling, **extra),
                                           torch.device(args.device), top=25)
@@ -129,7 +135,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens, "
           f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
           f"gathered after {args.collect_after} passes, {args.screened_passes} screened, {args.dtype} on {args.device}")
-    print_table(["engine", "tokens/s", "tokens", "seconds", "setup s", "warm-up s", "peak GiB"], rows)
+    print_table(["engine", "tokens/s", "tokens", "seconds", "prefill s", "decode tokens/s", "setup s", "warm-up s",
+                 "peak GiB"], rows)
     for name, result in results.items():
         if "profile" in result:
             print_table([f"kernel (one run of {name})", "calls", "ms", "share"], result["profile"])
