@@ -133,23 +133,23 @@ def nucleus_threshold(logits: torch.Tensor, top_p: float, pivots: int = NUCLEUS_
 
 
 def _nucleus_threshold_by_kernels(x: torch.Tensor, top_p: float, candidates: int, scale: float = 1.0, *,
-                                  pivots: int = NUCLEUS_PIVOTS, collect_after: int | None = None,
+                                  pivots: int | None = None, collect_after: int | None = None,
                                   collect_capacity: int = NUCLEUS_COLLECT_CAPACITY,
                                   screened_passes: int | None = None) -> tuple[torch.Tensor, SearchSums]:
     """nucleus_threshold on CUDA, and the sums it read that the pick can reuse (`SearchSums`): the same search,
-    its reads of the rows Triton kernels (`nucleus_reads`,
-    `mass_above`), which scale the logits x as they read them, and its shortcuts one program per row
-    (`nucleus_resolve`). A row whose threshold its likeliest tokens resolve reads its threshold logit off them
-    too, unless a token outside their chunks ties with the threshold; the others take one more read. After
+    its reads of the rows Triton kernels (`nucleus_reads`, `mass_above`), which scale the logits x as they read
+    them, and its shortcuts one program per row (`nucleus_resolve`), in passes of `pivots` levels (default
+    NUCLEUS_PIVOTS, read at the call). A row whose threshold its likeliest tokens resolve reads its threshold logit
+    off them too, unless a token outside their chunks ties with the threshold; the others take one more read. After
     `collect_after` passes (default NUCLEUS_COLLECT_AFTER, read at the call; as many as the plan has or more:
-    never) a row whose interval holds few entries is finished from them (`finish_search`). The first `screened_passes`
-    passes (default NUCLEUS_SCREENED_PASSES) are screened on float32 sums, which leaves every interval as the
-    int64 sums would."""
+    never) a row whose interval holds few entries is finished from them (`finish_search`). The first
+    `screened_passes` passes (default NUCLEUS_SCREENED_PASSES) are screened on float32 sums, which leaves every
+    interval as the int64 sums would."""
     if narrow is None:
         raise RuntimeError("the nucleus search on CUDA needs triton (it comes with CUDA builds of torch)")
     collect_after = NUCLEUS_COLLECT_AFTER if collect_after is None else collect_after
     screened_passes = NUCLEUS_SCREENED_PASSES if screened_passes is None else screened_passes
-    shift, first, plan = _nucleus_plan(x.shape[-1], top_p, pivots)
+    shift, first, plan = _nucleus_plan(x.shape[-1], top_p, NUCLEUS_PIVOTS if pivots is None else pivots)
     maxima = chunk_maxima(x, NUCLEUS_CHUNK, scale)
     row_max = maxima.amax(-1)
     first_sums = None
