@@ -1,4 +1,4 @@
-"""The trainer's sections of the run configuration (`train`, with its `health` and `wandb`), as `schema`."""
+"""The trainer's sections of the run configuration: `train`, with its `health` and `wandb` (`schema` has the rest)."""
 
 from __future__ import annotations
 
