@@ -44,6 +44,19 @@ def _largest_level(levels, weight, base, target, BITS: tl.constexpr):
 
 
 @triton.jit
+def _largest_entry_level(values, shift_scale, base, target, BITS: tl.constexpr):
+    """`_largest_level` of float32 values [N] >= 0 by their bit patterns, each weighing w = floor(value 2^shift).
+    Each sum forms the weights of the entries it takes, so the int64 weights of all N never live at once."""
+    levels = values.to(tl.int32, bitcast=True)
+    found = tl.zeros([], tl.int32)
+    for bit in tl.static_range(BITS - 1, -1, -1):
+        trial = found | (1 << bit)
+        mass = tl.sum((tl.where(levels >= trial, values, 0.0) * shift_scale).to(tl.int64), 0)  # w(0) = 0
+        found = tl.where(base + mass >= target, trial, found)
+    return found
+
+
+@triton.jit
 def _top_chunks(Maxima, Chosen, chunks, COUNT: tl.constexpr, CHUNKS: tl.constexpr):
     """The indices [COUNT] of a row's chunks whose maxima top the COUNT-th largest, then of its ties in index
     order, COUNT in all (indices >= chunks where the row has fewer), through Chosen [COUNT] (scratch)."""
@@ -74,17 +87,17 @@ def _start_kernel(X, E, Maxima, Target, Lo, Hi, Skip, Known, Cut, Chosen, vocab,
         e = tl.load(E + row * stride_row + index, mask=inside, other=0.0)  # padding weighs nothing, is never kept
         # every entry of the row above the least of these chunks' maxima is in them (e rises with x)
         least = tl.min(tl.max(e, 1), 0)
-        bits = tl.reshape(e, [COUNT * CHUNK]).to(tl.int32, bitcast=True)
-        weight = (tl.reshape(e, [COUNT * CHUNK]) * shift_scale).to(tl.int64)
-        resolved = tl.sum(tl.where(bits >= least.to(tl.int32, bitcast=True), weight, 0), 0) >= target
-        t_bits = _largest_level(bits, weight, 0, target, BITS=31)
-        t = t_bits.to(tl.float32, bitcast=True)
-        # the threshold logit too, where every entry at or above t is in these chunks (or they are all)
-        known = resolved & ((t > least) | (COUNT >= chunks))
+        # read for every row: read under the branch below, the program needs 184-228 registers instead of 128
         x = tl.load(X + row * stride_row + index, mask=inside, other=float("inf")) * x_scale
-        cut = tl.where(known, tl.min(tl.min(tl.where(e >= t, x, float("inf")), 1), 0), float("inf"))
-        lo = tl.where(resolved, t_bits.to(tl.int64), lo)
-        hi = tl.where(resolved, t_bits.to(tl.int64), hi)
+        resolved = tl.sum((tl.where(e >= least, e, 0.0) * shift_scale).to(tl.int64)) >= target
+        if resolved:  # a row these chunks do not resolve (every row of a flat one) skips the 31 sums
+            t_bits = _largest_entry_level(tl.reshape(e, [COUNT * CHUNK]), shift_scale, 0, target, BITS=31)
+            t = t_bits.to(tl.float32, bitcast=True)
+            # the threshold logit too, where every entry at or above t is in these chunks (or they are all)
+            known = (t > least) | (COUNT >= chunks)
+            cut = tl.where(known, tl.min(tl.min(tl.where(e >= t, x, float("inf")), 1), 0), float("inf"))
+            lo = t_bits.to(tl.int64)
+            hi = lo
     tl.store(Lo + row, lo)
     tl.store(Hi + row, hi)
     tl.store(Skip + row, resolved.to(tl.int8))
@@ -105,8 +118,7 @@ def _finish_kernel(X, Values, Index, Counts, Above, Target, Lo, Hi, Skip, Known,
         values = tl.load(Values + slot, mask=valid, other=0.0)  # an empty slot weighs nothing
         flat = tl.reshape(values, [PARTS * CAPACITY])
         # the whole interval's mass, W(lo) >= T, so some gathered entry reaches the target
-        t_bits = _largest_level(flat.to(tl.int32, bitcast=True), (flat * shift_scale).to(tl.int64), above,
-                                tl.load(Target + row), BITS=31)
+        t_bits = _largest_entry_level(flat, shift_scale, above, tl.load(Target + row), BITS=31)
         t = t_bits.to(tl.float32, bitcast=True)
         logits = tl.load(X + row * stride_row + tl.load(Index + slot, mask=valid, other=0), mask=valid) * x_scale
         tl.store(Lo + row, t_bits.to(tl.int64))
