@@ -11,12 +11,14 @@ gave it, and whether it holds. Each part takes under ten minutes on an H100 or H
     python benchmarks/seed_targets.py run rollout --out targets.jsonl         # top-p 0.9 and 1.0            ~2 min
     python benchmarks/seed_targets.py report targets.jsonl [--markdown targets.md]
 
-The KV cache is sized in GiB (--kv-gib; 11 holds a whole 32 × 8 × 1,024 rollout) and passed as the card's share of
-it, so an 80 GB and a 141 GB card run the same cache. The seed's shape runs under `model.device_memory_gib=76` on any
-card, at the preset's own KV share of that cap. A run's first step compiles and captures graphs, so step times and
-MFU are the worst of the steps after it; peaks are the largest of all steps. A ratio divides the last steps of two
-methods measured on the same card. The 64 × 8 runs plant line steps and EOS in the random policy, as RESULTS.md's do:
-its responses then have about five steps and 430 of their 1,024 tokens, and all four methods train on the same ones.
+The KV cache is sized in GiB and passed as the card's share of it, so an 80 GB and a 141 GB card run the same cache.
+Each part's default (KV_GIB) fits an 80 GB card: 11 GiB holds a whole 32 × 8 × 1,024 rollout; 14 fits beside
+ppo_critic's policy, critic, reference and optimizers at 64 × 8 (15.5 GiB were left there); 16 holds a 64 × 8 rollout,
+and its slots then serve vineppo's continuations. --kv-gib 42 gives an H200 its default share of 0.3. The seed's shape
+runs under `model.device_memory_gib=76` on any card, at the preset's own KV share of that cap. A run's first step
+compiles and captures graphs, so step times and MFU are the worst of the steps after it; peaks are the largest of all
+steps. A ratio divides the last steps of two methods measured on the same card. The 64 × 8 runs plant line steps and
+EOS in the random policy, as RESULTS.md's do: its responses then have about five steps and 430 of their 1,024 tokens.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def run_environment(card: str, commit: str) -> dict:
 
 
 PARTS = ("grpo-32", "methods-64", "step-values-64", "seed-shape", "rollout")
+KV_GIB = {"grpo-32": 11.0, "methods-64": 14.0, "step-values-64": 16.0}
 
 
 # ---------------------------------------------------------------- report: each target against its figure
@@ -127,7 +130,8 @@ def smoke_figure(method: str, prompts: int, read: Callable[[list[dict]], float])
         record = latest_smoke(records, method, prompts)
         if record is None:
             return None
-        return Figure(read(record["steps"]), record["card"], record["commit"], f"{len(record['steps'])} steps")
+        return Figure(read(record["steps"]), record["card"], record["commit"],
+                      f"{len(record['steps'])} steps, KV share {record['knobs']['kv_share']:.3f}")
     return measure
 
 
@@ -240,7 +244,8 @@ def main() -> None:
     run.add_argument("part", choices=PARTS)
     run.add_argument("--out", required=True, help="append the results as JSON lines to this file")
     run.add_argument("--commit", default="", help="the code's commit (default: git's, where this is a checkout)")
-    run.add_argument("--kv-gib", type=float, default=11.0, help="the KV cache in GiB (the 64 × 8 and 32 × 8 parts)")
+    run.add_argument("--kv-gib", type=float, default=0.0,
+                     help="the KV cache in GiB of the 32 × 8 and 64 × 8 parts (default: the part's KV_GIB)")
     report = sub.add_parser("report", help="each target against the figures in a results file")
     report.add_argument("results")
     report.add_argument("--markdown", default="", help="also write the table to this file as Markdown")
@@ -265,9 +270,10 @@ def main() -> None:
     if args.part == "seed-shape":
         run_seed_shape(args.out, commit, card)
         return
-    if not 0 < args.kv_gib < total_gib:
-        raise SystemExit(f"--kv-gib {args.kv_gib} does not fit this card's {total_gib:.1f} GiB")
-    for command in part_commands(args.part, args.kv_gib / total_gib, args.out, commit):
+    kv_gib = args.kv_gib or KV_GIB.get(args.part, 0.0)
+    if args.part != "rollout" and not 0 < kv_gib < total_gib:
+        raise SystemExit(f"--kv-gib {kv_gib} does not fit this card's {total_gib:.1f} GiB")
+    for command in part_commands(args.part, kv_gib / total_gib, args.out, commit):
         subprocess.run(command, check=True)
 
 

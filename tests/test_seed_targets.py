@@ -14,7 +14,8 @@ H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 def smoke(method, prompts, steps, card=H200, commit="abc", nproc=1):
     """A trainer_smoke record; `steps` are (t_step, peak allocated GiB, policy MFU)."""
     return {"benchmark": "trainer_smoke", "method": method, "card": card, "commit": commit,
-            "shape": {"prompts": prompts, "samples": 8, "new_tokens": 1024}, "knobs": {"nproc": nproc},
+            "shape": {"prompts": prompts, "samples": 8, "new_tokens": 1024},
+            "knobs": {"nproc": nproc, "kv_share": 0.139},
             "steps": [{"step": i + 1, "t_step": t, "mem_peak_gb": peak, "policy_mfu": mfu}
                       for i, (t, peak, mfu) in enumerate(steps)]}
 
@@ -33,6 +34,7 @@ def rows_by_target(records):
 def test_the_steady_step_and_mfu_leave_the_first_step_out_and_the_peak_does_not():
     rows = rows_by_target([smoke("grpo", 32, [(34.0, 48.4, 0.17), (12.0, 47.5, 0.53), (12.6, 47.6, 0.51)])])
     assert rows["32 × 8 grpo: step"][2:4] == ["12.6", "met"]  # the worst of steps 2 and 3, not step 1's 34 s
+    assert rows["32 × 8 grpo: step"][6] == "3 steps, KV share 0.139"
     assert rows["32 × 8 grpo: policy MFU"][1:4] == ["≥ 50%", "51%", "met"]
     assert rows["32 × 8 grpo: peak allocated"][2:4] == ["48.4", "missed"]  # a peak in the first step still counts
 
