@@ -160,8 +160,9 @@ def seed_figure(records: list[dict]) -> Figure | None:
                       f"failed (exit status {record['returncode']}) after {len(record['steps'])} steps")
     steps = record["steps"]
     times = ", ".join(f"{s['t_step']:.1f}" for s in steps)
+    retries = sum(s.get("mem_alloc_retries", 0) for s in steps)  # at the cap: the allocator freed its cache and retried
     return Figure(max(s["mem_peak_reserved_gb"] for s in steps), record["card"], record["commit"],
-                  f"steps of {times} s under a {record['cap_gib']} GiB cap")
+                  f"steps of {times} s under a {record['cap_gib']} GiB cap, {retries} allocator retries")
 
 
 def rollout_figure(top_p: float) -> Callable:
