@@ -1,5 +1,5 @@
-"""The rollout's decode kernels (attention, RoPE, the Gumbel pick) compile for an H100/H200 (sm_90) without
-spilling registers, on any machine.
+"""The rollout's decode kernels (attention, RoPE, the Gumbel pick, the nucleus search's per-row kernels) compile
+for an H100/H200 (sm_90) without spilling registers, on any machine.
 
 Triton's interpreter (the CPU tests) runs a kernel's Python, not its compilation: a kernel it accepts may
 still fail to compile for the card, or spill registers to local memory. Triton compiles for an sm_90
