@@ -275,7 +275,10 @@ def main() -> None:
     if args.part != "rollout" and not 0 < kv_gib < total_gib:
         raise SystemExit(f"--kv-gib {kv_gib} does not fit this card's {total_gib:.1f} GiB")
     for command in part_commands(args.part, kv_gib / total_gib, args.out, commit):
-        subprocess.run(command, check=True)
+        status = subprocess.run(command).returncode
+        if status:  # a benchmark appends each finished run, so what finished before the failure is kept
+            raise SystemExit(f"{args.part}: {Path(command[1]).name} exited with status {status}; what finished "
+                             f"is in {args.out}")
 
 
 def git_commit() -> str:
