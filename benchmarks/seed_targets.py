@@ -130,8 +130,9 @@ def smoke_figure(method: str, prompts: int, read: Callable[[list[dict]], float])
         record = latest_smoke(records, method, prompts)
         if record is None:
             return None
+        share = record.get("knobs", {}).get("kv_share")
         return Figure(read(record["steps"]), record["card"], record["commit"],
-                      f"{len(record['steps'])} steps, KV share {record['knobs']['kv_share']:.3f}")
+                      f"{len(record['steps'])} steps" + (f", KV share {share:.3f}" if share is not None else ""))
     return measure
 
 
@@ -256,7 +257,7 @@ def main() -> None:
         path = Path(args.results)
         if not path.exists():
             raise SystemExit(f"{path}: no such results file; `seed_targets.py run PART --out {path}` writes it")
-        rows = report_rows([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        rows = report_rows(read_records(path))
         print_table(HEADER, rows)
         if args.markdown:
             Path(args.markdown).write_text(markdown(rows))
@@ -279,6 +280,17 @@ def main() -> None:
         if status:  # a benchmark appends each finished run, so what finished before the failure is kept
             raise SystemExit(f"{args.part}: {Path(command[1]).name} exited with status {status}; what finished "
                              f"is in {args.out}")
+
+
+def read_records(path: Path) -> list[dict]:
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise SystemExit(f"{path}:{number}: not a JSON line ({error.msg}); remove or mend that line")
+    return records
 
 
 def git_commit() -> str:

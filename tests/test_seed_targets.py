@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from seed_targets import markdown, part_commands, report_rows  # noqa: E402
+from seed_targets import markdown, part_commands, read_records, report_rows  # noqa: E402
 
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
@@ -97,3 +97,12 @@ def test_parts_pass_the_kv_share_and_the_results_file_to_each_benchmark():
     assert [c[c.index("--top-p") + 1] for c in rollouts] == ["0.9", "1.0"]
     with pytest.raises(ValueError, match="unknown part"):
         part_commands("grpo-16", 0.1, "out.jsonl", "abc")
+
+
+def test_a_results_file_with_a_broken_line_is_named_by_its_line(tmp_path):
+    path = tmp_path / "targets.jsonl"
+    path.write_text('{"benchmark": "rollout_throughput"}\n\n{"benchmark": \n')
+    with pytest.raises(SystemExit, match=r"targets.jsonl:3: not a JSON line"):
+        read_records(path)
+    path.write_text('{"benchmark": "rollout_throughput"}\n\n')
+    assert read_records(path) == [{"benchmark": "rollout_throughput"}]
