@@ -263,12 +263,8 @@ def main() -> None:
             Path(args.markdown).write_text(markdown(rows))
         return
 
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("the targets are for one CUDA card, and none is visible here")
     commit = args.commit or git_commit()
-    card, total_gib = torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1] / 2**30
+    card, total_gib = card_and_memory()
     if args.part == "seed-shape":
         run_seed_shape(args.out, commit, card)
         return
@@ -280,6 +276,17 @@ def main() -> None:
         if status:  # a benchmark appends each finished run, so what finished before the failure is kept
             raise SystemExit(f"{args.part}: {Path(command[1]).name} exited with status {status}; what finished "
                              f"is in {args.out}")
+
+
+def card_and_memory() -> tuple[str, float]:
+    """The card's name and GiB, read by a child process, so that this one holds no CUDA context beside the runs."""
+    query = "import torch; print(torch.cuda.get_device_name()); print(torch.cuda.mem_get_info()[1])"
+    found = subprocess.run([sys.executable, "-c", f"import torch; assert torch.cuda.is_available(); {query}"],
+                           capture_output=True, text=True)
+    if found.returncode:
+        raise SystemExit("the targets are for one CUDA card, and none is visible here")
+    name, total = found.stdout.strip().splitlines()[-2:]
+    return name, int(total) / 2**30
 
 
 def read_records(path: Path) -> list[dict]:
