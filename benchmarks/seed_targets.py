@@ -68,11 +68,10 @@ def part_commands(part: str, kv_share: float, out: str, commit: str) -> list[lis
 def run_seed_shape(out: str, commit: str, card: str) -> None:
     """grpo at the seed's shape (`qwen-math-dsr` on benchmarks/standin.py's random Qwen2.5-Math-1.5B), two steps
     under the 76 GiB cap; one record of its steps, or of its exit status where it failed."""
-    from standin import save_standin
-
     with tempfile.TemporaryDirectory(prefix="caspo-seed-") as work:
-        policy = save_standin(Path(work) / "standin", {}, device="cuda")
-        run_dir = Path(work) / "run"
+        policy, run_dir = Path(work) / "standin", Path(work) / "run"
+        # each in its own process: the run has the card to itself
+        subprocess.run([sys.executable, str(HERE / "standin.py"), "--out", str(policy), "--device", "cuda"], check=True)
         status = subprocess.run([sys.executable, "-m", "caspo.cli", "train", *SEED_RUN, f"model.policy={policy}",
                                  f"train.output_dir={run_dir}"]).returncode
         metrics = run_dir / "metrics.jsonl"
