@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 from datetime import datetime, timezone
@@ -103,6 +104,7 @@ def environment(args) -> dict:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(device), "card": card,
             "torch": torch.__version__, "commit": args.commit, "dtype": args.dtype, "policy": args.policy or None,
+            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                       "intermediate": args.intermediate, "vocab": args.vocab}}
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -85,7 +86,7 @@ def run_environment(card: str, commit: str) -> dict:
     import torch
 
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "card": card,
-            "torch": torch.__version__, "commit": commit}
+            "torch": torch.__version__, "commit": commit, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
 
 
 PARTS = ("grpo-32", "methods-64", "step-values-64", "seed-shape", "rollout")
@@ -161,8 +162,9 @@ def seed_figure(records: list[dict]) -> Figure | None:
     steps = record["steps"]
     times = ", ".join(f"{s['t_step']:.1f}" for s in steps)
     retries = sum(s.get("mem_alloc_retries", 0) for s in steps)  # at the cap: the allocator freed its cache and retried
+    allocator = f", PYTORCH_CUDA_ALLOC_CONF={record['allocator']}" if record.get("allocator") else ""
     return Figure(max(s["mem_peak_reserved_gb"] for s in steps), record["card"], record["commit"],
-                  f"steps of {times} s under a {record['cap_gib']} GiB cap, {retries} allocator retries")
+                  f"steps of {times} s under a {record['cap_gib']} GiB cap, {retries} allocator retries{allocator}")
 
 
 def rollout_figure(top_p: float) -> Callable:

@@ -70,6 +70,9 @@ def test_the_seed_shape_holds_by_its_reserved_peak_and_a_failed_run_has_no_figur
     row = rows_by_target([ran])["seed's shape: peak reserved"]
     assert row[1:4] == ["≤ 76.0 GiB", "75.8", "met"]
     assert row[6] == "steps of 184.8, 150.4 s under a 76 GiB cap, 2 allocator retries"
+    expandable = {**ran, "allocator": "expandable_segments:True"}  # the allocator's setting, where one was given
+    assert rows_by_target([expandable])["seed's shape: peak reserved"][6].endswith(
+        "2 allocator retries, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
     failed = {**ran, "returncode": 1, "steps": ran["steps"][:1]}
     row = rows_by_target([ran, failed])["seed's shape: peak reserved"]
