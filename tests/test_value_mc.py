@@ -165,6 +165,24 @@ def test_check_z_scores_and_planted_line():
     assert planted_line("9 * 2 = 18\n18 - 4 = 14\n\\boxed{14}") == "9 * 2 = 19"
 
 
+def test_the_check_on_the_embedded_policy_is_calibrated_and_a_wrong_first_line_has_no_value():
+    """`caspo value check-mc` at a small size: V(prompt) from K continuations against M independent samples, and
+    the tiny-arith policy building on a planted wrong result."""
+    from caspo.config import ConfigError, load_config
+    from caspo.value.mc_check import run_check
+
+    cfg = load_config("tests")
+    report = run_check(cfg, prompts=16, k=4, m=8, planted=8)
+    assert report["n_with_z"] + report["degenerate_prompts"] == 16 and report["n_with_z"] >= 4
+    assert report["calibration_passed"] and abs(report["mean_z"]) < report["bound_3_over_sqrt_n"]
+    assert 0 < report["mean_v_prompt"] < 1 and report["mc_tokens"] > 0
+    # the planted responses' V(prompt) comes through mc_step_values with the seeds of estimate_prefixes: equal
+    assert report["planted_v_prompt_matches"] and report["planted_mean_v_prompt"] > 0
+    assert report["planted_mean_v_after_wrong_line"] == 0.0 and report["planted_frac_exactly_zero"] == 1.0
+    with pytest.raises(ConfigError, match="17 prompts asked for, eval.heldout_size gives 16"):
+        run_check(cfg, prompts=17)
+
+
 # ---------------------------------------------------------------- scoring while generating
 def test_scoring_while_generating_gives_the_same_values():
     script = lambda ids, k: ([WIN], "stop" if k % 3 else "length") if k % 2 == 0 else ([LOSE], "stop")  # noqa: E731
