@@ -4,6 +4,7 @@ preset with 2 methods × 2 seeds: one run left unfinished is resumed, finished o
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +78,58 @@ def test_a_rerun_keeps_its_settings_and_adds_runs(tmp_path):
                            [suite.SuiteRun("grpo", 0, "grpo/seed0", ["method.name=grpo", "optim.lr=1"])])
     with pytest.raises(ConfigError, match="suite run nope seed 0: .*nope"):
         suite.check_configs("tests", [], suite.plan(suite.parse_methods("nope"), [0]), tmp_path)
+
+
+class ScriptedSlots:
+    """Places runs without starting processes: a command exits at its first poll with the code `exit_code` gives,
+    a training that exits 0 leaving its folder with one checkpoint."""
+
+    def __init__(self, devices, exit_code):
+        self.devices, self.exit_code = devices, exit_code
+        self.started, self.finished, self.most_at_once, self.closed = [], 0, 0, False
+
+    def sharing(self, device):
+        return self.devices.count(device)
+
+    def start(self, command, log):
+        self.started.append(command)
+        self.most_at_once = max(self.most_at_once, len(self.started) - self.finished)
+        return command
+
+    def poll(self, command):
+        self.finished += 1
+        code = self.exit_code(command)
+        if command[3] == "train" and code == 0:
+            run_dir = Path(next(a for a in command if a.startswith("train.output_dir=")).split("=", 1)[1])
+            (run_dir / "checkpoints" / "step_000001" / "policy").mkdir(parents=True)
+            (run_dir / "checkpoints" / "step_000001" / "policy" / "config.json").write_text("{}")
+        return code
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_queue_fills_each_slot_evaluates_what_trained_and_reports_a_failed_run(tmp_path):
+    out = tmp_path / "suite"
+    failing = lambda cmd: int(cmd[3] == "train" and "method.name=ppo" in cmd and "train.seed=1" in cmd)  # noqa: E731
+    slots = ScriptedSlots(["cpu", "cpu"], failing)
+    result = suite.run_suite("tests", "grpo,ppo", [0, 1], out, overrides=["train.steps=1"], benchmarks="arith",
+                             slots=slots)
+    log = out / "ppo" / "seed1" / "suite.log"
+    assert result == {"report": None, "ran": ["grpo/seed0", "grpo/seed1", "ppo/seed0", "ppo/seed1"], "skipped": [],
+                      "failed": [f"ppo/seed1 (train exited 1; see {log})"]}  # nothing trained: no report
+    trained = [cmd for cmd in slots.started if cmd[3] == "train"]
+    evaluated = [cmd for cmd in slots.started if cmd[3] == "eval"]
+    assert [next(a for a in cmd if a.startswith("train.output_dir=")) for cmd in trained] == [
+        f"train.output_dir={out / run}" for run in result["ran"]]
+    assert all(cmd[-1] == "--overwrite" and "model.device=cpu" in cmd for cmd in trained)  # fresh folders
+    # the three runs that trained, and not the failed one, have their checkpoints evaluated on the benchmarks
+    assert sorted(cmd[cmd.index("--out") + 1] for cmd in evaluated) == [
+        str(out / run / "eval") for run in ("grpo/seed0", "grpo/seed1", "ppo/seed0")]
+    assert all(cmd[cmd.index("--checkpoints") + 1] == "base,step_000001" and cmd[cmd.index("--benchmarks") + 1]
+               == "arith" for cmd in evaluated)
+    assert slots.most_at_once == 2 and slots.closed
+    assert log.read_text().count("\n$ ") == 1 and (out / "grpo" / "seed0" / "suite.log").read_text().count("\n$ ") == 2
 
 
 @pytest.mark.slow
