@@ -27,8 +27,10 @@ def gumbel64(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.
 
 
 @pytest.mark.parametrize("margin", [None, float("inf")], ids=["float32-ranking", "float64-everywhere"])
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.6, 0, 0.9), (1.0, 40, 1.0), (0.7, 0, 1.0)])
-@pytest.mark.parametrize("vocab", [5000, 20000])  # one part, and three with a partial last one
+@pytest.mark.parametrize("vocab, temperature, top_k, top_p", [  # one part, and three with a partial last one
+    (5000, 0.6, 0, 0.9), (5000, 1.0, 40, 1.0), (5000, 0.7, 0, 1.0), (20000, 0.6, 0, 0.9),
+    pytest.param(20000, 1.0, 40, 1.0, marks=pytest.mark.slow),
+    pytest.param(20000, 0.7, 0, 1.0, marks=pytest.mark.slow)])
 def test_fused_pick_equals_the_torch_pick(vocab, temperature, top_k, top_p, margin):
     """The one-kernel pick gives gumbel_pick's tokens and its log-probs, whether a part ranks by float32 keys
     (the default margin) or every part ranks again in float64 (margin inf)."""
@@ -81,11 +83,14 @@ def test_blocks_with_nothing_kept_give_the_torch_pick():
             assert torch.allclose(value.cpu(), want, atol=1e-5)
 
 
-def search_and_pick_inputs(device: str):
+@pytest.fixture(scope="module")
+def searched():
     """Logits [8, 20000] as in the test above (peaked rows, kept tokens in one block of the last part, a flat
-    row), the nucleus search's threshold at top-p 0.9 and T = 0.6, and its sums."""
+    row), the nucleus search's threshold at top-p 0.9 and T = 0.6, and its sums; searched once for the module
+    (a search takes seconds in triton's interpreter)."""
     from caspo.rollout.sampling import NUCLEUS_TOP, _nucleus_threshold_by_kernels
 
+    device = device_for_triton()
     vocab = 20000
     logits = random_logits(8, vocab, 30.0, seed=5).float()
     logits[6] = random_logits(1, vocab, 1.0, seed=6).float()[0]
@@ -93,16 +98,15 @@ def search_and_pick_inputs(device: str):
     logits[7] = 0.0
     inverse = inverse_temperature(0.6)
     cut, search = _nucleus_threshold_by_kernels(logits.to(device), 0.9, NUCLEUS_TOP, inverse)
-    return logits, inverse, cut, search
+    return device, logits, inverse, cut, search
 
 
-def test_the_searchs_sums_give_the_torch_pick():
+def test_the_searchs_sums_give_the_torch_pick(searched):
     """With the search's sums the pick reads only the blocks that keep something and takes the untruncated
     normalizer from the search's mass: gumbel_pick's tokens, its log-probs to float32 rounding."""
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
 
-    device = device_for_triton()
-    logits, inverse, cut, search = search_and_pick_inputs(device)
+    device, logits, inverse, cut, search = searched
     scaled = logits * inverse
     assert torch.equal(cut.cpu(), sorted_cut(scaled, 0, 0.9))
     seeds, positions = torch.arange(8) * 104729 + 3, torch.arange(8) * 7
@@ -115,13 +119,12 @@ def test_the_searchs_sums_give_the_torch_pick():
             assert torch.allclose(value.cpu(), want, atol=1e-5)
 
 
-def test_the_pick_does_not_read_a_block_the_chunk_maxima_rule_out():
+def test_the_pick_does_not_read_a_block_the_chunk_maxima_rule_out(searched):
     """A block whose chunks' maxima lie below the cut is skipped unread: planting a huge logit there after the
     search changes nothing with the search's sums, and wins without them."""
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
 
-    device = device_for_triton()
-    logits, inverse, cut, search = search_and_pick_inputs(device)
+    device, logits, inverse, cut, search = searched
     seeds, positions = torch.arange(8) * 104729 + 3, torch.arange(8) * 7
     clean = fused_gumbel_pick(logits.to(device), inverse, cut, seeds.to(device), positions.to(device), search=search)
     planted = logits.clone()
@@ -133,11 +136,10 @@ def test_the_pick_does_not_read_a_block_the_chunk_maxima_rule_out():
     assert unsearched[0][0].item() == 2048 + 5
 
 
-def test_search_sums_need_a_threshold_and_their_shapes():
+def test_search_sums_need_a_threshold_and_their_shapes(searched):
     from caspo.rollout.gumbel_kernel import fused_gumbel_pick
 
-    device = device_for_triton()
-    logits, inverse, cut, search = search_and_pick_inputs(device)
+    device, logits, inverse, cut, search = searched
     counters = torch.arange(8).to(device), torch.arange(8).to(device)
     with pytest.raises(ValueError, match="need a threshold"):
         fused_gumbel_pick(logits.to(device), inverse, None, *counters, search=search)

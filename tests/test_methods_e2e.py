@@ -44,6 +44,7 @@ def test_each_method_runs_five_steps(tmp_path, method):
         assert all(key in r for r in rows), key
     saved = {p.name for p in (tmp_path / "checkpoints" / "step_000005").iterdir() if p.is_dir()}
     assert saved == ({"policy", "critic"} if "vf_loss" in METHOD_METRICS[method] else {"policy"})
+    assert not (tmp_path / "curves.png").exists()  # the tests preset sets train.curves=false
     if "vf_loss" in METHOD_METRICS[method]:
         assert any(r["t_value"] > 0 for r in rows)
 

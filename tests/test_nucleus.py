@@ -413,9 +413,12 @@ def test_nucleus_reads_equal_their_torch_definitions():
     assert torch.equal(got[skip == 0], expected[skip == 0]) and got[4] == float("inf")
 
 
-@pytest.mark.parametrize("top_p", [0.9, 0.145])
-@pytest.mark.parametrize("candidates, vocab", [(NUCLEUS_TOP, 9000), (0, 9000), (NUCLEUS_TOP, 5000)])
-def test_kernel_search_equals_the_torch_search(top_p, candidates, vocab):
+@pytest.mark.parametrize("candidates, vocab, top_p", [
+    (NUCLEUS_TOP, 9000, 0.145), (0, 9000, 0.9), (NUCLEUS_TOP, 5000, 0.9),
+    pytest.param(NUCLEUS_TOP, 9000, 0.9, marks=pytest.mark.slow),
+    pytest.param(0, 9000, 0.145, marks=pytest.mark.slow),
+    pytest.param(NUCLEUS_TOP, 5000, 0.145, marks=pytest.mark.slow)])
+def test_kernel_search_equals_the_torch_search(candidates, vocab, top_p):
     """The CUDA path of nucleus_threshold (its kernels in triton's interpreter) returns the torch path's
     threshold: the candidates' shortcut, its read-off threshold logit, the tie that forbids it, and the
     passes. (Exponentials may differ in their last bit across implementations; here they agree.)"""
@@ -482,8 +485,10 @@ def test_collect_equals_its_torch_definition():
 
 
 @pytest.mark.parametrize("collect_after, capacity, top_p, candidates", [
-    (0, 64, 0.9, 0), (2, 2, 0.9, NUCLEUS_TOP), (4, 64, 0.9, 0), (4, 64, 0.145, NUCLEUS_TOP), (7, 8, 0.9, NUCLEUS_TOP),
-    (99, 64, 0.9, NUCLEUS_TOP)])
+    (0, 64, 0.9, 0), (2, 2, 0.9, NUCLEUS_TOP), (4, 64, 0.145, NUCLEUS_TOP),
+    pytest.param(4, 64, 0.9, 0, marks=pytest.mark.slow),
+    pytest.param(7, 8, 0.9, NUCLEUS_TOP, marks=pytest.mark.slow),
+    pytest.param(99, 64, 0.9, NUCLEUS_TOP, marks=pytest.mark.slow)])
 def test_rows_finished_from_their_gathered_interval_equal_the_passes(collect_after, capacity, top_p, candidates):
     """A row whose interval `collect` gathers whole after `collect_after` passes is finished by a sort of it,
     and the others search on: the torch path's threshold either way (99: never collected)."""

@@ -75,9 +75,11 @@ def looped_depth2(layout):
     return looped(layout, 2)
 
 
-@pytest.mark.parametrize("make", [lambda: build(qwen2_untied()), lambda: build(llama_tied()),
-                                  lambda: looped_depth2("ouro"), lambda: looped_depth2("nanbeige")],
-                         ids=["qwen2_untied", "llama_tied", "looped_ouro_depth2", "looped_nanbeige_depth2"])
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: build(qwen2_untied()), id="qwen2_untied"),
+    pytest.param(lambda: build(llama_tied()), id="llama_tied"),
+    pytest.param(lambda: looped_depth2("ouro"), id="looped_ouro_depth2"),
+    pytest.param(lambda: looped_depth2("nanbeige"), id="looped_nanbeige_depth2", marks=pytest.mark.slow)])
 def test_engine_with_the_rope_kernel_samples_the_same_tokens(make):
     """The engine with rope_kernel=True (prefill and decode) samples the eager path's tokens and log-probs; a looped
     model writes each loop's plane of the cache through the kernel."""

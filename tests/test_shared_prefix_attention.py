@@ -122,7 +122,8 @@ def test_a_step_is_grouped_only_where_the_reads_saved_pay(monkeypatch):
         assert keys_saved(table, starts) == 32 * 7 * prompt and worth_grouping(table, starts, qwen_1_5b) == pays
 
 
-@pytest.mark.parametrize("prefix_chunk, block_n", [(None, 32), (64, 32), (100, 32), (100, 64)])
+@pytest.mark.parametrize("prefix_chunk, block_n", [(None, 32), (100, 64), pytest.param(64, 32, marks=pytest.mark.slow),
+                                                   pytest.param(100, 32, marks=pytest.mark.slow)])
 def test_many_groups_of_long_and_short_prefixes(prefix_chunk, block_n, monkeypatch):
     """Seven groups, prefixes of 1 to 600 keys over several blocks, rows in none, garbage entries past the groups
     in use, prefix programs of the default or a forced number of keys, walked in blocks of 32 or 64 keys: the same

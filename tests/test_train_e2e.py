@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_three_step_grpo_run(tmp_path):
-    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "eval.samples=2"])
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "eval.samples=2", "train.curves=true"])
     summary = loop.train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "t_step" in r]
@@ -30,7 +30,7 @@ def test_three_step_grpo_run(tmp_path):
     assert set(samples[0]) >= {"prompt_id", "sample_seed", "policy_version", "finish_reason", "length", "reward",
                                "text"}
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000003"
-    assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert (tmp_path / "curves.png").stat().st_size > 1000 and summary["curves"] == str(tmp_path / "curves.png")
     timing = json.loads((tmp_path / "timing.json").read_text())  # the run's timing report, from its rows
     assert timing["steps"] == 3 and summary["timing"] == str(tmp_path / "timing.md")
     assert timing["seconds"]["rollout"] == pytest.approx(sum(r["t_roll"] for r in steps), abs=1e-2)

@@ -94,5 +94,8 @@ class TrainConfig:
     # "tensorboard" (<run>/tensorboard/), "wandb" (pip install 'caspo[wandb]').
     loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = field(default_factory=lambda: ["jsonl"])
     log_samples: int = 8  # sample texts of each step in the trackers' table
+    # Draw <run>/curves.png when the run ends or is stopped (about a second); `caspo report` draws it from
+    # metrics.jsonl at any time
+    curves: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
     health: HealthConfig = field(default_factory=HealthConfig)

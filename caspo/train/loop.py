@@ -242,13 +242,14 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
         status.update(state=state, message=str(err) or type(err).__name__)
         record_end(tr.run_dir, run_record, state=state, step=tr.step, **load_during(loads))
         write_timing(tr.run_dir)
-        if isinstance(err, RunStopped):
+        if isinstance(err, RunStopped) and cfg.train.curves:
             plot_run(tr.run_dir)
         raise
     finally:
         metrics.close()
         samples.close()
-    summary["curves"] = str(plot_run(tr.run_dir))
+    if cfg.train.curves:
+        summary["curves"] = str(plot_run(tr.run_dir))
     finished = tr.step == cfg.train.steps
     status.update(state="finished" if finished else "stopped", step=tr.step,
                   message="" if finished else f"stopped after step {tr.step} of {cfg.train.steps} "
