@@ -100,13 +100,18 @@ class ScriptedSlots:
         self.finished += 1
         code = self.exit_code(command)
         if command[3] == "train" and code == 0:
-            run_dir = Path(next(a for a in command if a.startswith("train.output_dir=")).split("=", 1)[1])
+            run_dir = output_dir(command)
             (run_dir / "checkpoints" / "step_000001" / "policy").mkdir(parents=True)
             (run_dir / "checkpoints" / "step_000001" / "policy" / "config.json").write_text("{}")
         return code
 
     def close(self):
         self.closed = True
+
+
+def output_dir(command: list[str]) -> Path:
+    """The run folder that a ``caspo train`` command writes to."""
+    return Path(next(a for a in command if a.startswith("train.output_dir=")).split("=", 1)[1])
 
 
 def test_the_queue_fills_each_slot_evaluates_what_trained_and_reports_a_failed_run(tmp_path):
@@ -120,8 +125,7 @@ def test_the_queue_fills_each_slot_evaluates_what_trained_and_reports_a_failed_r
                       "failed": [f"ppo/seed1 (train exited 1; see {log})"]}  # nothing trained: no report
     trained = [cmd for cmd in slots.started if cmd[3] == "train"]
     evaluated = [cmd for cmd in slots.started if cmd[3] == "eval"]
-    assert [next(a for a in cmd if a.startswith("train.output_dir=")) for cmd in trained] == [
-        f"train.output_dir={out / run}" for run in result["ran"]]
+    assert [output_dir(cmd) for cmd in trained] == [out / run for run in result["ran"]]
     assert all(cmd[-1] == "--overwrite" and "model.device=cpu" in cmd for cmd in trained)  # fresh folders
     # the three runs that trained, and not the failed one, have their checkpoints evaluated on the benchmarks
     assert sorted(cmd[cmd.index("--out") + 1] for cmd in evaluated) == [

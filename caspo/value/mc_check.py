@@ -56,13 +56,16 @@ def run_check(cfg: Config, prompts: int, k: int = 9, m: int = 64, planted: int =
     """Both checks on the first ``prompts`` held-out prompts (the planted one on the first ``planted``)."""
     if cfg.data.source != "arith":
         raise ConfigError("the planted-prefix check builds wrong lines of the arithmetic task; use data.source=arith")
+    if prompts > cfg.eval.heldout_size:
+        raise ConfigError(f"{prompts} prompts asked for, eval.heldout_size gives {cfg.eval.heldout_size}; "
+                          f"raise eval.heldout_size or ask for fewer")
     t0 = time.monotonic()
     setup = rollout_setup(cfg)
     engine, sampling, decode, tokenizer = setup.engine, setup.sampling, setup.decode, setup.tokenizer
     r, seed = cfg.rollout, cfg.train.seed
     data = load_task_data(cfg, tokenizer)
-    if prompts > len(data.eval):
-        raise ConfigError(f"{prompts} prompts asked for, eval.heldout_size gives {len(data.eval)}")
+    if prompts > len(data.eval):  # prompts longer than the prompt budget are dropped
+        raise ConfigError(f"{prompts} prompts asked for, {len(data.eval)} held-out prompts fit the prompt budget")
     prompt_ids, labels = data.eval_prompts[:prompts], [e.label for e in data.eval[:prompts]]
 
     with RewardPool.from_config(cfg.reward) as pool:
