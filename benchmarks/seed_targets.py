@@ -19,6 +19,8 @@ runs under `model.device_memory_gib=76` on any card, at the preset's own KV shar
 compiles and captures graphs, so step times and MFU are the worst of the steps after it; peaks are the largest of all
 steps. A ratio divides the last steps of two methods measured on the same card. The 64 × 8 runs plant line steps and
 EOS in the random policy, as RESULTS.md's do: its responses then have about five steps and 430 of their 1,024 tokens.
+Every part runs under caspo's allocator, expandable segments (caspo/allocator.py), unless PYTORCH_CUDA_ALLOC_CONF
+says otherwise; each record names the setting.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from pathlib import Path
 from typing import Callable
 
 from _common import append_result, print_table
+
+import caspo.allocator  # noqa: F401  (the parts' processes inherit caspo's allocator setting)
 
 HERE = Path(__file__).resolve().parent
 SMOKE = [sys.executable, str(HERE / "trainer_smoke.py")]

@@ -9,6 +9,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
+import caspo.allocator  # noqa: F401  (first of caspo's modules: sets the CUDA allocator before torch starts CUDA)
 from caspo.cli_args import OVERRIDES, PRESET, checked_config, option_argv
 from caspo.config import ConfigError, to_yaml
 from caspo.value.cli import value_app

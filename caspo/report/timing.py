@@ -53,6 +53,7 @@ def timing(run_dir: str | Path) -> dict:
         "starts": [{"started_at": s["started_at"], "step": s["step"], "world_size": s.get("world_size", 1),
                     "git": s.get("git"), "packages": s.get("packages"), "device_name": s.get("device_name"),
                     "precision": s.get("precision"), "engine_dtype": s.get("engine_dtype"),
+                    "cuda_alloc_conf": s.get("cuda_alloc_conf"),
                     "load_at_start": s.get("load_at_start"), "end": s.get("end")} for s in starts],
     }
 
@@ -85,7 +86,8 @@ def markdown(report: dict) -> str:
         lines += ["", f"## Process {i + 1}: from step {s['step']}, {s['world_size']} rank(s), {s['started_at']}",
                   f"- source: {git.get('commit', 'unknown')}{' (uncommitted changes)' if git.get('dirty') else ''}",
                   f"- packages: {packages}",
-                  f"- device: {s.get('device_name')}; precision {s.get('precision')}, engine {s.get('engine_dtype')}",
+                  f"- device: {s.get('device_name')}; precision {s.get('precision')}, engine {s.get('engine_dtype')}"
+                  f"{'; PYTORCH_CUDA_ALLOC_CONF=' + s['cuda_alloc_conf'] if s.get('cuda_alloc_conf') else ''}",
                   f"- contention: {contention(s.get('load_at_start') or {}, end)}",
                   f"- ended: {end.get('state', 'running, or killed')}"]
     return "\n".join(lines) + "\n"
