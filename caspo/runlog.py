@@ -167,7 +167,7 @@ def run_start(*, step: int, device: str, device_name: str, precision: str, engin
             "git": git_commit(Path(__file__).parent), "packages": package_versions(), "platform": platform.platform(),
             "device": device, "device_name": device_name, "precision": precision, "engine_dtype": engine_dtype,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "load_at_start": load,
-            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+            **({"cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")} if device.startswith("cuda") else {})}
 
 
 def record_start(run_dir: Path, start: dict, resumed: bool) -> dict:

@@ -36,3 +36,12 @@ def test_a_users_setting_is_kept():
     code = "import os, caspo.allocator; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
     assert fresh(code, PYTORCH_CUDA_ALLOC_CONF="backend:native") == ["backend:native"]
     assert fresh("import os, caspo.allocator; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])") == [DEFAULT]
+
+
+def test_a_run_on_cuda_records_the_setting(monkeypatch):
+    from caspo.runlog import run_start
+
+    monkeypatch.setenv(SETTING, "expandable_segments:False")
+    args = dict(step=0, device_name="card", precision="bf16", engine_dtype="bf16", load={})
+    assert run_start(device="cuda:0", **args)["cuda_alloc_conf"] == "expandable_segments:False"
+    assert "cuda_alloc_conf" not in run_start(device="cpu", **args)

@@ -3,7 +3,6 @@ one stopped by no_reward (reward forced to 0; checkpoint, status.json, run.json 
 one warned of KL and of lengths climbing to the cap, one stopped by non-finite metrics (NaN rewards)."""
 
 import json
-import os
 import time
 
 import pytest
@@ -144,7 +143,7 @@ def test_a_planted_zero_reward_run_stops_with_a_checkpoint(tmp_path, monkeypatch
     start = json.loads((tmp_path / "run.json").read_text())["starts"][0]
     assert start["end"]["state"] == "stopped" and start["end"]["step"] == 2
     assert start["device"] == "cpu" and start["precision"] == "fp32" and start["world_size"] == 1
-    assert start["cuda_alloc_conf"] == os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert "cuda_alloc_conf" not in start  # the CUDA allocator's setting is recorded on CUDA devices only
     assert {"torch", "transformers", "caspo"} <= set(start["packages"]) and "load_1m" in start["load_at_start"]
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()

@@ -23,6 +23,7 @@ def test_phases_sum_the_step_timers_evaluation_and_refresh_rows(tmp_path):
             {"step": 2, "t_step": 6.0, "t_roll": 2.0, "t_reward": 1.0, "t_pol": 2.5, "t_sync": 0.5, "t_bench": 3.0}]
     starts = [{"started_at": "2026-12-01T10:00:00+0000", "step": 0, "world_size": 2, "precision": "fp16",
                "engine_dtype": "fp16", "device_name": "NVIDIA H200", "git": {"commit": "abc", "dirty": True},
+               "cuda_alloc_conf": "expandable_segments:True",
                "packages": {"torch": "2.11.0"}, "load_at_start": {"cpus": 16, "load_1m": 9.0, "shared": True,
                                                                    "shared_why": "load 9.0 of 16 CPUs"},
                "end": {"ended_at": "2026-12-01T10:01:00+0000", "state": "stopped", "load_1m_mean": 8.5}},
@@ -39,6 +40,8 @@ def test_phases_sum_the_step_timers_evaluation_and_refresh_rows(tmp_path):
     assert report["model"] == {"policy": "/models/Ouro-1.4B", "revision": "574fa66c"}
     text = markdown(report)
     assert "| rollout | 6.0 | 21% | 3.00 |" in text  # 6 of the 29 s in phases
-    assert "- source: abc (uncommitted changes)" in text and "precision fp16, engine fp16" in text
+    assert "- source: abc (uncommitted changes)" in text
+    assert "precision fp16, engine fp16; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text
+    assert text.count("PYTORCH_CUDA_ALLOC_CONF") == 1  # the second process recorded none
     assert "shared: load 9.0 of 16 CPUs" in text and "mean 8.5 during the steps" in text
     assert "## Process 2: from step 1, 1 rank(s)" in text and "at revision 574fa66c" in text

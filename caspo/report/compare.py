@@ -22,8 +22,7 @@ CONDITIONS = {"model": ["policy"], "data": None,  # None: the whole section
               "eval": ["heldout_size", "max_new_tokens", "samples", "temperature", "top_p", "benchmarks", "limit"]}
 # not part of what a run is: which seed, where, on which device (and its share of it), how it is logged and watched
 NOT_CONFIG = {"train.seed", "train.output_dir", "model.device", "model.threads", "train.loggers", "train.log_samples",
-              "train.curves",
-              "train.stop_after", "train.save_every", "train.save_last", "reward.workers",
+              "train.curves", "train.stop_after", "train.save_every", "train.save_last", "reward.workers",
               "rollout.gpu_memory_fraction"}
 NOT_CONFIG_SECTIONS = ("train.wandb.", "train.health.")
 LAST = 5  # training metrics are averaged over a run's last LAST steps
