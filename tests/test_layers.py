@@ -12,7 +12,8 @@ ROOT = Path(caspo.__file__).parent
 
 # bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS = [
-    ("core", ["caspo", "caspo.config", "caspo.algo", "caspo.runlog", "caspo.precision", "caspo.device_memory"]),
+    ("core", ["caspo", "caspo.config", "caspo.algo", "caspo.runlog", "caspo.precision", "caspo.device_memory",
+              "caspo.allocator"]),
     ("parts", ["caspo.batch", "caspo.models", "caspo.rollout", "caspo.reward", "caspo.data", "caspo.segment",
                "caspo.eval", "caspo.report"]),
     ("train", ["caspo.methods", "caspo.train"]),
