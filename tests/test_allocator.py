@@ -7,6 +7,7 @@ import sys
 
 from caspo.allocator import DEFAULT, SETTING
 
+# records the imports of caspo.allocator and torch, and stops at torch's (the rest of the import is not needed)
 ORDER = """
 import os, sys
 order = []
@@ -14,8 +15,13 @@ class Record:
     def find_spec(self, name, path=None, target=None):
         if name in ("torch", "caspo.allocator"):
             order.append(name)
+        if name == "torch":
+            raise ImportError("stopped at torch")
 sys.meta_path.insert(0, Record())
-import caspo.cli
+try:
+    import caspo.cli
+except ImportError:
+    pass
 print(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), *order)
 """
 
