@@ -126,12 +126,12 @@ def two_steps(run_dir: Path, overrides: list[str]) -> tuple[list[dict], list[dic
 
 
 RUN = [*SHRUNK, "eval.after=false", "eval.benchmarks=[]", "method.vineppo_k=2", "method.max_steps=4"]
-FAST = {("grpo", "seed")}  # the others run with -m slow (about 9 s each); the caspo runs take both templates
+# -m slow, about 9 s each; the default run has grpo on the seed's template in
+# test_the_seed_preset_runs_two_steps_and_evaluates_its_benchmarks
 
 
-@pytest.mark.parametrize("method, template", [
-    pytest.param(m, t, marks=() if (m, t) in FAST else pytest.mark.slow)
-    for m in ("grpo", "ppo_critic", "vineppo") for t in TEMPLATES])
+@pytest.mark.slow
+@pytest.mark.parametrize("method, template", [(m, t) for m in ("grpo", "ppo_critic", "vineppo") for t in TEMPLATES])
 def test_two_steps_of_each_method_on_dsr_sub_with_the_bpe_fixture(tmp_path, real_models, method, template):
     rows, _ = two_steps(tmp_path / "run", [f"model.policy={real_models.qwen}", *RUN, f"method.name={method}",
                                            *TEMPLATES[template]])
@@ -182,6 +182,10 @@ def test_the_seed_preset_runs_two_steps_and_evaluates_its_benchmarks(tmp_path, r
     cfg = load_config("qwen-math-dsr", [f"model.policy={real_models.qwen}", f"train.output_dir={tmp_path}",
                                         *SHRUNK, "train.save_every=2", "eval.limit=2"])
     train_run(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
+    samples = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert {s["prompt_id"].split("-")[0] for s in samples} == {"dsr_sub"} and all(s["length"] > 0 for s in samples)
     result = json.loads((tmp_path / "eval" / "step_000002.json").read_text())
     assert set(result["benchmarks"]) == {"math500", "gsm8k", "olympiadbench"}
     assert all(b["n"] == 2 for b in result["benchmarks"].values())
