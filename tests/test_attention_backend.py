@@ -1,12 +1,14 @@
 """Models loaded for CUDA run attention without cuDNN (caspo.models.policy.attention_without_cudnn): a padded
 batch takes the memory-efficient kernel, forward and backward, never cuDNN's and never the math fallback; the
-trainer's forward, its rows shifted to column 0 (`response_states`), takes the flash kernel."""
+trainer's forward, its rows shifted to column 0 (`response_states`), takes the flash kernel, and so does the native
+engine's prefill of whole prompts."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from caspo.models.policy import attention_without_cudnn, load_policy
+from caspo.rollout.base import Request, SamplingParams
 
 
 @pytest.fixture
@@ -75,3 +77,23 @@ def test_the_trainers_forward_on_cuda_takes_the_flash_kernel(cudnn_flag, tmp_pat
     assert "aten::_scaled_dot_product_flash_attention" in attention, attention
     assert any("flash_attention_backward" in op for op in attention), attention
     assert not any("efficient" in op or "cudnn" in op or "math" in op for op in attention), attention
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_engines_prefill_of_whole_prompts_takes_the_flash_kernel(cudnn_flag, tmp_path):
+    """Prompts from position 0 take flash; the second piece of a prompt longer than a prefill forward takes the
+    memory-efficient kernel under its mask. Never cuDNN's, never the math fallback."""
+    from caspo.rollout.native import NativeEngine
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    tiny().save_pretrained(tmp_path)
+    model = load_policy(str(tmp_path), "cuda").to(torch.bfloat16)
+    engine = NativeEngine(model, max_seq_len=128, capacity_tokens=4 * 128, max_prefill_tokens=64)
+    reqs = [Request(list(range(3, 3 + n)), seed=n, max_new_tokens=1) for n in (40, 90)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.generate(reqs, SamplingParams(temperature=1.0))
+    attention = {event.key for event in prof.key_averages() if "attention" in event.key}
+    assert "aten::_scaled_dot_product_flash_attention" in attention, attention
+    assert "aten::_scaled_dot_product_efficient_attention" in attention, attention
+    assert not any("cudnn" in op or "math" in op for op in attention), attention

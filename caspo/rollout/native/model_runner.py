@@ -111,7 +111,8 @@ class ModelRunner:
         # (clamped into the slot), which decoding overwrites before any query reads them.
         positions = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=self.max_seq_len - 1)
         key_len = max(p.start + p.count for p in pieces)
-        batch = Batch.build(slots, positions, key_len, self.spec.kv_groups, rope_kernel=self.runner.rope_kernel)
+        batch = Batch.build(slots, positions, key_len, self.spec.kv_groups, rope_kernel=self.runner.rope_kernel,
+                            from_zero=all(p.start == 0 for p in pieces))
         hidden = self.runner(tokens.view(len(pieces), width), batch, self.cache)
         if finished:
             rows, done_slots, last = finished
@@ -206,7 +207,8 @@ class ModelRunner:
             tokens = torch.tensor([s + [0] * (width - len(s)) for s in group], device=self.device)
             positions = torch.arange(width, device=self.device).expand(len(group), width)
             slots = torch.arange(len(group), device=self.device)
-            batch = Batch.build(slots, positions, width, self.spec.kv_groups, rope_kernel=self.runner.rope_kernel)
+            batch = Batch.build(slots, positions, width, self.spec.kv_groups, rope_kernel=self.runner.rope_kernel,
+                                from_zero=True)
             hidden = self.runner(tokens, batch, self.cache)
             logits = self.runner.logits(hidden).float()
             out += [logits[i, :len(s)] for i, s in enumerate(group)]

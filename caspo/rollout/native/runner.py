@@ -16,6 +16,10 @@ run as one Triton kernel on CUDA (`rope_store.py`, `Runner.rope_kernel`, set by 
 `rope_kernel`); in a decode step that kernel is the attention kernel's prologue where one program reads a
 row's whole key range (`rope_attention.py`). Each layer's residual add after its MLP runs in the next norm's kernel
 (`DecoderLayer.deferred`).
+
+A prefill of whole prompts (every row from position 0, as teacher forcing is too) attends under SDPA's own causal
+mask (`causal_attention`: flash on CUDA); prompt pieces that start later, under a boolean mask
+(`grouped_attention`).
 """
 
 from __future__ import annotations
@@ -46,16 +50,23 @@ class Batch:
 
     slots: torch.Tensor  # [B] cache slot of each row
     positions: torch.Tensor  # [B, T] cache position (= RoPE position) of each query token
-    mask: torch.Tensor | None  # [B, 1, groups·T, key_len] bool, laid out for grouped_attention
+    mask: torch.Tensor | None  # [B, 1, groups·T, key_len] bool, laid out for grouped_attention; None: see causal
     key_len: int  # keys [0, key_len) of each slot are read
     rows_are_slots: bool  # slots == arange(B): the keys are a view of the cache, no gather
     lengths: torch.Tensor | None = None  # [B] keys seen by each row: set for the split-K decode kernel
     rope_kernel: bool = False  # RoPE and the K/V write through `rope_store`
     groups: PrefixGroups | None = None  # rows sharing prompt K/V, each group's read once (decode kernel only)
+    causal: bool = False  # every row's queries are positions 0..T-1 over keys [0, T): SDPA's own causal mask
 
     @classmethod
     def build(cls, slots: torch.Tensor, positions: torch.Tensor, key_len: int, groups: int,
-              rows_are_slots: bool = False, rope_kernel: bool = False) -> "Batch":
+              rows_are_slots: bool = False, rope_kernel: bool = False, from_zero: bool = False) -> "Batch":
+        """from_zero: the caller's promise that positions[b] = 0..T-1 for every row and key_len = T (whole prompts,
+        padded at their ends); attention then needs no mask tensor."""
+        if from_zero:
+            if key_len != positions.shape[1]:
+                raise ValueError(f"from_zero needs key_len = T = {positions.shape[1]}, got {key_len}")
+            return cls(slots, positions, None, key_len, rows_are_slots, rope_kernel=rope_kernel, causal=True)
         keys = torch.arange(key_len, device=positions.device)
         causal = keys[None, None, :] <= positions[:, :, None]  # [B, T, L]
         return cls(slots, positions, causal.repeat(1, groups, 1)[:, None], key_len, rows_are_slots,
@@ -92,6 +103,19 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     q = q.view(B, T, kv_heads, groups, D).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, groups * T, D)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.view(B, kv_heads, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA of queries q [B, T, H, D] at positions 0..T-1 over keys k, v [B, Hkv, T, D], causally.
+
+    No mask tensor, so on CUDA SDPA takes its flash kernel, which reads each KV head once for its H / Hkv query
+    heads (enable_gqa) and works in q's [B, T, H, D] layout: no copies in or out, where `grouped_attention`'s
+    mask sends it to the memory-efficient kernel behind two layout copies (benchmarks/RESULTS.md). Returns
+    [B, T, H·D].
+    """
+    B, T, H, D = q.shape
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2).reshape(B, T, H * D)
 
 
 def compiled_on_cuda(fn):
@@ -225,7 +249,10 @@ class Attention(nn.Module):
         if batch.lengths is not None:
             out = decode_attention(q[:, 0], cache_k, cache_v, batch.lengths, batch.key_len, batch.slots)
             return self.o_proj(out.reshape(B, 1, -1))
-        return self.o_proj(grouped_attention(q, batch.read(cache_k), batch.read(cache_v), batch.mask))
+        k, v = batch.read(cache_k), batch.read(cache_v)
+        if batch.causal:
+            return self.o_proj(causal_attention(q, k, v))
+        return self.o_proj(grouped_attention(q, k, v, batch.mask))
 
 
 class MLP(nn.Module):
