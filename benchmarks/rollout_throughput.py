@@ -5,8 +5,11 @@ new tokens each with EOS disabled, the full sampler (temperature, top-p, behavio
 untruncated log-probs). Prints a table and appends one JSON line to --out. "prefill s" times the same prompts
 with one new token each; "decode tokens/s" is the rest of the tokens over the rest of the time. A random model's
 top-p 0.9 nucleus holds ~50,000 tokens per row, the sampler's worst case; --logit-scale 8 makes it
-a few tokens, as a trained model's is. --profile prints the 25 CUDA kernels with the most device time in one
-more run of the last engine (graph replays included), and the share of the run they cover.
+a few tokens, as a trained model's is. For the native engines, "wait ms/step" is the host blocked on a decode step's
+tokens and "host ms/step" the host's own work (scheduling, launches, reading tokens), both per decode step of the
+timed run: a wait near 0 means the host, not the device, sets the pace. --profile prints the 25 CUDA kernels
+with the most device time in one more run of the last engine (graph replays included), and the share of the run
+they cover.
 
     python benchmarks/rollout_throughput.py --out benchmarks/results.jsonl --commit $COMMIT
     python benchmarks/rollout_throughput.py --device cpu --dtype float32 --hidden 64 --layers 2 --heads 4 \
@@ -16,6 +19,7 @@ more run of the last engine (graph replays included), and the share of the run t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 from functools import partial
 
@@ -104,13 +108,15 @@ def main() -> None:
         if name not in ENGINES:
             raise SystemExit(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
         if name.startswith("native-graphs") and not cuda:
-            rows.append([name, "skipped: CUDA graphs need a CUDA device", "", "", "", "", "", "", ""])
+            rows.append([name, "skipped: CUDA graphs need a CUDA device", "", "", "", "", "", "", "", "", ""])
             continue
         engine, setup_s, _ = timed(args.device, partial(make_engine, name, model, args, max_seq_len))
         extra = {"top_logprobs": args.top_logprobs} if name != "hf" else {}
         _, warm_s, _ = timed(args.device, partial(engine.generate, short if name == "hf" else requests, sampling,
                                                   **extra))
+        before = dataclasses.replace(engine.stats) if name != "hf" else None
         completions, seconds, peak = timed(args.device, partial(engine.generate, requests, sampling, **extra))
+        host = host_split(before, engine.stats) if before is not None else {}
         tokens = sum(len(c.tokens) for c in completions)
         if tokens != args.prompts * args.new_tokens:
             raise SystemExit(f"{name}: {tokens} tokens generated, expected {args.prompts * args.new_tokens}")
@@ -119,9 +125,10 @@ def main() -> None:
         decode_rate = (tokens - args.prompts) / (seconds - prefill_s) if seconds > prefill_s else float("nan")
         results[name] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
                          "prefill_s": round(prefill_s, 3), "decode_tokens_per_s": round(decode_rate, 1),
-                         "setup_s": round(setup_s, 2), "warm_up_s": round(warm_s, 2), "peak_bytes": peak}
+                         "setup_s": round(setup_s, 2), "warm_up_s": round(warm_s, 2), "peak_bytes": peak, **host}
         rows.append([name, f"{tokens / seconds:,.0f}", tokens, f"{seconds:.2f}", f"{prefill_s:.2f}",
-                     f"{decode_rate:,.0f}", f"{setup_s:.1f}", f"{warm_s:.1f}", f"{peak / 2**30:.1f}" if peak else "-"])
+                     f"{decode_rate:,.0f}", host.get("wait_ms_per_step", "-"), host.get("host_ms_per_step", "-"),
+                     f"{setup_s:.1f}", f"{warm_s:.1f}", f"{peak / 2**30:.1f}" if peak else "-"])
         if args.profile and name == args.engines.split(",")[-1]:
             profile_rows = kernel_profile(partial(engine.generate, requests, sampling, **extra),
                                           torch.device(args.device), top=25)
@@ -135,8 +142,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens, "
           f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
           f"gathered after {args.collect_after} passes, {args.screened_passes} screened, {args.dtype} on {args.device}")
-    print_table(["engine", "tokens/s", "tokens", "seconds", "prefill s", "decode tokens/s", "setup s", "warm-up s",
-                 "peak GiB"], rows)
+    print_table(["engine", "tokens/s", "tokens", "seconds", "prefill s", "decode tokens/s", "wait ms/step",
+                 "host ms/step", "setup s", "warm-up s", "peak GiB"], rows)
     for name, result in results.items():
         if "profile" in result:
             print_table([f"kernel (one run of {name})", "calls", "ms", "share"], result["profile"])
@@ -149,6 +156,15 @@ def main() -> None:
                                        "collect_after": args.collect_after,
                                        "screened_passes": args.screened_passes},
                              "engines": results})
+
+
+def host_split(before, after) -> dict:
+    """Per decode step of one generate call (EngineStats before and after it): the host's wait for tokens and
+    its own work, admission rounds excluded."""
+    steps = max(after.decode_steps - before.decode_steps, 1)
+    wait = after.wait_s - before.wait_s
+    own = (after.generate_s - before.generate_s) - (after.prefill_s - before.prefill_s) - wait
+    return {"wait_ms_per_step": round(1e3 * wait / steps, 3), "host_ms_per_step": round(1e3 * own / steps, 3)}
 
 
 if __name__ == "__main__":
