@@ -37,7 +37,6 @@ from _common import (
 )
 
 import caspo.rollout.sampling as sampling_module
-from caspo.rollout import dependent_launch
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
@@ -82,10 +81,7 @@ def main() -> None:
                         help="nucleus passes before small intervals are gathered and sorted (99: never)")
     parser.add_argument("--screened-passes", type=int, default=sampling_module.NUCLEUS_SCREENED_PASSES,
                         help="nucleus passes decided on float32 sums where those surely decide (0: int64 sums alone)")
-    parser.add_argument("--no-dependent-launch", action="store_true",
-                        help="launch the engine's kernels without programmatic dependent launch (dependent_launch)")
     args = parser.parse_args()
-    dependent_launch.ENABLED = not args.no_dependent_launch  # before the first launch and compilation
     if args.nucleus_top < 0:
         parser.error("--nucleus-top must be 0 or more")
     sampling_module.NUCLEUS_TOP = args.nucleus_top  # read by every nucleus_threshold call, the captured ones too
@@ -145,8 +141,7 @@ def main() -> None:
     print(f"{args.prompts} prompts ({args.samples} samples of each) x {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens, "
           f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
-          f"gathered after {args.collect_after} passes, {args.screened_passes} screened, {args.dtype} on "
-          f"{args.device}, dependent launch {'on' if dependent_launch.ENABLED else 'off'}")
+          f"gathered after {args.collect_after} passes, {args.screened_passes} screened, {args.dtype} on {args.device}")
     print_table(["engine", "tokens/s", "tokens", "seconds", "prefill s", "decode tokens/s", "wait ms/step",
                  "host ms/step", "setup s", "warm-up s", "peak GiB"], rows)
     for name, result in results.items():
@@ -159,8 +154,7 @@ def main() -> None:
                                        "top_p": args.top_p, "top_logprobs": args.top_logprobs,
                                        "logit_scale": args.logit_scale, "nucleus_top": args.nucleus_top,
                                        "collect_after": args.collect_after,
-                                       "screened_passes": args.screened_passes,
-                                       "dependent_launch": dependent_launch.ENABLED},
+                                       "screened_passes": args.screened_passes},
                              "engines": results})
 
 

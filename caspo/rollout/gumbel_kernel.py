@@ -43,8 +43,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.jit import JITFunction
 
-from caspo.rollout.dependent_launch import launch_options, wait_for_previous_kernel
-
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 1024  # entries per loop iteration
 WARPS = 8
@@ -192,8 +190,7 @@ def _rank_in_float64(Logits, row_hash, cut, inverse_temperature, vocab, start,
 def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature, vocab, stride_row, margin,
                         BestKey, BestIndex, KeptTotal, FullTop, FullTotal, ChunkMaxima, chunks,
                         CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                        FAST_LOG: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                        FAST_LOG: tl.constexpr):
     """Each part's winner, and its sums: of the whole part (FullTop, FullTotal) and of its kept entries against
     the same maxima (KeptTotal); with chunk maxima (CHUNK > 0), of its kept entries alone (FullTop, KeptTotal)."""
     row = tl.program_id(0)
@@ -295,8 +292,7 @@ def _part_logsumexp(Top, Total, at, inside):
 @triton.jit
 def _combine_kernel(BestKey, BestIndex, KeptTotal, FullTop, FullTotal, RowMax, Mass, mass_scale, Logits, stride_row,
                     inverse_temperature, parts, Tokens, LogProbs, FullLogProbs, CUT: tl.constexpr,
-                    PARTS: tl.constexpr, SEARCHED: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                    PARTS: tl.constexpr, SEARCHED: tl.constexpr):
     """One program per row: the winner among the parts' winners (the first part on ties) and its log-probs; when
     SEARCHED, the untruncated one against the search's sums (`SearchSums`)."""
     row = tl.program_id(0)
@@ -356,8 +352,7 @@ def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshol
     _gumbel_pick_kernel[(rows, parts)](logits, seeds, positions, threshold if cut else logits, inverse_temperature,
                                        vocab, logits.stride(0), margin, best_key, best_index, kept_total,
                                        full_top, full_total, maxima, maxima.shape[-1], CUT=cut, SPAN=SPAN,
-                                       BLOCK=BLOCK, CHUNK=chunk, FAST_LOG=not INTERPRETED, num_warps=WARPS,
-                                       **launch_options(logits.device))
+                                       BLOCK=BLOCK, CHUNK=chunk, FAST_LOG=not INTERPRETED, num_warps=WARPS)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     full = torch.empty(rows, dtype=torch.float32, device=logits.device)
     kept = torch.empty_like(full) if cut else full
@@ -366,5 +361,5 @@ def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshol
     _combine_kernel[(rows,)](best_key, best_index, kept_total, full_top, full_total, row_max, mass,
                              2.0 ** -search.shift if searched else 1.0, logits, logits.stride(0), inverse_temperature,
                              parts, tokens, kept, full, CUT=cut, PARTS=max(2, triton.next_power_of_2(parts)),
-                             SEARCHED=searched, num_warps=1, **launch_options(logits.device))
+                             SEARCHED=searched, num_warps=1)
     return tokens, kept, full

@@ -28,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from caspo.rollout.dependent_launch import launch_options, wait_for_previous_kernel
-
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 256  # entries per loop iteration, each thread holding BLOCK / (32 WARPS) rows of the m sums
 WARPS = 4
@@ -81,16 +79,14 @@ def _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale,
 
 @triton.jit
 def _mass_above_kernel(E, Levels, Skip, Partial, vocab, stride_row, scale,
-                       LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                       LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     levels = tl.load(Levels + tl.program_id(0) * LEVELS + tl.arange(0, LEVELS))  # padded with +inf: sums stay 0
     _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK)
 
 
 @triton.jit
 def _cut_mass_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row, scale,
-                     M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                     M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     levels = cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
     _store_part_sums(E, Skip, Partial, levels, vocab, stride_row, scale, LEVELS, SPAN, BLOCK)
@@ -98,8 +94,7 @@ def _cut_mass_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row, scale,
 
 @triton.jit
 def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
-                   M: tl.constexpr, LEVELS: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                   M: tl.constexpr, LEVELS: tl.constexpr, PARTS: tl.constexpr):
     row = tl.program_id(0)
     slots = tl.arange(0, LEVELS)
     index = tl.arange(0, PARTS)
@@ -115,8 +110,7 @@ def _narrow_kernel(Partial, Lo, Hi, Target, Skip, parts,
 
 @triton.jit
 def _screen_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row,
-                   M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                   M: tl.constexpr, LEVELS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     """This program's part of the row: the m sums of e >= each level cut from [lo, hi], float32 in each lane
     (SPAN / SCREEN_BLOCK entries), float64 across lanes, stored to Partial."""
     row, part = tl.program_id(0), tl.program_id(1)
@@ -134,8 +128,7 @@ def _screen_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row,
 
 @triton.jit
 def _screen_narrow_kernel(Partial, Lo, Hi, Target, Skip, Settled, parts, unit, bound, slack,
-                          M: tl.constexpr, LEVELS: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                          M: tl.constexpr, LEVELS: tl.constexpr, PARTS: tl.constexpr):
     """Narrow a row on its screened sums where every level is surely reached or surely not. Settled: 1 for
     the rows narrowed here and the skipped ones, 0 for those the int64 pass must decide."""
     row = tl.program_id(0)
@@ -174,10 +167,9 @@ def narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Te
     partial = _part_sums_buffer(e, m)
     width, parts = partial.shape[2], partial.shape[1]
     _cut_mass_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), 2.0 ** shift,
-                                    M=m, LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS,
-                                    **launch_options(e.device))
+                                    M=m, LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     _narrow_kernel[(rows,)](partial, lo, hi, target, skip, parts, M=m, LEVELS=width,
-                            PARTS=max(2, triton.next_power_of_2(parts)), **launch_options(e.device))
+                            PARTS=max(2, triton.next_power_of_2(parts)))
 
 
 def screened_narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target: torch.Tensor, skip: torch.Tensor,
@@ -198,10 +190,9 @@ def screened_narrow(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, target:
     settled = torch.empty(rows, dtype=torch.int8, device=e.device)
     if sums is None:
         _screen_kernel[(rows, parts)](e, lo, hi, skip, partial, vocab, e.stride(0), M=m, LEVELS=width, SPAN=SPAN,
-                                      BLOCK=SCREEN_BLOCK, num_warps=WARPS, **launch_options(e.device))
+                                      BLOCK=SCREEN_BLOCK, num_warps=WARPS)
     _screen_narrow_kernel[(rows,)](partial, lo, hi, target, skip, settled, parts, 2.0 ** shift, bound,
-                                   float(vocab), M=m, LEVELS=width, PARTS=max(2, triton.next_power_of_2(parts)),
-                                   **launch_options(e.device))
+                                   float(vocab), M=m, LEVELS=width, PARTS=max(2, triton.next_power_of_2(parts)))
     narrow(e, lo, hi, target, settled, shift, m)
     return settled
 
@@ -221,5 +212,5 @@ def mass_above(e: torch.Tensor, levels: torch.Tensor, shift: int, skip: torch.Te
     padded[:, :m] = levels
     skip = torch.zeros(rows, dtype=torch.int8, device=e.device) if skip is None else skip.to(torch.int8)
     _mass_above_kernel[(rows, parts)](e, padded, skip, partial, vocab, e.stride(0), 2.0 ** shift,
-                                      LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS, **launch_options(e.device))
+                                      LEVELS=width, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return partial.sum(1)[:, :m]

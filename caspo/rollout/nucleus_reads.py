@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from caspo.rollout.dependent_launch import launch_options, wait_for_previous_kernel
 from caspo.rollout.mass_above import cut_levels
 
 SPAN = 8192  # entries per program: 19 parts per row at a vocabulary of 151,936
@@ -55,8 +54,7 @@ else:
 
 @triton.jit
 def _chunk_maxima_kernel(X, Maxima, vocab, chunks, stride_row, x_scale,
-                         CHUNK: tl.constexpr, PER_PART: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                         CHUNK: tl.constexpr, PER_PART: tl.constexpr, ROWS: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     for first in range(0, PER_PART, ROWS):  # ROWS chunks at a time, as a [ROWS, CHUNK] tile
         chunk = part * PER_PART + first + tl.arange(0, ROWS)
@@ -68,8 +66,7 @@ def _chunk_maxima_kernel(X, Maxima, vocab, chunks, stride_row, x_scale,
 @triton.jit
 def _exp_and_mass_kernel(X, RowMax, E, Partial, ScreenSums, vocab, stride_row, x_scale, scale,
                          SPAN: tl.constexpr, BLOCK: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-                         M: tl.constexpr, LEVELS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                         M: tl.constexpr, LEVELS: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     top = tl.load(RowMax + row)
     total = tl.zeros([BLOCK], dtype=tl.int64)
@@ -91,8 +88,7 @@ def _exp_and_mass_kernel(X, RowMax, E, Partial, ScreenSums, vocab, stride_row, x
 
 @triton.jit
 def _threshold_logit_kernel(X, E, Bits, Skip, Partial, vocab, stride_row, x_scale,
-                            SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                            SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     least = tl.full([BLOCK], float("inf"), dtype=tl.float32)
     if tl.load(Skip + row) == 0:  # a row whose threshold is known is not read
@@ -108,8 +104,7 @@ def _threshold_logit_kernel(X, E, Bits, Skip, Partial, vocab, stride_row, x_scal
 
 @triton.jit
 def _collect_kernel(E, Lo, Hi, Skip, Values, Index, Counts, Above, vocab, stride_row, scale,
-                    CAPACITY: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                    CAPACITY: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     slot = row * tl.num_programs(1) + part
     above = tl.zeros([BLOCK], dtype=tl.int64)
@@ -151,7 +146,7 @@ def chunk_maxima(x: torch.Tensor, chunk: int, scale: float = 1.0) -> torch.Tenso
     maxima = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     _chunk_maxima_kernel[(rows, _parts(vocab))](x, maxima, vocab, chunks, x.stride(0), scale, CHUNK=chunk,
                                                 PER_PART=SPAN // chunk, ROWS=max(1, BLOCK // chunk),
-                                                num_warps=WARPS, **launch_options(x.device))
+                                                num_warps=WARPS)
     return maxima
 
 
@@ -173,7 +168,7 @@ def exp_and_mass(x: torch.Tensor, row_max: torch.Tensor, shift: int, scale: floa
     sums = torch.empty(rows, _parts(vocab), width, dtype=torch.float64, device=x.device) if m else partial
     _exp_and_mass_kernel[(rows, _parts(vocab))](x, row_max.float().contiguous(), e, partial, sums, vocab, x.stride(0),
                                                 scale, 2.0 ** shift, SPAN=SPAN, BLOCK=BLOCK, LO=lo, HI=hi, M=m,
-                                                LEVELS=width, num_warps=WARPS, **launch_options(x.device))
+                                                LEVELS=width, num_warps=WARPS)
     return (e, partial, sums) if m else (e, partial)
 
 
@@ -188,7 +183,7 @@ def threshold_logit(x: torch.Tensor, e: torch.Tensor, bits: torch.Tensor, skip: 
         raise ValueError(f"threshold_logit needs e of x's shape {tuple(x.shape)}, got {tuple(e.shape)}")
     partial = torch.empty(rows, _parts(vocab), dtype=torch.float32, device=x.device)
     _threshold_logit_kernel[(rows, _parts(vocab))](x, e, bits, skip, partial, vocab, x.stride(0), scale,
-                                                   SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS, **launch_options(x.device))
+                                                   SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return partial.amin(1)
 
 
@@ -209,6 +204,5 @@ def collect(e: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, skip: torch.Ten
     counts = torch.zeros(rows, parts, dtype=torch.int32, device=e.device)
     above = torch.empty(rows, parts, dtype=torch.int64, device=e.device)
     _collect_kernel[(rows, parts)](e, lo, hi, skip, values, index, counts, above, vocab, e.stride(0),
-                                   2.0 ** shift, CAPACITY=capacity, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS,
-                                   **launch_options(e.device))
+                                   2.0 ** shift, CAPACITY=capacity, SPAN=SPAN, BLOCK=BLOCK, num_warps=WARPS)
     return values, index, counts, above

@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from caspo.rollout.dependent_launch import launch_options, wait_for_previous_kernel
-
 START_WARPS = 8  # a [64, 128] tile of the row in registers
 FINISH_WARPS = 4
 
@@ -75,9 +73,7 @@ def _top_chunks(Maxima, Chosen, chunks, COUNT: tl.constexpr, CHUNKS: tl.constexp
 
 @triton.jit
 def _start_kernel(X, E, Maxima, Target, Lo, Hi, Skip, Known, Cut, Chosen, vocab, stride_row, chunks, x_scale,
-                  shift_scale, first, one_bits, COUNT: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                  PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                  shift_scale, first, one_bits, COUNT: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0)
     target = tl.load(Target + row)
     lo, hi = first.to(tl.int64), one_bits.to(tl.int64)
@@ -111,8 +107,7 @@ def _start_kernel(X, E, Maxima, Target, Lo, Hi, Skip, Known, Cut, Chosen, vocab,
 
 @triton.jit
 def _finish_kernel(X, Values, Index, Counts, Above, Target, Lo, Hi, Skip, Known, Cut, stride_row, parts, x_scale,
-                   shift_scale, CAPACITY: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                   shift_scale, CAPACITY: tl.constexpr, PARTS: tl.constexpr):
     row = tl.program_id(0)
     part = tl.arange(0, PARTS)
     counts = tl.load(Counts + row * parts + part, mask=part < parts, other=0)
@@ -153,8 +148,7 @@ def start_search(x: torch.Tensor, e: torch.Tensor, maxima: torch.Tensor, target:
     chosen = torch.empty(rows, max(tile, 1), dtype=torch.int32, device=x.device)
     _start_kernel[(rows,)](x, e, maxima, target, lo, hi, skip, known, cut, chosen, vocab, x.stride(0), chunks, scale,
                            2.0 ** shift, first, one_bits, COUNT=tile, CHUNK=chunk,
-                           CHUNKS=max(2, triton.next_power_of_2(chunks)), num_warps=START_WARPS,
-                           **launch_options(x.device))
+                           CHUNKS=max(2, triton.next_power_of_2(chunks)), num_warps=START_WARPS)
     return lo, hi, skip, known, cut
 
 
@@ -169,4 +163,4 @@ def finish_search(x: torch.Tensor, gathered: tuple[torch.Tensor, ...], target: t
     rows, parts, capacity = values.shape
     _finish_kernel[(rows,)](x, values, index, counts, above, target, lo, hi, skip, known, cut, x.stride(0), parts,
                             scale, 2.0 ** shift, CAPACITY=capacity, PARTS=max(2, triton.next_power_of_2(parts)),
-                            num_warps=FINISH_WARPS, **launch_options(x.device))
+                            num_warps=FINISH_WARPS)

@@ -33,8 +33,6 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from caspo.rollout.dependent_launch import launch_options, wait_for_previous_kernel
-
 # Launch configuration (module constants so a benchmark can tune them on the card).
 BLOCK_N = 64  # keys per block of the stage-1 loop
 NUM_WARPS = 4
@@ -108,8 +106,7 @@ def _split_kernel(Q, K, V, Lengths, Starts, Slots, MidO, MidLse, qk_scale, key_l
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr):
     b = tl.program_id(0)
     slot = tl.load(Slots + b).to(tl.int64)  # slot · stride_kb can pass 2**31 in a large cache
     kv_head = tl.program_id(1)
@@ -144,8 +141,7 @@ def _split_kernel(Q, K, V, Lengths, Starts, Slots, MidO, MidLse, qk_scale, key_l
 def _combine_kernel(MidO, MidLse, Out, num_splits,
                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_yb, stride_yh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                    BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
@@ -250,7 +246,7 @@ def launch_splits(q, k_cache, v_cache, lengths, slots, mid_o, o_strides, mid_lse
         GROUP=group, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_STARTS=starts is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def launch_combine(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
@@ -261,5 +257,4 @@ def launch_combine(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     _combine_kernel[(B, kv_heads)](
         mid_o, mid_lse, out, num_splits, *mid_o.stride()[:3], mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=D, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4,
-        **launch_options(out.device))
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)

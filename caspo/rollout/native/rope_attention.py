@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from caspo.rollout.dependent_launch import launch_options, wait_for_previous_kernel
 from caspo.rollout.native.decode_attention import (
     BLOCK_N,
     INTERPRETED,
@@ -56,8 +55,7 @@ def _rope_attend_kernel(QKV, Cos, Sin, Positions, Lengths, Slots, CacheK, CacheV
                         stride_qkv, stride_table, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                        PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     dtype = QKV.dtype.element_ty
@@ -134,5 +132,5 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         qkv.stride(0), cos.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), out.stride(0),
         out.stride(1), HEADS=heads, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=D,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        PRECISION="tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(qkv.device))
+        PRECISION="tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

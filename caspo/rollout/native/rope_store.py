@@ -19,8 +19,6 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from caspo.rollout.dependent_launch import launch_options, wait_for_previous_kernel
-
 
 @triton.jit
 def rounded(x, DTYPE: tl.constexpr):
@@ -42,9 +40,7 @@ def rotated_half(x, partner, cos, sin, sign, DTYPE: tl.constexpr):
 @triton.jit
 def _rope_store_kernel(QKV, Cos, Sin, Positions, Slots, Q, CacheK, CacheV, tokens_per_row,
                        stride_qkv, stride_q_token, stride_q_head, stride_slot, stride_head, stride_pos,
-                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     dtype = QKV.dtype.element_ty
@@ -101,6 +97,5 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         tokens, cos.contiguous(), sin.contiguous(), positions.reshape(-1).contiguous(), slots.contiguous(), q,
         cache_k, cache_v, T, tokens.stride(0), q.stride(2) * heads, q.stride(2), cache_k.stride(0),
         cache_k.stride(1), cache_k.stride(2), HEADS=heads, KV_HEADS=kv_heads, HALF=D // 2,
-        BLOCK=triton.next_power_of_2(D // 2), num_warps=1,
-        enable_fp_fusion=False, **launch_options(qkv.device))  # no FMA: eager rounds each product
+        BLOCK=triton.next_power_of_2(D // 2), num_warps=1, enable_fp_fusion=False)  # no FMA: eager rounds each product
     return q

@@ -36,13 +36,12 @@ from caspo.rollout.native.prefix_groups import PrefixGroups
 from caspo.rollout.native.spec import DecoderSpec
 
 try:
-    from caspo.rollout import dependent_launch
     from caspo.rollout.native.decode_attention import decode_attention
     from caspo.rollout.native.rope_attention import rope_decode_attention
     from caspo.rollout.native.rope_store import rope_store
     from caspo.rollout.native.shared_prefix_attention import shared_prefix_decode_attention
 except ImportError:  # CPU builds of torch come without triton; the engine refuses the kernels then
-    dependent_launch = decode_attention = rope_decode_attention = rope_store = shared_prefix_decode_attention = None
+    decode_attention = rope_decode_attention = rope_store = shared_prefix_decode_attention = None
 
 
 @dataclass
@@ -126,24 +125,13 @@ def compiled_on_cuda(fn):
     ten kernels per layer, a third of a decode step at the Qwen2.5-1.5B shape on an H200; compiled
     it fuses into three. Leading dimensions (rows, tokens) are dynamic, so one compilation serves
     every decode batch and one every prefill; `emulate_precision_casts` keeps eager's roundings.
-    The kernels launch dependently where the engine's own do (`dependent_launch`), which inductor decides
-    per card; the options are read at the first CUDA call, so a benchmark can turn that off first.
     """
-    compiled = None
+    compiled = torch.compile(fn, options={"emulate_precision_casts": True})
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args):
-        nonlocal compiled
         if not x.is_cuda:
             return fn(x, *args)
-        if compiled is None:
-            from torch._inductor import config as inductor_config
-
-            options = {"emulate_precision_casts": True}
-            if dependent_launch is not None and dependent_launch.ENABLED and hasattr(inductor_config.triton,
-                                                                                     "enable_pdl"):
-                options["triton.enable_pdl"] = True
-            compiled = torch.compile(fn, options=options)
         for dim in range(x.dim() - 1):
             torch._dynamo.maybe_mark_dynamic(x, dim)
         return compiled(x, *args)

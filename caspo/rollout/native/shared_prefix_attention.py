@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from caspo.rollout.dependent_launch import launch_options, wait_for_previous_kernel
 from caspo.rollout.native.decode_attention import (
     LOG2E,
     NUM_STAGES,
@@ -47,8 +46,7 @@ def _prefix_kernel(Q, K, V, Members, Slots, Lengths, Count, MidO, MidLse, qk_sca
                    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_mg,
                    GROUP: tl.constexpr, MEMBERS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     # The KV head first: the grid holds an entry for every group a step could have, most of them past the count
     # in use, and this way the card schedules the programs of the groups in use first.
     kv_head = tl.program_id(0)
@@ -113,8 +111,7 @@ def shared_prefix_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         mid_lse.stride(1), groups.members.stride(0),
         GROUP=group, MEMBERS=groups.members.shape[1], HEAD_DIM=D, BLOCK_Q=max(16, triton.next_power_of_2(
             groups.members.shape[1] * group)), BLOCK_D=block_d, BLOCK_N=PREFIX_BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=PREFIX_WARPS, num_stages=NUM_STAGES,
-        **launch_options(q.device))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=PREFIX_WARPS, num_stages=NUM_STAGES)
     suffix_o = mid_o[:, :, prefix_splits:]
     launch_splits(q, k_cache, v_cache, lengths, slots, suffix_o, suffix_o.stride()[:3],
                   mid_lse[:, :, prefix_splits:], scale, key_len, suffix_splits, suffix_chunk, starts=groups.starts)
