@@ -30,13 +30,14 @@ def rope_tables(length: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.T
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens_per_row", [1, 5])  # a decode step; a prefill chunk
-def test_rope_store_writes_the_eager_numbers(dtype, tokens_per_row):
+@pytest.mark.parametrize("heads", [4, 6])  # 4 + 2 · 2 heads fill the kernel's tile of 8 rows; 6 + 2 · 2 pad it to 16
+def test_rope_store_writes_the_eager_numbers(dtype, tokens_per_row, heads):
     """q, and the cache after the write, equal eager RoPE and the two indexed writes bit for bit; nothing else in
     the cache moves."""
     from caspo.rollout.native.rope_store import rope_store
 
     device = device_for_triton()
-    heads, kv_heads, head_dim, slots, length = 4, 2, 16, 6, 40
+    kv_heads, head_dim, slots, length = 2, 16, 6, 40
     generator = torch.Generator().manual_seed(tokens_per_row)
     qkv = torch.randn(3, tokens_per_row, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
     cos, sin = rope_tables(length, head_dim, dtype)
@@ -93,18 +94,21 @@ def test_engine_with_the_rope_kernel_samples_the_same_tokens(make):
 
 
 @pytest.mark.gpu
-def test_rope_store_on_the_device_at_the_qwen_shape():
-    """On CUDA, in bf16, at Qwen2.5-1.5B's heads (12 query, 2 KV, head_dim 128) and 256 decode rows: the kernel's q
-    and cache equal eager RoPE and the indexed writes, run on the device, bit for bit."""
+@pytest.mark.parametrize("rows, tokens_per_row", [(256, 1), (16, 128)])  # decode rows; a prefill of whole prompts
+def test_rope_store_on_the_device_at_the_qwen_shape(rows, tokens_per_row):
+    """On CUDA, in bf16, at Qwen2.5-1.5B's heads (12 query, 2 KV, head_dim 128): the kernel's q and cache equal eager
+    RoPE and the indexed writes, run on the device, bit for bit."""
     from caspo.rollout.native.rope_store import rope_store
 
     assert torch.cuda.is_available()
-    heads, kv_heads, head_dim, rows, length = 12, 2, 128, 256, 1024
+    heads, kv_heads, head_dim, length = 12, 2, 128, 1024
     generator = torch.Generator(device="cuda").manual_seed(0)
-    qkv = torch.randn(rows, 1, (heads + 2 * kv_heads) * head_dim, device="cuda", generator=generator).bfloat16()
+    qkv = torch.randn(rows, tokens_per_row, (heads + 2 * kv_heads) * head_dim, device="cuda",
+                      generator=generator).bfloat16()
     cos, sin = (t.cuda() for t in rope_tables(length, head_dim, torch.bfloat16))
     slots = torch.randperm(rows, device="cuda", generator=generator)
-    positions = torch.randint(0, length, (rows, 1), device="cuda", generator=generator)
+    positions = torch.randint(0, length - tokens_per_row, (rows, 1), device="cuda", generator=generator) + \
+        torch.arange(tokens_per_row, device="cuda")
     cache = torch.zeros(2, rows, kv_heads, length, head_dim, device="cuda", dtype=torch.bfloat16)
     expected = cache.clone()
     q, k, v = rotary_split(qkv, cos[positions][:, :, None], sin[positions][:, :, None],
