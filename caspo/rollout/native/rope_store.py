@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+WARPS = 4  # a token's [16 heads, 64] tile at Qwen2.5-1.5B's shape: 8 entries a lane for each half
+
 
 @triton.jit
 def rounded(x, DTYPE: tl.constexpr):
@@ -107,6 +109,6 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         tokens, cos.contiguous(), sin.contiguous(), positions.reshape(-1).contiguous(), slots.contiguous(), q,
         cache_k, cache_v, T, tokens.stride(0), q.stride(2) * heads, q.stride(2), cache_k.stride(0),
         cache_k.stride(1), cache_k.stride(2), HEADS=heads, KV_HEADS=kv_heads, HALF=D // 2,
-        BLOCK_H=triton.next_power_of_2(heads + 2 * kv_heads), BLOCK=triton.next_power_of_2(D // 2), num_warps=4,
+        BLOCK_H=triton.next_power_of_2(heads + 2 * kv_heads), BLOCK=triton.next_power_of_2(D // 2), num_warps=WARPS,
         enable_fp_fusion=False)  # no FMA: eager rounds each product
     return q
