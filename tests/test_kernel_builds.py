@@ -50,6 +50,9 @@ KERNELS = {
                {"num_warps": spa.PREFIX_WARPS, "num_stages": da.NUM_STAGES}),
     "rope_store": (rs._rope_store_kernel, dict(HEADS=12, KV_HEADS=2, HALF=64, BLOCK_H=16, BLOCK=64),
                    {"num_warps": rs.WARPS, "enable_fp_fusion": False}),
+    # Qwen2.5-7B's 28 + 4 + 4 heads: a [64, 64] tile
+    "rope_store_7b": (rs._rope_store_kernel, dict(HEADS=28, KV_HEADS=4, HALF=64, BLOCK_H=64, BLOCK=64),
+                      {"num_warps": rs.WARPS, "enable_fp_fusion": False}),
     "rope_attend": (ra._rope_attend_kernel, dict(HEADS=12, KV_HEADS=2, GROUP=6, HEAD_DIM=128, BLOCK_G=16,
                                                  BLOCK_D=128, BLOCK_N=ra.BLOCK_N, PRECISION="tf32"), ATTENTION),
     "pick": (gk._gumbel_pick_kernel, dict(PICK, CUT=False, CHUNK=0), {"num_warps": gk.WARPS}),
@@ -93,8 +96,9 @@ def usage():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["split", "split_from_starts", "combine", "prefix", "rope_store", "rope_attend",
-                                    "pick", "pick_under_cut", "pick_after_search", "start_search", "finish_search"])
+@pytest.mark.parametrize("kernel", ["split", "split_from_starts", "combine", "prefix", "rope_store", "rope_store_7b",
+                                    "rope_attend", "pick", "pick_under_cut", "pick_after_search", "start_search",
+                                    "finish_search"])
 def test_decode_kernels_compile_for_sm90_without_spilling(usage, kernel):
     resources = usage[kernel]
     assert int(resources["REG"]) <= 255
