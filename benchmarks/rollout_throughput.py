@@ -103,12 +103,14 @@ def main() -> None:
     max_seq_len = args.prompt_len + args.new_tokens
     cuda = torch.device(args.device).type == "cuda"
 
+    columns = ["engine", "tokens/s", "tokens", "seconds", "prefill s", "decode tokens/s", "wait ms/step",
+               "host ms/step", "setup s", "warm-up s", "peak GiB"]
     rows, results = [], {}
     for name in args.engines.split(","):
         if name not in ENGINES:
             raise SystemExit(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
         if name.startswith("native-graphs") and not cuda:
-            rows.append([name, "skipped: CUDA graphs need a CUDA device", "", "", "", "", "", "", "", "", ""])
+            rows.append([name, "skipped: CUDA graphs need a CUDA device"] + [""] * (len(columns) - 2))
             continue
         engine, setup_s, _ = timed(args.device, partial(make_engine, name, model, args, max_seq_len))
         extra = {"top_logprobs": args.top_logprobs} if name != "hf" else {}
@@ -142,8 +144,7 @@ def main() -> None:
           f"{args.new_tokens} new tokens, "
           f"T={args.temperature} top-p={args.top_p}, logits x{args.logit_scale}, nucleus top {args.nucleus_top}, "
           f"gathered after {args.collect_after} passes, {args.screened_passes} screened, {args.dtype} on {args.device}")
-    print_table(["engine", "tokens/s", "tokens", "seconds", "prefill s", "decode tokens/s", "wait ms/step",
-                 "host ms/step", "setup s", "warm-up s", "peak GiB"], rows)
+    print_table(columns, rows)
     for name, result in results.items():
         if "profile" in result:
             print_table([f"kernel (one run of {name})", "calls", "ms", "share"], result["profile"])
