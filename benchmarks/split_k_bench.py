@@ -8,9 +8,11 @@ float32 partials, and one program per row adds the partials, rounds the sum to t
 GEMM's output is rounded), adds it to the residual stream and normalises the result: the three kernels
 after the GEMM's main loop become one. `silu-down` also takes the gate/up projection's output as it is and
 applies SiLU·up as its tiles load, in place of the engine's `silu_mul` kernel and its write of the
-intermediate. Each tile and split configuration in CONFIGS is timed as CUDA-graph replays cycling over
---copies weight copies (weights from HBM, as in a step), with the largest difference from the engine's
-outputs. CUDA only; tests/test_split_k_bench.py checks the kernels in Triton's interpreter.
+intermediate. `cublas-partials-S` has cuBLAS write the partials instead: one strided-batched GEMM over S
+spans of K with float32 outputs (`torch.bmm(..., out_dtype=torch.float32)`), then the same reduction; no
+split-K of cuBLAS's own, no reduce kernel of its own. Each tile and split configuration in CONFIGS is timed
+as CUDA-graph replays cycling over --copies weight copies (weights from HBM, as in a step), with the largest
+difference from the engine's outputs. CUDA only; tests/test_split_k_bench.py checks the kernels in Triton's interpreter.
 
     python benchmarks/split_k_bench.py --rows 256,960 --out benchmarks/results.jsonl --commit $COMMIT
 """
@@ -102,6 +104,25 @@ def split_k_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.
     return out, normed
 
 
+def cublas_partials_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                                 norm_weight: torch.Tensor, eps: float, splits: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as `split_k_add_rms_norm`, its partials from one cuBLAS strided-batched GEMM: batch s multiplies
+    x[:, s·span:(s+1)·span] by that span of Wᵀ into a float32 [rows, cols]. Views only, no copy: x [rows, K]
+    is [S, rows, span] at batch stride span, and Wᵀ [K, cols] is [S, span, cols] likewise. CUDA only."""
+    (rows, depth), cols = x.shape, weight.shape[0]
+    if depth % splits:
+        raise ValueError(f"{splits} splits do not divide K = {depth}")
+    span = depth // splits
+    a = x.view(rows, splits, span).transpose(0, 1)
+    b = weight.t().view(splits, span, cols)
+    partials = torch.bmm(a, b, out_dtype=torch.float32)
+    out, normed = torch.empty_like(residual), torch.empty_like(residual)
+    _reduce_add_norm_kernel[(rows,)](partials, residual, norm_weight, out, normed, rows, cols, eps, SPLITS=splits,
+                                     BLOCK=triton.next_power_of_2(cols), num_warps=8 if cols > 1024 else 4)
+    return out, normed
+
+
 def main() -> None:
     import sys
     from pathlib import Path
@@ -119,9 +140,14 @@ def main() -> None:
     parser.add_argument("--gemms", default="down,silu-down,o",
                         help="down (intermediate -> hidden), silu-down (gate/up -> silu_mul -> down), "
                              "o (hidden -> hidden)")
+    parser.add_argument("--configs", default="all", help="'all' of CONFIGS, or 'none'")
+    parser.add_argument("--cublas-splits", default="2,3,4,5,6,7,8,10,14",
+                        help="spans of K for the cuBLAS partials (those dividing K into multiples of 8 are run)")
     add_graph_timing_args(parser)
     args = parser.parse_args()
     record = kernel_record("split_k", args.commit)
+    configs = CONFIGS if args.configs == "all" else []
+    cublas_splits = [int(s) for s in args.cublas_splits.split(",") if s]
     torch.manual_seed(0)
     # name -> (input features, gated): silu-down takes the gate/up output and applies silu_mul as it loads
     gemms = {"down": (args.intermediate, False), "silu-down": (2 * args.intermediate, True), "o": (args.hidden, False)}
@@ -143,15 +169,23 @@ def main() -> None:
             engine_ms = graph_ms(engine, args.copies, args.calls, args.replays)
             rows = [["engine: " + ("silu_mul + " if gated else "") + "cuBLAS + add_rms_norm", f"{engine_ms * 1e3:.1f}",
                      "1.00", "0"]]
-            for config in CONFIGS:
+            variants = {}
+            for config in configs:
                 def split_k(i, x=x, residual=residual, norm_weight=norm_weight, weights=weights, gated=gated,
                             config=config):
                     return split_k_add_rms_norm(x, weights[i], residual, norm_weight, eps, config, gated)
-
+                variants[str(config)] = split_k
+            for splits in (s for s in cublas_splits if depth % s == 0 and (depth // s) % 8 == 0):
+                def cublas(i, x=x, residual=residual, norm_weight=norm_weight, weights=weights, gated=gated,
+                           splits=splits):
+                    return cublas_partials_add_rms_norm(silu_mul(x) if gated else x, weights[i], residual,
+                                                        norm_weight, eps, splits)
+                variants[f"cublas-partials-{splits}"] = cublas
+            for config, split_k in variants.items():
                 diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(split_k(0), want))
                 ms = graph_ms(split_k, args.copies, args.calls, args.replays)
-                rows.append([str(config), f"{ms * 1e3:.1f}", f"{engine_ms / ms:.2f}", f"{diff:.3g}"])
-                append_result(args.out, {**record, "rows": m, "gemm": gemm, "config": list(config),
+                rows.append([config, f"{ms * 1e3:.1f}", f"{engine_ms / ms:.2f}", f"{diff:.3g}"])
+                append_result(args.out, {**record, "rows": m, "gemm": gemm, "config": config,
                                          "us": round(ms * 1e3, 2), "engine_us": round(engine_ms * 1e3, 2),
                                          "max_diff": diff})
             table += [[m, gemm, *r] for r in rows]
