@@ -1,18 +1,21 @@
-"""A decode step's down (and output) projection as a Triton split-K GEMM whose reduction also takes the residual
-add and the next RMSNorm, against what the native engine runs: cuBLAS (which splits K itself for these
-skinny shapes, then reduces in a kernel of its own) followed by the engine's compiled `add_rms_norm`.
+"""A decode step's down (and output) projection split over K, with the residual add and the next RMSNorm taking
+the partials, against one cuBLAS GEMM (which splits K itself for these skinny shapes, then reduces in a kernel
+of its own) followed by the engine's compiled `add_rms_norm`.
 
 At 256 rows the down projection's 256 × 1,536 output has 24 tiles of 128 × 128 for 132 SMs, so the K
-dimension (8,960) must be split to fill the card. Here each program sums one span of K for one tile into
-float32 partials, and one program per row adds the partials, rounds the sum to the activations' dtype (as a
-GEMM's output is rounded), adds it to the residual stream and normalises the result: the three kernels
-after the GEMM's main loop become one. `silu-down` also takes the gate/up projection's output as it is and
-applies SiLU·up as its tiles load, in place of the engine's `silu_mul` kernel and its write of the
-intermediate. `cublas-partials-S` has cuBLAS write the partials instead: one strided-batched GEMM over S
-spans of K with float32 outputs (`torch.bmm(..., out_dtype=torch.float32)`), then the same reduction; no
-split-K of cuBLAS's own, no reduce kernel of its own. Each tile and split configuration in CONFIGS is timed
-as CUDA-graph replays cycling over --copies weight copies (weights from HBM, as in a step), with the largest
-difference from the engine's outputs. CUDA only; tests/test_split_k_bench.py checks the kernels in Triton's interpreter.
+dimension (8,960) must be split to fill the card. Two ways of writing the float32 partials are timed:
+
+- `cublas-partials-S`, what the engine runs at a decode step's rows (`linears.split_linear`): one cuBLAS
+  strided-batched GEMM over S spans of K with float32 outputs, summed by the compiled `add_rms_norm`;
+- the Triton GEMM of each configuration in CONFIGS, each program summing one span of K for one tile, and one
+  program per row adding the partials, rounding the sum to the activations' dtype (as a GEMM's output is
+  rounded), adding it to the residual stream and normalising the result (`--configs none` skips them).
+
+`silu-down` also takes the gate/up projection's output as it is: the Triton GEMM applies SiLU·up as its tiles
+load, in place of the engine's `silu_mul` kernel and its write of the intermediate. Each variant is timed as
+CUDA-graph replays cycling over --copies weight copies (weights from HBM, as in a step), with the largest
+difference from the one-GEMM path's outputs. CUDA only; tests/test_split_k_bench.py checks the Triton kernels in
+Triton's interpreter.
 
     python benchmarks/split_k_bench.py --rows 256,960 --out benchmarks/results.jsonl --commit $COMMIT
 """
@@ -104,25 +107,6 @@ def split_k_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.
     return out, normed
 
 
-def cublas_partials_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                                 norm_weight: torch.Tensor, eps: float, splits: int
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same as `split_k_add_rms_norm`, its partials from one cuBLAS strided-batched GEMM: batch s multiplies
-    x[:, s·span:(s+1)·span] by that span of Wᵀ into a float32 [rows, cols]. Views only, no copy: x [rows, K]
-    is [S, rows, span] at batch stride span, and Wᵀ [K, cols] is [S, span, cols] likewise. CUDA only."""
-    (rows, depth), cols = x.shape, weight.shape[0]
-    if depth % splits:
-        raise ValueError(f"{splits} splits do not divide K = {depth}")
-    span = depth // splits
-    a = x.view(rows, splits, span).transpose(0, 1)
-    b = weight.t().view(splits, span, cols)
-    partials = torch.bmm(a, b, out_dtype=torch.float32)
-    out, normed = torch.empty_like(residual), torch.empty_like(residual)
-    _reduce_add_norm_kernel[(rows,)](partials, residual, norm_weight, out, normed, rows, cols, eps, SPLITS=splits,
-                                     BLOCK=triton.next_power_of_2(cols), num_warps=8 if cols > 1024 else 4)
-    return out, normed
-
-
 def main() -> None:
     import sys
     from pathlib import Path
@@ -131,6 +115,7 @@ def main() -> None:
     from _common import add_graph_timing_args, append_result, kernel_record, print_table
     from decode_attention_bench import graph_ms
 
+    from caspo.rollout.native.linears import split_linear
     from caspo.rollout.native.runner import add_rms_norm, silu_mul
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,7 +126,7 @@ def main() -> None:
                         help="down (intermediate -> hidden), silu-down (gate/up -> silu_mul -> down), "
                              "o (hidden -> hidden)")
     parser.add_argument("--configs", default="all", help="'all' of CONFIGS, or 'none'")
-    parser.add_argument("--cublas-splits", default="2,3,4,5,6,7,8,10,14",
+    parser.add_argument("--cublas-splits", default="2,3,4,5,6,7,8",
                         help="spans of K for the cuBLAS partials (those dividing K into multiples of 8 are run)")
     add_graph_timing_args(parser)
     args = parser.parse_args()
@@ -162,12 +147,12 @@ def main() -> None:
             weights = [torch.randn(n, depth, device="cuda", dtype=torch.bfloat16) * depth ** -0.5
                        for _ in range(args.copies)]
 
-            def engine(i, x=x, residual=residual, norm_weight=norm_weight, weights=weights, gated=gated):
+            def one_gemm(i, x=x, residual=residual, norm_weight=norm_weight, weights=weights, gated=gated):
                 return add_rms_norm(residual, F.linear(silu_mul(x) if gated else x, weights[i]), norm_weight, eps)
 
-            want = engine(0)
-            engine_ms = graph_ms(engine, args.copies, args.calls, args.replays)
-            rows = [["engine: " + ("silu_mul + " if gated else "") + "cuBLAS + add_rms_norm", f"{engine_ms * 1e3:.1f}",
+            want = one_gemm(0)
+            one_gemm_ms = graph_ms(one_gemm, args.copies, args.calls, args.replays)
+            rows = [[("silu_mul + " if gated else "") + "cuBLAS + add_rms_norm", f"{one_gemm_ms * 1e3:.1f}",
                      "1.00", "0"]]
             variants = {}
             for config in configs:
@@ -178,19 +163,19 @@ def main() -> None:
             for splits in (s for s in cublas_splits if depth % s == 0 and (depth // s) % 8 == 0):
                 def cublas(i, x=x, residual=residual, norm_weight=norm_weight, weights=weights, gated=gated,
                            splits=splits):
-                    return cublas_partials_add_rms_norm(silu_mul(x) if gated else x, weights[i], residual,
-                                                        norm_weight, eps, splits)
+                    partials = split_linear(silu_mul(x) if gated else x, weights[i], splits)
+                    return add_rms_norm(residual, partials, norm_weight, eps)
                 variants[f"cublas-partials-{splits}"] = cublas
             for config, split_k in variants.items():
                 diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(split_k(0), want))
                 ms = graph_ms(split_k, args.copies, args.calls, args.replays)
-                rows.append([config, f"{ms * 1e3:.1f}", f"{engine_ms / ms:.2f}", f"{diff:.3g}"])
+                rows.append([config, f"{ms * 1e3:.1f}", f"{one_gemm_ms / ms:.2f}", f"{diff:.3g}"])
                 append_result(args.out, {**record, "rows": m, "gemm": gemm, "config": config,
-                                         "us": round(ms * 1e3, 2), "engine_us": round(engine_ms * 1e3, 2),
+                                         "us": round(ms * 1e3, 2), "one_gemm_us": round(one_gemm_ms * 1e3, 2),
                                          "max_diff": diff})
             table += [[m, gemm, *r] for r in rows]
-    print(f"{torch.cuda.get_device_name()}: (block m, n, k, splits, warps, stages); x engine = its time / this one")
-    print_table(["rows", "GEMM", "kernel", "µs", "x engine", "max |diff|"], table)
+    print(f"{torch.cuda.get_device_name()}: (block m, n, k, splits, warps, stages); x one GEMM = its time / this one")
+    print_table(["rows", "GEMM", "kernel", "µs", "x one GEMM", "max |diff|"], table)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ float32 on the model's device and cast to the compute dtype. Logits are float32:
 bf16/fp16 runner keeps the output GEMM's float32 accumulator, where `transformers` rounds
 the logits to the compute dtype first.
 
-On CUDA three things differ from a plain eager forward, none in what is computed: q/k/v and
+On CUDA four things differ from a plain eager forward, none in what is computed: q/k/v and
 gate/up each run as one GEMM over a fused weight whose row blocks are the named parameters
-(`fuse_linears`); the element-wise work between GEMMs runs through `torch.compile`
-(`compiled_on_cuda`); and a decode step's attention runs in the split-K Triton kernel of
-`decode_attention.py` (`Runner.decode_kernel`, set by the engine). RoPE and the K/V-cache write
+(`fuse_linears`); a decode step's down projection leaves float32 partials over spans of K for the
+next norm's kernel to sum (`split_linear`, `down_splits`); the element-wise work between GEMMs
+runs through `torch.compile` (`compiled_on_cuda`); and a decode step's attention runs in the
+split-K Triton kernel of `decode_attention.py` (`Runner.decode_kernel`, set by the engine). RoPE and the K/V-cache write
 run as one Triton kernel on CUDA (`rope_store.py`, `Runner.rope_kernel`, set by the engine's
 `rope_kernel`); in a decode step that kernel is the attention kernel's prologue where one program reads a
 row's whole key range (`rope_attention.py`). Each layer's residual add after its MLP runs in the next norm's kernel
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from caspo.rollout.native.kv_cache import KVCache
+from caspo.rollout.native.linears import down_splits, fuse_linears, settled, split_linear
 from caspo.rollout.native.prefix_groups import PrefixGroups
 from caspo.rollout.native.spec import DecoderSpec
 
@@ -165,8 +167,9 @@ rms_norm = compiled_on_cuda(_rms_norm)
 @compiled_on_cuda
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one kernel."""
-    x = x + delta
+    """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one kernel (with the sum of
+    delta's partials, where it comes as `split_linear`'s)."""
+    x = x + settled(delta, x)
     return x, _rms_norm(x, weight, eps)
 
 
@@ -184,26 +187,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One [Σ out, in] weight (and bias) whose row blocks become the linears' parameters, as views.
-
-    The block then runs one GEMM where it ran several small ones (k/v are 8× smaller than q in
-    Qwen2.5), while the parameters keep their names and storage for loading and publication:
-    an in-place copy into `k_proj.weight` lands in the fused weight.
-    """
-    weight = torch.cat([linear.weight for linear in linears])
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([linear.bias for linear in linears]) if has_bias else None
-    start = 0
-    for linear in linears:
-        end = start + linear.out_features
-        linear.weight = nn.Parameter(weight[start:end], requires_grad=False)
-        if has_bias:
-            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
-        start = end
-    return weight, bias
 
 
 class Attention(nn.Module):
@@ -271,6 +254,16 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
 
+    def deferred(self, x: torch.Tensor) -> torch.Tensor:
+        """The output for the next norm's kernel: `forward`'s, or on CUDA at a decode step's rows the down
+        projection's float32 partials over spans of K (`down_splits`), which that kernel sums (`settled`)."""
+        hidden = silu_mul(F.linear(x, self.gate_up_weight))
+        depth = hidden.shape[-1]
+        splits = down_splits(hidden.numel() // depth, depth) if x.is_cuda and x.dtype != torch.float32 else 1
+        if splits == 1:
+            return self.down_proj(hidden)
+        return split_linear(hidden, self.down_proj.weight, splits)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, dtype: torch.dtype):
@@ -282,11 +275,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, batch: Batch, kv) -> torch.Tensor:
         x, delta = self.deferred(x, None, rope, batch, kv)
-        return x + delta
+        return x + settled(delta, x)
 
     def deferred(self, x, delta, rope, batch: Batch, kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer with its residual adds in the norms' kernels: (x, this layer's MLP output), for x + delta
-        to be taken by the next norm; `delta` is the previous layer's (None for the first)."""
+        """The layer with its residual adds in the norms' kernels: (x, this layer's MLP output, `MLP.deferred`),
+        for x + delta to be taken by the next norm; `delta` is the previous layer's (None for the first)."""
         norm = self.input_layernorm
         if delta is None:
             h = norm(x)
@@ -294,7 +287,7 @@ class DecoderLayer(nn.Module):
             x, h = add_rms_norm(x, delta, norm.weight, norm.eps)
         norm = self.post_attention_layernorm
         x, h = add_rms_norm(x, self.self_attn(h, rope, batch, kv), norm.weight, norm.eps)
-        return x, self.mlp(h)
+        return x, self.mlp.deferred(h)
 
 
 class Backbone(nn.Module):

@@ -1,0 +1,67 @@
+"""How the native runner lays out its linear layers' GEMMs on CUDA; what is computed stays each layer's own.
+
+- `fuse_linears`: q/k/v, and gate/up, each one GEMM over a weight whose row blocks are the named parameters.
+- `split_linear`: a decode step's down projection as float32 partials over spans of K, summed by the next
+  norm's kernel (`settled`) where cuBLAS would split K itself and reduce in a kernel of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [Σ out, in] weight (and bias) whose row blocks become the linears' parameters, as views.
+
+    The block then runs one GEMM where it ran several small ones (k/v are 8× smaller than q in
+    Qwen2.5), while the parameters keep their names and storage for loading and publication:
+    an in-place copy into `k_proj.weight` lands in the fused weight.
+    """
+    weight = torch.cat([linear.weight for linear in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([linear.bias for linear in linears]) if has_bias else None
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if has_bias:
+            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
+# Spans of K for the down projection of a decode step on CUDA, by rows: (at most these rows, spans). Its output
+# at 256 rows is 24 tiles of 128 × 128 for 132 SMs, so cuBLAS splits K itself and reduces in a kernel of its
+# own; `split_linear` leaves the partials for the next norm's kernel to sum (benchmarks/split_k_bench.py,
+# benchmarks/RESULTS.md). Past the last entry (a prefill) one GEMM fills the card.
+DOWN_SPLITS = ((384, 4), (1024, 2))
+
+
+def down_splits(rows: int, depth: int) -> int:
+    """How many spans of K `MLP.deferred` cuts a down projection of `rows` rows and K = depth into (1: none)."""
+    for most_rows, splits in DOWN_SPLITS:
+        if rows <= most_rows:
+            return splits if depth % (8 * splits) == 0 else 1  # spans of whole 16-byte vectors
+    return 1
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x Wᵀ as float32 partials [splits, *x.shape[:-1], out] over `splits` equal spans of K, from one cuBLAS
+    strided-batched GEMM on views (x [rows, K] as [S, rows, K / S], Wᵀ [K, out] as [S, K / S, out]): the
+    partial sums a split-K GEMM makes, left for `settled` to add up. bf16/fp16 on CUDA only (their float32
+    outputs); float32 anywhere."""
+    depth, out = x.shape[-1], weight.shape[0]
+    if depth % splits:
+        raise ValueError(f"{splits} spans do not divide K = {depth}")
+    span = depth // splits
+    a = x.reshape(-1, splits, span).transpose(0, 1)
+    b = weight.t().view(splits, span, out)
+    partials = torch.bmm(a, b) if x.dtype == torch.float32 else torch.bmm(a, b, out_dtype=torch.float32)
+    return partials.view(splits, *x.shape[:-1], out)
+
+
+def settled(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A GEMM's output in x's dtype: `delta` itself, or the sum of its float32 partials [S, *x.shape] over spans
+    of K (`split_linear`), rounded once as the GEMM rounds its float32 accumulator."""
+    return delta.sum(0).to(x.dtype) if delta.dim() > x.dim() else delta
