@@ -64,4 +64,9 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Te
 def settled(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A GEMM's output in x's dtype: `delta` itself, or the sum of its float32 partials [S, *x.shape] over spans
     of K (`split_linear`), rounded once as the GEMM rounds its float32 accumulator."""
-    return delta.sum(0).to(x.dtype) if delta.dim() > x.dim() else delta
+    if delta.dim() == x.dim():
+        return delta
+    total = delta[0]
+    for partial in delta[1:]:  # element-wise adds, which inductor fuses into the norm (sum(0) is a kernel of its own)
+        total = total + partial
+    return total.to(x.dtype)
