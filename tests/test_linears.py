@@ -45,12 +45,11 @@ def test_add_rms_norm_takes_partials_for_the_output_they_sum_to():
 
 
 def test_decode_rows_take_the_split_table_and_a_prefill_one_gemm():
-    (rows_4, spans_4), (rows_2, spans_2) = DOWN_SPLITS
-    assert [down_splits(r, 8960) for r in (1, 256, rows_4)] == [spans_4] * 3
-    assert [down_splits(r, 8960) for r in (rows_4 + 1, 960, rows_2)] == [spans_2] * 3
-    assert down_splits(rows_2 + 1, 8960) == 1 and down_splits(8192, 8960) == 1
+    assert [down_splits(rows, 8960) for rows, _ in DOWN_SPLITS] == [spans for _, spans in DOWN_SPLITS]
+    assert [down_splits(1, 8960), down_splits(97, 8960), down_splits(257, 8960)] == [2, 4, 1]
+    assert down_splits(DOWN_SPLITS[-1][0] + 1, 8960) == 1 and down_splits(8192, 8960) == 1
     assert down_splits(256, 8968) == 1  # 8968 / 4 spans is not a whole number of 8-element vectors
-    assert down_splits(960, 8968) == 1 and down_splits(960, 8976) == 2
+    assert down_splits(512, 8968) == 1 and down_splits(512, 8976) == 2
 
 
 def test_mlp_on_the_cpu_hands_the_next_norm_its_plain_output():
@@ -69,7 +68,7 @@ def test_on_cuda_a_decode_step_leaves_partials_within_the_gemms_rounding():
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.02)
     mlp.fuse()
-    for rows, spans in ((256, 4), (960, 2), (8192, 1)):
+    for rows, spans in ((256, 4), (512, 2), (960, 1), (8192, 1)):
         x = torch.randn(rows, 1, 1536, device="cuda", dtype=torch.bfloat16)
         out = mlp.deferred(x)
         assert out.dim() == (4 if spans > 1 else 3) and (spans == 1 or out.shape[0] == spans)

@@ -31,11 +31,13 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
-# Spans of K for the down projection of a decode step on CUDA, by rows: (at most these rows, spans). Its output
-# at 256 rows is 24 tiles of 128 × 128 for 132 SMs, so cuBLAS splits K itself and reduces in a kernel of its
-# own; `split_linear` leaves the partials for the next norm's kernel to sum (benchmarks/split_k_bench.py,
-# benchmarks/RESULTS.md). Past the last entry (a prefill) one GEMM fills the card.
-DOWN_SPLITS = ((384, 4), (1024, 2))
+# Spans of K for the down projection of a decode step on CUDA, by rows: (at most these rows, spans). At 256 rows
+# its output is 24 tiles of 128 × 128 for 132 SMs, so cuBLAS splits K itself and reduces in a kernel of its own;
+# `split_linear` leaves the partials for the next norm's kernel to sum instead. Where that is faster depends on
+# the kernel cuBLAS picks for each shape: on an H100 (cuBLAS of CUDA 13.0) the partials won at every graph size
+# up to 256 rows (by 1.06-1.46 ×), at 384 and at 448-512, and lost at 320, 576, 640, 768, 960 and 1,024
+# (split_k_bench.py, benchmarks/RESULTS.md). Past the last entry (larger decode steps, every prefill) one GEMM.
+DOWN_SPLITS = ((96, 2), (256, 4), (320, 1), (384, 4), (512, 2))
 
 
 def down_splits(rows: int, depth: int) -> int:
