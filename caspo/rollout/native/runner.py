@@ -12,10 +12,11 @@ gate/up each run as one GEMM over a fused weight whose row blocks are the named 
 (`fuse_linears`); a decode step's down projection leaves float32 partials over spans of K for the
 next norm's kernel to sum (`split_linear`, `down_splits`); the element-wise work between GEMMs
 runs through `torch.compile` (`compiled_on_cuda`); and a decode step's attention runs in the
-split-K Triton kernel of `decode_attention.py` (`Runner.decode_kernel`, set by the engine). RoPE and the K/V-cache write
-run as one Triton kernel on CUDA (`rope_store.py`, `Runner.rope_kernel`, set by the engine's
-`rope_kernel`); in a decode step that kernel is the attention kernel's prologue where one program reads a
-row's whole key range (`rope_attention.py`). Each layer's residual add after its MLP runs in the next norm's kernel
+split-K Triton kernel of `decode_attention.py` (`Runner.decode_kernel`, set by the engine).
+RoPE and the K/V-cache write run as one Triton kernel on CUDA (`rope_store.py`,
+`Runner.rope_kernel`, set by the engine's `rope_kernel`); in a decode step that kernel is the
+attention kernel's prologue where one program reads a row's whole key range
+(`rope_attention.py`). Each layer's residual add after its MLP runs in the next norm's kernel
 (`DecoderLayer.deferred`).
 
 A prefill of whole prompts (every row from position 0, as teacher forcing is too) attends under SDPA's own causal
@@ -274,19 +275,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
     def forward(self, x, rope, batch: Batch, kv) -> torch.Tensor:
-        x, delta = self.deferred(x, None, rope, batch, kv)
-        return x + settled(delta, x)
+        """The layer on its own (as the looped decoder runs its layers): x after both residual adds."""
+        x, h = self.attend(x, None, rope, batch, kv)
+        return x + self.mlp(h)
 
-    def deferred(self, x, delta, rope, batch: Batch, kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer with its residual adds in the norms' kernels: (x, this layer's MLP output, `MLP.deferred`),
-        for x + delta to be taken by the next norm; `delta` is the previous layer's (None for the first)."""
+    def attend(self, x, delta, rope, batch: Batch, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream after the attention block, the MLP's normed input); `delta` is the previous
+        layer's MLP output, which this layer's first norm adds to x (None: x is complete)."""
         norm = self.input_layernorm
         if delta is None:
             h = norm(x)
         else:
             x, h = add_rms_norm(x, delta, norm.weight, norm.eps)
         norm = self.post_attention_layernorm
-        x, h = add_rms_norm(x, self.self_attn(h, rope, batch, kv), norm.weight, norm.eps)
+        return add_rms_norm(x, self.self_attn(h, rope, batch, kv), norm.weight, norm.eps)
+
+    def deferred(self, x, delta, rope, batch: Batch, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its residual adds in the norms' kernels: (x, this layer's MLP output, `MLP.deferred`),
+        for x + delta to be taken by the next norm; `delta` is the previous layer's (None for the first)."""
+        x, h = self.attend(x, delta, rope, batch, kv)
         return x, self.mlp.deferred(h)
 
 
