@@ -6,7 +6,9 @@ timed as CUDA-graph replays of `F.linear` cycling over --copies weight copies (s
 a step), and reported in µs a call and TFLOP/s, beside its compute bound (--peak) and the time to read its
 weight (--bandwidth). The last line sums one step: 28 layers of the four projections and the head.
 With --autotune each shape is also compiled by inductor in max-autotune mode (Triton GEMM templates searched
-against cuBLAS), which says whether a better kernel exists for these skinny shapes. CUDA only.
+against cuBLAS), which says whether a better kernel exists for these skinny shapes. With --partials S each shape
+is also timed as the float32 partials over S spans of K that the engine's down projection uses at decode rows
+(`linears.split_linear`; the partials' sum, which the next kernel does, is not timed). CUDA only.
 
     python benchmarks/decode_gemm_bench.py --rows 256,960 --out benchmarks/results.jsonl --commit $COMMIT
 """
@@ -19,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from _common import add_graph_timing_args, append_result, kernel_record, print_table
 from decode_attention_bench import graph_ms
+
+from caspo.rollout.native.linears import split_linear
 
 
 def shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int) -> dict[str, tuple[int, int, int]]:
@@ -39,6 +43,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)
     add_graph_timing_args(parser)
     parser.add_argument("--autotune", action="store_true", help="also time inductor's max-autotune GEMM")
+    parser.add_argument("--partials", default="", help="spans of K, comma-separated: also time split_linear")
     parser.add_argument("--peak", type=float, default=790e12, help="the card's dense bf16 FLOP/s")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="the card's memory bandwidth, bytes/s")
     args = parser.parse_args()
@@ -47,6 +52,8 @@ def main() -> None:
     variants = {"cuBLAS": F.linear}
     if args.autotune:
         variants["max-autotune"] = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+    for splits in (int(s) for s in args.partials.split(",") if s):
+        variants[f"partials-{splits}"] = lambda x, w, splits=splits: split_linear(x, w, splits)
     table = []
     for m in (int(r) for r in args.rows.split(",")):
         step = {name: 0.0 for name in variants}
@@ -57,6 +64,8 @@ def main() -> None:
             flops, weight_bytes = 2 * m * n * k, n * k * 2
             calls = args.layers if per_layer else 1
             for variant, linear in variants.items():
+                if variant.startswith("partials-") and k % (8 * int(variant.split("-")[1])):
+                    continue  # spans of whole 16-byte vectors only, as the engine takes them
                 ms = graph_ms(lambda i: linear(x, weights[i]), args.copies, args.calls, args.replays)  # noqa: B023
                 step[variant] += ms * calls
                 table.append([m, name, f"{k} -> {n}", variant, f"{ms * 1e3:.1f}", f"{flops / ms / 1e9:.0f}",
