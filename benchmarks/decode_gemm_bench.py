@@ -65,6 +65,7 @@ def main() -> None:
             calls = args.layers if per_layer else 1
             for variant, linear in variants.items():
                 if variant.startswith("partials-") and k % (8 * int(variant.split("-")[1])):
+                    step[variant] = float("nan")  # a step without this GEMM is no step's sum
                     continue  # spans of whole 16-byte vectors only, as the engine takes them
                 ms = graph_ms(lambda i: linear(x, weights[i]), args.copies, args.calls, args.replays)  # noqa: B023
                 step[variant] += ms * calls
@@ -73,7 +74,8 @@ def main() -> None:
                 append_result(args.out, {**record, "rows": m, "gemm": name, "in": k, "out": n, "variant": variant,
                                          "us": round(ms * 1e3, 2), "tflops": round(flops / ms / 1e9, 1)})
         for variant, ms in step.items():
-            table.append([m, "one step", f"{args.layers} layers + head", variant, f"{ms * 1e3:.0f}", "", "", ""])
+            table.append([m, "one step", f"{args.layers} layers + head", variant,
+                          "–" if ms != ms else f"{ms * 1e3:.0f}", "", "", ""])
     print(f"{torch.cuda.get_device_name()}; peak {args.peak / 1e12:.0f} TFLOP/s, {args.bandwidth / 1e12:.1f} TB/s")
     print_table(["rows", "GEMM", "in -> out", "kernel", "µs", "TFLOP/s", "compute bound µs", "weight read µs"], table)
 
