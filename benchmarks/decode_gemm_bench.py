@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from _common import add_graph_timing_args, append_result, kernel_record, print_table
 from decode_attention_bench import graph_ms
 
-from caspo.rollout.native.linears import split_linear
+from caspo.rollout.native.linears import spans_fit, split_linear
 
 
 def shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int) -> dict[str, tuple[int, int, int]]:
@@ -52,8 +52,10 @@ def main() -> None:
     variants = {"cuBLAS": F.linear}
     if args.autotune:
         variants["max-autotune"] = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+    spans = {}  # partials variant -> its spans of K
     for splits in (int(s) for s in args.partials.split(",") if s):
         variants[f"partials-{splits}"] = lambda x, w, splits=splits: split_linear(x, w, splits)
+        spans[f"partials-{splits}"] = splits
     table = []
     for m in (int(r) for r in args.rows.split(",")):
         step = {name: 0.0 for name in variants}
@@ -64,9 +66,9 @@ def main() -> None:
             flops, weight_bytes = 2 * m * n * k, n * k * 2
             calls = args.layers if per_layer else 1
             for variant, linear in variants.items():
-                if variant.startswith("partials-") and k % (8 * int(variant.split("-")[1])):
+                if variant in spans and not spans_fit(k, spans[variant]):  # as the engine would not take them
                     step[variant] = float("nan")  # a step without this GEMM is no step's sum
-                    continue  # spans of whole 16-byte vectors only, as the engine takes them
+                    continue
                 ms = graph_ms(lambda i: linear(x, weights[i]), args.copies, args.calls, args.replays)  # noqa: B023
                 step[variant] += ms * calls
                 table.append([m, name, f"{k} -> {n}", variant, f"{ms * 1e3:.1f}", f"{flops / ms / 1e9:.0f}",

@@ -115,7 +115,7 @@ def main() -> None:
     from _common import add_graph_timing_args, append_result, kernel_record, print_table
     from decode_attention_bench import graph_ms
 
-    from caspo.rollout.native.linears import split_linear
+    from caspo.rollout.native.linears import spans_fit, split_linear
     from caspo.rollout.native.runner import add_rms_norm, silu_mul
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,7 +127,7 @@ def main() -> None:
                              "o (hidden -> hidden)")
     parser.add_argument("--configs", default="all", help="'all' of CONFIGS, or 'none'")
     parser.add_argument("--cublas-splits", default="2,3,4,5,6,7,8",
-                        help="spans of K for the cuBLAS partials (those dividing K into multiples of 8 are run)")
+                        help="spans of K for the cuBLAS partials (those the engine could take: `linears.spans_fit`)")
     add_graph_timing_args(parser)
     args = parser.parse_args()
     record = kernel_record("split_k", args.commit)
@@ -160,7 +160,7 @@ def main() -> None:
                             config=config):
                     return split_k_add_rms_norm(x, weights[i], residual, norm_weight, eps, config, gated)
                 variants[str(config)] = split_k
-            for splits in (s for s in cublas_splits if depth % s == 0 and (depth // s) % 8 == 0):
+            for splits in (s for s in cublas_splits if spans_fit(depth, s)):
                 def cublas(i, x=x, residual=residual, norm_weight=norm_weight, weights=weights, gated=gated,
                            splits=splits):
                     partials = split_linear(silu_mul(x) if gated else x, weights[i], splits)

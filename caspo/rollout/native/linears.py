@@ -40,11 +40,17 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
 DOWN_SPLITS = ((96, 2), (256, 4), (320, 1), (384, 4), (512, 2))
 
 
+def spans_fit(depth: int, splits: int) -> bool:
+    """Whether K = depth cuts into `splits` equal spans of whole 16-byte (8 bf16) vectors, as `split_linear`'s
+    views need for cuBLAS's aligned kernels."""
+    return depth % (8 * splits) == 0
+
+
 def down_splits(rows: int, depth: int) -> int:
     """How many spans of K `MLP.deferred` cuts a down projection of `rows` rows and K = depth into (1: none)."""
     for most_rows, splits in DOWN_SPLITS:
         if rows <= most_rows:
-            return splits if depth % (8 * splits) == 0 else 1  # spans of whole 16-byte vectors
+            return splits if spans_fit(depth, splits) else 1
     return 1
 
 
