@@ -16,6 +16,7 @@ is also timed as the float32 partials over S spans of K that the engine's down p
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ def main() -> None:
                                          "us": round(ms * 1e3, 2), "tflops": round(flops / ms / 1e9, 1)})
         for variant, ms in step.items():
             table.append([m, "one step", f"{args.layers} layers + head", variant,
-                          "–" if ms != ms else f"{ms * 1e3:.0f}", "", "", ""])
+                          "–" if math.isnan(ms) else f"{ms * 1e3:.0f}", "", "", ""])
     print(f"{torch.cuda.get_device_name()}; peak {args.peak / 1e12:.0f} TFLOP/s, {args.bandwidth / 1e12:.1f} TB/s")
     print_table(["rows", "GEMM", "in -> out", "kernel", "µs", "TFLOP/s", "compute bound µs", "weight read µs"], table)
 
