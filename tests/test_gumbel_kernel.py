@@ -189,7 +189,7 @@ try:  # CPU builds of torch come without triton: the test below then skips
     import triton
     import triton.language as tl
 
-    from caspo.rollout.gumbel_kernel import _fold_kept, _online_logsumexp, _row_hash
+    from caspo.rollout.gumbel_kernel import INTERPRETED, _fold_kept, _online_logsumexp, _row_hash
 
     @triton.jit
     def _row_hashes(Seeds, Positions, Out, n, BLOCK: tl.constexpr):
@@ -199,7 +199,7 @@ try:  # CPU builds of torch come without triton: the test below then skips
         tl.store(Out + index, h.to(tl.int64), mask=inside)
 
     @triton.jit
-    def _fold_both_ways(X, Out, n, cut, LANES: tl.constexpr):
+    def _fold_both_ways(X, Out, n, cut, LANES: tl.constexpr, FAST: tl.constexpr):
         """The running (max, sum) of each lane's entries by `_online_logsumexp`, and by exponentiating both
         differences from the new max (what it replaced); and the sum over the entries >= cut by `_fold_kept`."""
         lanes = tl.arange(0, LANES)
@@ -210,7 +210,7 @@ try:  # CPU builds of torch come without triton: the test below then skips
         kept_total = tl.zeros([LANES], tl.float32)
         for i in range(0, n):
             s = tl.load(X + i * LANES + lanes)
-            top, total, e, rises = _online_logsumexp(top, total, s)
+            top, total, e, rises = _online_logsumexp(top, total, s, FAST)
             kept_total = _fold_kept(kept_total, s >= cut, e, rises)
             new_top = tl.maximum(two_top, s)
             anchor = tl.where(new_top == float("-inf"), 0.0, new_top)
@@ -250,7 +250,7 @@ def test_the_online_logsumexp_takes_one_exponential_for_two():
     x = torch.tensor(lanes, dtype=torch.float32).T.contiguous()  # [steps, lanes]
     out = torch.empty(5, 16, dtype=torch.float32, device=device)
     cut = 1.0
-    _fold_both_ways[(1,)](x.to(device), out, x.shape[0], cut, LANES=16)
+    _fold_both_ways[(1,)](x.to(device), out, x.shape[0], cut, LANES=16, FAST=not INTERPRETED)
     top, total, two_top, two_total, kept_total = out.cpu()
     assert torch.equal(top, two_top)
     if device == "cpu":

@@ -40,7 +40,7 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Members": "*i64", "Slots": "
          "Index": "*i32", "Counts": "*i32", "Above": "*i64", "x_scale": "fp32", "shift_scale": "fp32"}
 SHAPE = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)  # Qwen2.5-1.5B: 12 heads, 2 KV heads, D = 128
 ATTENTION = {"num_warps": da.NUM_WARPS, "num_stages": da.NUM_STAGES}
-PICK = dict(SPAN=gk.SPAN, BLOCK=gk.BLOCK, FAST_LOG=True)
+PICK = dict(SPAN=gk.SPAN, BLOCK=gk.BLOCK, FAST_MATH=True)
 KERNELS = {
     "split": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=False), ATTENTION),
     "split_from_starts": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=True), ATTENTION),

@@ -23,10 +23,10 @@ over the kept entries alone; a part that keeps nothing stores the partials of no
 
 The float64 keys are the definition, but two float64 logarithms per entry made the kernel
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
-float32 keys, whose error is far below MARGIN (`gumbel_noise32`; on the card its logarithms are the
-hardware's approximate ones: libdevice's accurate logf took most of a program's instructions at top-p 1.0),
-and computes the float64 key
-of its winner alone. When another entry's float32 key comes within MARGIN of the winner's, the
+float32 keys, whose error is far below MARGIN (`gumbel_noise32`), and computes the float64 key of
+its winner alone. On the card the float32 logarithms and exponentials are the hardware's approximate
+ones and the noise takes no division: at top-p 1.0 a program's loop is arithmetic, about 57
+instructions an entry. When another entry's float32 key comes within MARGIN of the winner's, the
 order could differ, and the program ranks its part again in float64, as the definition does
 (about one program in 10^4). Tokens therefore equal `gumbel_pick`'s: the keys are the same
 float64 numbers and ties go to the first index within a lane, a program and across parts.
@@ -98,37 +98,43 @@ def _gumbel64(h):
 
 
 @triton.jit
-def _ln(x, FAST: tl.constexpr):
-    """ln x (float32): with FAST the hardware's approximate log2 times ln 2 (about 2^-22 relative: two
-    instructions), else libdevice's accurate logf (about two dozen). Triton's interpreter has no libdevice."""
+def _log2(x, FAST: tl.constexpr):
+    """log2 x (float32): with FAST the hardware's approximate one (one instruction; within 2^-22 for x in [1/2, 2],
+    2 ulps elsewhere), else an accurate one. Triton's interpreter has no libdevice."""
     if FAST:
-        return libdevice.fast_logf(x)
-    return tl.log(x)
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
+
+
+@triton.jit
+def _exp(x, FAST: tl.constexpr):
+    """e^x (float32): with FAST the hardware's exp2 of x · log2 e with results below 2^-126 flushed to 0 (two
+    instructions; the online sums below always hold a term of 1, which such a term cannot change), else triton's
+    exp, which scales them back (three more)."""
+    if FAST:
+        return libdevice.fast_expf(x)
+    return tl.exp(x)
 
 
 @triton.jit
 def _gumbel32(h, FAST: tl.constexpr):
-    """G in float32, accurate to a few float32 ulps of -log U over every counter value (with FAST, the
-    hardware's logarithms: within 8e-6 of the float64 G, whose magnitude stays below 17.3).
+    """G in float32, a few float32 ulps of the float64 G over every counter value, |G| below 17.3 (with FAST, the
+    hardware's logarithms: within 8e-6).
 
-    Below U = 1/2, U is exact in float32. Above it -log U = -log(1 - m), m = 1 - U exact, is
-    2 atanh(z) = 2 (z + z³/3 + z⁵/5 + ...) with z = m / (2 - m) <= 1/3: eight terms leave
-    z^17 / 17 < 2e-9 of it, with the relative accuracy that the outer log needs as U -> 1.
+    Through E = -log2 U: G = -ln(E · ln 2) = -ln 2 · log2 E - ln ln 2. U is exact in float32 below 1/2 and
+    rounded once above; that rounding and the hardware log2's absolute error near 1 stay far below E's own size
+    while U <= 1 - 2^-4. Above it E = log2(e) · (m + m²/2 + ... + m⁵/5) with m = 1 - U exact: the terms left out
+    are below m⁵/6 < 2e-7 of E, the relative accuracy that the outer log needs as U -> 1.
     """
     k = h >> 8
-    u = (k.to(tl.float32) + 0.5) * (1.0 / (1 << 24))
-    m = (((1 << 24) - k).to(tl.float32) - 0.5) * (1.0 / (1 << 24))
-    z = m / (2.0 - m)
-    z2 = z * z
-    series = 1.0 / 13.0 + z2 * (1.0 / 15.0)
-    series = 1.0 / 11.0 + z2 * series
-    series = 1.0 / 9.0 + z2 * series
-    series = 1.0 / 7.0 + z2 * series
-    series = 1.0 / 5.0 + z2 * series
-    series = 1.0 / 3.0 + z2 * series
-    series = 1.0 + z2 * series
-    minus_log_u = tl.where(k < (1 << 23), -_ln(u, FAST), 2.0 * z * series)
-    return -_ln(minus_log_u, FAST)
+    u = k.to(tl.float32) * (1.0 / (1 << 24)) + (1.0 / (1 << 25))  # (k + 1/2) / 2^24: one rounding, as a sum
+    m = ((1 << 24) - k).to(tl.float32) * (1.0 / (1 << 24)) - (1.0 / (1 << 25))  # exact where the series takes it
+    series = 1.4426950408889634 / 4 + m * (1.4426950408889634 / 5)
+    series = 1.4426950408889634 / 3 + m * series
+    series = 1.4426950408889634 / 2 + m * series
+    series = 1.4426950408889634 + m * series
+    minus_log2_u = tl.where(k < (1 << 24) - (1 << 20), -_log2(u, FAST), m * series)
+    return _log2(minus_log2_u, FAST) * -0.6931471805599453 + 0.36651292058166435
 
 
 @triton.jit
@@ -141,13 +147,13 @@ def _rank_block(kept, row_hash, index, best, second, best_index, FAST: tl.conste
 
 
 @triton.jit
-def _online_logsumexp(top, total, s):
+def _online_logsumexp(top, total, s, FAST: tl.constexpr):
     """Fold s into per-lane (max, sum of exp(s - max)) with one exponential an entry, e = exp(-|s - top|): the
     rescaling of the sum when s is a new max (the term of s is then exp(0) = 1), s's own term otherwise (the
     rescaling is then by exp(0) = 1): the sums of exponentiating both differences from the new max, with one
     exponential fewer. Lanes that saw only -inf keep (-inf, 0). Also returns e and whether s rose."""
     rises = s > top
-    e = tl.exp(tl.where(rises, top - s, s - top))
+    e = _exp(tl.where(rises, top - s, s - top), FAST)
     e = tl.where(s == float("-inf"), 0.0, e)  # -inf - (-inf) is nan; a -inf entry adds nothing
     return tl.maximum(top, s), tl.where(rises, total * e + 1.0, total + e), e, rises
 
@@ -190,7 +196,7 @@ def _rank_in_float64(Logits, row_hash, cut, inverse_temperature, vocab, start,
 def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature, vocab, stride_row, margin,
                         BestKey, BestIndex, KeptTotal, FullTop, FullTotal, ChunkMaxima, chunks,
                         CUT: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                        FAST_LOG: tl.constexpr):
+                        FAST_MATH: tl.constexpr):
     """Each part's winner, and its sums: of the whole part (FullTop, FullTotal) and of its kept entries against
     the same maxima (KeptTotal); with chunk maxima (CHUNK > 0), of its kept entries alone (FullTop, KeptTotal)."""
     row = tl.program_id(0)
@@ -222,8 +228,8 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
             if block_top >= cut:
                 s = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")) * inverse_temperature
                 kept = tl.where(s >= cut, s, float("-inf"))
-                best, second, best_index = _rank_block(kept, row_hash, index, best, second, best_index, FAST_LOG)
-                full_top, kept_total, _, _ = _online_logsumexp(full_top, kept_total, kept)
+                best, second, best_index = _rank_block(kept, row_hash, index, best, second, best_index, FAST_MATH)
+                full_top, kept_total, _, _ = _online_logsumexp(full_top, kept_total, kept, FAST_MATH)
         else:
             x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf"))
             s = x * inverse_temperature
@@ -233,10 +239,10 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
                 # is not hashed (at a trained model's top-p 0.9 that is nearly every block)
                 if tl.max(s, 0) >= cut:
                     best, second, best_index = _rank_block(tl.where(inside_cut, s, float("-inf")), row_hash, index,
-                                                           best, second, best_index, FAST_LOG)
+                                                           best, second, best_index, FAST_MATH)
             else:
-                best, second, best_index = _rank_block(s, row_hash, index, best, second, best_index, FAST_LOG)
-            full_top, full_total, e, rises = _online_logsumexp(full_top, full_total, s)
+                best, second, best_index = _rank_block(s, row_hash, index, best, second, best_index, FAST_MATH)
+            full_top, full_total, e, rises = _online_logsumexp(full_top, full_total, s, FAST_MATH)
             if CUT:
                 kept_total = _fold_kept(kept_total, inside_cut, e, rises)
     top = tl.max(best, 0)
@@ -262,10 +268,10 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
 
 
 @triton.jit
-def _gumbel_noise32_kernel(Counters, Out, n, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+def _gumbel_noise32_kernel(Counters, Out, n, BLOCK: tl.constexpr, FAST_MATH: tl.constexpr):
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     k = tl.load(Counters + index, mask=index < n, other=0).to(tl.uint32)
-    tl.store(Out + index, _gumbel32(k << 8, FAST_LOG), mask=index < n)
+    tl.store(Out + index, _gumbel32(k << 8, FAST_MATH), mask=index < n)
 
 
 # Under TRITON_INTERPRET=1 (set before this module is imported) the kernels run in numpy, without libdevice.
@@ -277,7 +283,7 @@ def gumbel_noise32(counters: torch.Tensor) -> torch.Tensor:
     its error against the float64 definition, -log(-log U)."""
     out = torch.empty(counters.shape, dtype=torch.float32, device=counters.device)
     _gumbel_noise32_kernel[(triton.cdiv(counters.numel(), BLOCK),)](counters, out, counters.numel(), BLOCK=BLOCK,
-                                                                    FAST_LOG=not INTERPRETED)
+                                                                    FAST_MATH=not INTERPRETED)
     return out
 
 
@@ -352,7 +358,7 @@ def fused_gumbel_pick(logits: torch.Tensor, inverse_temperature: float, threshol
     _gumbel_pick_kernel[(rows, parts)](logits, seeds, positions, threshold if cut else logits, inverse_temperature,
                                        vocab, logits.stride(0), margin, best_key, best_index, kept_total,
                                        full_top, full_total, maxima, maxima.shape[-1], CUT=cut, SPAN=SPAN,
-                                       BLOCK=BLOCK, CHUNK=chunk, FAST_LOG=not INTERPRETED, num_warps=WARPS)
+                                       BLOCK=BLOCK, CHUNK=chunk, FAST_MATH=not INTERPRETED, num_warps=WARPS)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     full = torch.empty(rows, dtype=torch.float32, device=logits.device)
     kept = torch.empty_like(full) if cut else full
