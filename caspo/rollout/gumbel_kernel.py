@@ -25,7 +25,7 @@ The float64 keys are the definition, but two float64 logarithms per entry made t
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
 float32 keys, whose error is far below MARGIN (`gumbel_noise32`), and computes the float64 key of
 its winner alone. On the card the float32 logarithms and exponentials are the hardware's approximate
-ones and the noise takes no division: at top-p 1.0 a program's loop is arithmetic, about 57
+ones and the noise takes no division: at top-p 1.0 a program's loop is arithmetic, about 56
 instructions an entry. When another entry's float32 key comes within MARGIN of the winner's, the
 order could differ, and the program ranks its part again in float64, as the definition does
 (about one program in 10^4). Tokens therefore equal `gumbel_pick`'s: the keys are the same
@@ -127,8 +127,9 @@ def _gumbel32(h, FAST: tl.constexpr):
     are below m⁵/6 < 2e-7 of E, the relative accuracy that the outer log needs as U -> 1.
     """
     k = h >> 8
-    u = k.to(tl.float32) * (1.0 / (1 << 24)) + (1.0 / (1 << 25))  # (k + 1/2) / 2^24: one rounding, as a sum
-    m = ((1 << 24) - k).to(tl.float32) * (1.0 / (1 << 24)) - (1.0 / (1 << 25))  # exact where the series takes it
+    kf = k.to(tl.float32)
+    u = kf * (1.0 / (1 << 24)) + (1.0 / (1 << 25))  # (k + 1/2) / 2^24: one rounding, as a sum
+    m = (1.0 - kf * (1.0 / (1 << 24))) - (1.0 / (1 << 25))  # 1 - U: exact where the series takes it
     series = 1.4426950408889634 / 4 + m * (1.4426950408889634 / 5)
     series = 1.4426950408889634 / 3 + m * series
     series = 1.4426950408889634 / 2 + m * series
