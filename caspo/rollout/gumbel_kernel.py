@@ -25,7 +25,7 @@ The float64 keys are the definition, but two float64 logarithms per entry made t
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
 float32 keys, whose error is far below MARGIN (`gumbel_noise32`), and computes the float64 key of
 its winner alone. On the card the float32 logarithms and exponentials are the hardware's approximate
-ones and the noise takes no division: at top-p 1.0 a program's loop is arithmetic, about 56
+ones and the noise takes no division: at top-p 1.0 a program's loop is arithmetic, about 53
 instructions an entry. When another entry's float32 key comes within MARGIN of the winner's, the
 order could differ, and the program ranks its part again in float64, as the definition does
 (about one program in 10^4). Tokens therefore equal `gumbel_pick`'s: the keys are the same
@@ -221,18 +221,22 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
     full_top = tl.full([BLOCK], float("-inf"), tl.float32)
     full_total = tl.zeros([BLOCK], tl.float32)
     for offset in range(0, SPAN, BLOCK):
-        index = part * SPAN + offset + tl.arange(0, BLOCK)
+        start = part * SPAN + offset
+        index = start + tl.arange(0, BLOCK)
+        # index < vocab as the lanes' own offsets against what is left: the compiler widens index to 64 bits
+        # with the addresses, where a compare costs four instructions an entry instead of one
+        inside = tl.arange(0, BLOCK) < vocab - start
         if CHUNK:  # a block whose chunks all lie below the cut keeps nothing: it is not read
-            chunk = (part * SPAN + offset) // CHUNK + tl.arange(0, BLOCK // CHUNK)
+            chunk = start // CHUNK + tl.arange(0, BLOCK // CHUNK)
             block_top = tl.max(tl.load(ChunkMaxima + row * chunks + chunk, mask=chunk < chunks,
                                        other=float("-inf")), 0)
             if block_top >= cut:
-                s = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")) * inverse_temperature
+                s = tl.load(row_logits + index, mask=inside, other=float("-inf")) * inverse_temperature
                 kept = tl.where(s >= cut, s, float("-inf"))
                 best, second, best_index = _rank_block(kept, row_hash, index, best, second, best_index, FAST_MATH)
                 full_top, kept_total, _, _ = _online_logsumexp(full_top, kept_total, kept, FAST_MATH)
         else:
-            x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf"))
+            x = tl.load(row_logits + index, mask=inside, other=float("-inf"))
             s = x * inverse_temperature
             inside_cut = s >= cut
             if CUT:
