@@ -84,8 +84,6 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=kernel.BLOCK_N)
     parser.add_argument("--num-warps", type=int, default=kernel.NUM_WARPS)
     parser.add_argument("--num-stages", type=int, default=kernel.NUM_STAGES)
-    parser.add_argument("--key-ways", type=int, default=kernel.KEY_WAYS,
-                        help="sub-blocks of keys a program's warps attend over apart (decode_attention.KEY_WAYS)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default="", help="the code's commit, recorded with the figures")
     parser.add_argument("--out", default="", help="append one JSON line per measurement to this file")
@@ -93,7 +91,6 @@ def main() -> None:
     if torch.device(args.device).type != "cuda":
         raise SystemExit("this benchmark times CUDA kernels; run it on a CUDA device")
     kernel.BLOCK_N, kernel.NUM_WARPS, kernel.NUM_STAGES = args.block_n, args.num_warps, args.num_stages
-    kernel.KEY_WAYS = args.key_ways
     fused.BLOCK_N, fused.NUM_WARPS, fused.NUM_STAGES = args.block_n, args.num_warps, args.num_stages
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -110,8 +107,7 @@ def main() -> None:
               "card": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "triton": triton.__version__, "commit": args.commit, "dtype": args.dtype,
               "shape": {"batch": B, "heads": H, "kv_heads": Hkv, "head_dim": D, "cache_len": L},
-              "block_n": args.block_n, "num_warps": args.num_warps, "num_stages": args.num_stages,
-              "key_ways": args.key_ways}
+              "block_n": args.block_n, "num_warps": args.num_warps, "num_stages": args.num_stages}
 
     rows = []
     for key_len in (int(k) for k in args.key_lens.split(",")):
@@ -167,7 +163,7 @@ def main() -> None:
 
     print(f"decode attention: B={B}, H={H}, Hkv={Hkv}, D={D}, cache {L} positions, {args.dtype}, "
           f"{args.layers} layers cycled; {torch.cuda.get_device_name(device)}, triton {triton.__version__}; "
-          f"BLOCK_N={args.block_n}, num_warps={args.num_warps}, num_stages={args.num_stages}, key_ways={args.key_ways}")
+          f"BLOCK_N={args.block_n}, num_warps={args.num_warps}, num_stages={args.num_stages}")
     print_table(["keys", "impl", "splits", "ms (graph)", "ms (eager)", "K/V GB/s", "max|Δ| vs sdpa",
                  "mean|Δ|"], rows)
 

@@ -73,28 +73,6 @@ def test_matches_reference(B, H, Hkv, D):
         assert (out.double() - want).abs().max().item() <= 1e-5, num_splits
 
 
-@pytest.mark.parametrize("ways", [2, 4])
-def test_key_ways_match_reference(ways, monkeypatch):
-    """Each block's keys cut into sub-blocks with online softmaxes of their own (KEY_WAYS): the same attention, at
-    rows whose keys end inside a block and rows of one key (sub-blocks with no key at all), through one split,
-    several, and chunks that end inside a sub-block."""
-    monkeypatch.setattr(decode_mod, "KEY_WAYS", ways)
-    B, H, Hkv, D, L, key_len = 4, 12, 2, 16, 150, 140
-    k, v = cache_views(B, Hkv, L, D, seed=11)
-    q, lengths = random_q(B, H, D, seed=12), torch.tensor([140, 65, 17, 1], device=DEVICE)
-    want = reference(q, k, v, lengths, key_len)
-    for num_splits in (None, 2, 3):
-        out = decode_attention(q, k, v, lengths, key_len, num_splits=num_splits)
-        assert (out.double() - want).abs().max().item() <= 1e-5, num_splits
-
-
-def test_key_ways_must_leave_sub_blocks_of_16_keys(monkeypatch):
-    monkeypatch.setattr(decode_mod, "KEY_WAYS", 8)  # 64 keys a block: sub-blocks of 8
-    k, v = cache_views(1, 1, 20, 16)
-    with pytest.raises(ValueError, match="KEY_WAYS=8"):
-        decode_attention(random_q(1, 2, 16), k, v, torch.tensor([20], device=DEVICE), 20)
-
-
 def test_never_reads_past_key_len():
     """NaN keys/values beyond key_len (and lengths larger than key_len, clamped) change nothing."""
     B, H, Hkv, D, L, key_len = 2, 6, 1, 16, 40, 21

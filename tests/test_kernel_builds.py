@@ -42,9 +42,8 @@ SHAPE = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)  # Qwen2.5-1.5B: 12
 ATTENTION = {"num_warps": da.NUM_WARPS, "num_stages": da.NUM_STAGES}
 PICK = dict(SPAN=gk.SPAN, BLOCK=gk.BLOCK, FAST_MATH=True)
 KERNELS = {
-    "split": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=False, WAYS=1), ATTENTION),
-    "split_from_starts": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=True, WAYS=1),
-                          ATTENTION),
+    "split": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=False), ATTENTION),
+    "split_from_starts": (da._split_kernel, dict(SHAPE, BLOCK_G=16, PRECISION="tf32", HAS_STARTS=True), ATTENTION),
     "combine": (da._combine_kernel, dict(GROUP=6, HEAD_DIM=128, BLOCK_G=8, BLOCK_S=4, BLOCK_D=128),
                 {"num_warps": 4, "num_stages": da.NUM_STAGES}),
     "prefix": (spa._prefix_kernel, dict(SHAPE, MEMBERS=10, BLOCK_Q=64, BLOCK_N=spa.PREFIX_BLOCK_N, PRECISION="tf32"),
@@ -55,8 +54,7 @@ KERNELS = {
     "rope_store_7b": (rs._rope_store_kernel, dict(HEADS=28, KV_HEADS=4, HALF=64, BLOCK_H=64, BLOCK=64),
                       {"num_warps": rs.WARPS, "enable_fp_fusion": False}),
     "rope_attend": (ra._rope_attend_kernel, dict(HEADS=12, KV_HEADS=2, GROUP=6, HEAD_DIM=128, BLOCK_G=16,
-                                                 BLOCK_D=128, BLOCK_N=ra.BLOCK_N, PRECISION="tf32", WAYS=1),
-                    ATTENTION),
+                                                 BLOCK_D=128, BLOCK_N=ra.BLOCK_N, PRECISION="tf32"), ATTENTION),
     "pick": (gk._gumbel_pick_kernel, dict(PICK, CUT=False, CHUNK=0), {"num_warps": gk.WARPS}),
     "pick_under_cut": (gk._gumbel_pick_kernel, dict(PICK, CUT=True, CHUNK=0), {"num_warps": gk.WARPS}),
     "pick_after_search": (gk._gumbel_pick_kernel, dict(PICK, CUT=True, CHUNK=128), {"num_warps": gk.WARPS}),

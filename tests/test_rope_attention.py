@@ -7,7 +7,6 @@ from test_rope_store import device_for_triton, rope_tables
 
 pytest.importorskip("triton")
 
-from caspo.rollout.native import decode_attention as decode_attention_module  # noqa: E402
 from caspo.rollout.native.decode_attention import decode_attention  # noqa: E402
 from caspo.rollout.native.rope_attention import fuses, rope_decode_attention  # noqa: E402
 from caspo.rollout.native.rope_store import rope_store  # noqa: E402
@@ -35,14 +34,11 @@ def decode_inputs(dtype, device, heads=4, kv_heads=2, head_dim=16, length=48, se
     return qkv, cos, sin, positions, positions + 1, slots, cache
 
 
-@pytest.mark.parametrize("ways", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (12, 2), (2, 2)])
-def test_one_kernel_equals_rope_store_then_decode_attention(dtype, heads, kv_heads, ways, monkeypatch):
+def test_one_kernel_equals_rope_store_then_decode_attention(dtype, heads, kv_heads):
     """The attention and the whole cache afterwards (the new keys and values written, nothing else moved) equal
-    the two kernels' bit for bit, at query groups of 2, 6 and 1, with the keys of a block attended together and in
-    four sub-blocks (`decode_attention.KEY_WAYS`)."""
-    monkeypatch.setattr(decode_attention_module, "KEY_WAYS", ways)
+    the two kernels' bit for bit, at query groups of 2, 6 and 1."""
     device = device_for_triton()
     qkv, cos, sin, positions, lengths, slots, cache = decode_inputs(dtype_on(device, dtype), device, heads, kv_heads)
     key_len = cache.shape[3]

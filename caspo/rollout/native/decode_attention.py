@@ -37,7 +37,6 @@ from triton.runtime.jit import JITFunction
 BLOCK_N = 64  # keys per block of the stage-1 loop
 NUM_WARPS = 4
 NUM_STAGES = 2  # K/V blocks in flight: 2 × 2 × 64 × 128 × 2 bytes = 64 KiB shared memory at D=128 bf16
-KEY_WAYS = 1  # sub-blocks of keys a program's warps attend over apart (1: every warp shares each block)
 
 # Split heuristic: two programs per SM of an H100/H200 (132 SMs; at B = 256 one split, measured
 # faster than two: benchmarks/RESULTS.md), and the shortest chunk worth a split
@@ -103,64 +102,11 @@ def attend_chunk(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale, 
 
 
 @triton.jit
-def attend_chunk_by_ways(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale, ROWS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, WAYS: tl.constexpr):
-    """`attend_chunk` with each block of keys cut into WAYS sub-blocks, each with its own online softmax, merged
-    once at the end: a batched [WAYS, ROWS, ·] matmul gives each warp one sub-block, so the running max and sum
-    need no exchange between warps inside the loop (at WAYS = 1 the block's scores lie across the warps, and each
-    block's max, sum and probabilities cross shared memory behind barriers). A sub-block may hold no valid key:
-    its max stays -inf and it weighs 0."""
-    SUB: tl.constexpr = BLOCK_N // WAYS
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    key_offsets = tl.arange(0, WAYS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WAYS, SUB]
-    q = tl.broadcast_to(q[None, :, :], (WAYS, ROWS, BLOCK_D))
-    m_i = tl.full([WAYS, ROWS], float("-inf"), tl.float32)
-    l_i = tl.full([WAYS, ROWS], 0.0, tl.float32)
-    acc = tl.full([WAYS, ROWS, BLOCK_D], 0.0, tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + key_offsets
-        n_mask = n < end
-        k = tl.load(k_base + n[:, None, :] * stride_kn + offs_d[None, :, None],
-                    mask=d_mask[None, :, None] & n_mask[:, None, :], other=0.0)  # K^T sub-blocks [WAYS, D, SUB]
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[:, None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=2))
-        anchor = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sub-block with no key yet: everything weighs 0
-        alpha = tl.exp2(m_i - anchor)
-        p = tl.exp2(s - anchor[:, :, None])
-        l_i = l_i * alpha + tl.sum(p, axis=2)
-        v = tl.load(v_base + n[:, :, None] * stride_vn + offs_d[None, None, :],
-                    mask=n_mask[:, :, None] & d_mask[None, None, :], other=0.0)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    top = tl.max(m_i, axis=0)
-    weight = tl.exp2(m_i - tl.where(top == float("-inf"), 0.0, top)[None, :])
-    l_sum = tl.sum(l_i * weight, axis=0)
-    has_keys = l_sum > 0
-    l_safe = tl.where(has_keys, l_sum, 1.0)
-    return tl.sum(acc * weight[:, :, None], axis=0) / l_safe[:, None], tl.where(has_keys, top + tl.log2(l_safe),
-                                                                               float("-inf"))
-
-
-@triton.jit
-def attend(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WAYS: tl.constexpr):
-    """`attend_chunk`, or `attend_chunk_by_ways` where WAYS > 1: (o, lse) of q over keys [start, end)."""
-    if WAYS == 1:
-        return attend_chunk(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale, ROWS=ROWS,
-                            HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
-    return attend_chunk_by_ways(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale, ROWS=ROWS,
-                                HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION, WAYS=WAYS)
-
-
-@triton.jit
 def _split_kernel(Q, K, V, Lengths, Starts, Slots, MidO, MidLse, qk_scale, key_len, chunk,
                   stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr, WAYS: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr):
     b = tl.program_id(0)
     slot = tl.load(Slots + b).to(tl.int64)  # slot · stride_kb can pass 2**31 in a large cache
     kv_head = tl.program_id(1)
@@ -184,8 +130,8 @@ def _split_kernel(Q, K, V, Lengths, Starts, Slots, MidO, MidLse, qk_scale, key_l
 
     k_base = K + slot * stride_kb + kv_head * stride_kh
     v_base = V + slot * stride_vb + kv_head * stride_vh
-    o, lse = attend(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale,
-                    ROWS=BLOCK_G, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION, WAYS=WAYS)
+    o, lse = attend_chunk(q, k_base, v_base, start, end, stride_kn, stride_vn, qk_scale,
+                          ROWS=BLOCK_G, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     o_ptrs = MidO + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, o.to(MidO.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
@@ -285,13 +231,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def key_ways() -> int:
-    """KEY_WAYS, checked against BLOCK_N: each sub-block is at least 16 keys (the matmuls' smallest side)."""
-    if KEY_WAYS < 1 or KEY_WAYS & (KEY_WAYS - 1) or BLOCK_N // KEY_WAYS < 16:
-        raise ValueError(f"KEY_WAYS={KEY_WAYS} must be a power of two with BLOCK_N={BLOCK_N} // KEY_WAYS >= 16")
-    return KEY_WAYS
-
-
 def launch_splits(q, k_cache, v_cache, lengths, slots, mid_o, o_strides, mid_lse, scale, key_len, num_splits, chunk,
                   starts=None) -> None:
     """Stage 1 over grid (B, Hkv, num_splits): each chunk's (o, lse) per query head into mid_o / mid_lse, split s
@@ -307,7 +246,7 @@ def launch_splits(q, k_cache, v_cache, lengths, slots, mid_o, o_strides, mid_lse
         GROUP=group, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_STARTS=starts is not None,
-        WAYS=key_ways(), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def launch_combine(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int,

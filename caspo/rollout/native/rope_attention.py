@@ -34,9 +34,8 @@ from caspo.rollout.native.decode_attention import (
     LOG2E,
     NUM_STAGES,
     NUM_WARPS,
-    attend,
+    attend_chunk,
     decode_attention,
-    key_ways,
     split_plan,
 )
 from caspo.rollout.native.rope_store import rope_store, rotated_half
@@ -56,7 +55,7 @@ def _rope_attend_kernel(QKV, Cos, Sin, Positions, Lengths, Slots, CacheK, CacheV
                         stride_qkv, stride_table, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr, WAYS: tl.constexpr):
+                        PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     dtype = QKV.dtype.element_ty
@@ -91,8 +90,8 @@ def _rope_attend_kernel(QKV, Cos, Sin, Positions, Lengths, Slots, CacheK, CacheV
     tl.debug_barrier()  # every thread's loads below see the key and value just written
 
     length = tl.minimum(tl.load(Lengths + b).to(tl.int32), key_len)  # never read past key_len
-    o, _ = attend(q.to(dtype), k_base, v_base, 0, length, stride_kn, stride_kn, qk_scale,
-                  ROWS=BLOCK_G, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION, WAYS=WAYS)
+    o, _ = attend_chunk(q.to(dtype), k_base, v_base, 0, length, stride_kn, stride_kn, qk_scale,
+                        ROWS=BLOCK_G, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], o.to(dtype), mask=q_mask)
 
 
@@ -133,5 +132,5 @@ def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         qkv.stride(0), cos.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), out.stride(0),
         out.stride(1), HEADS=heads, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=D,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N,
-        PRECISION="tf32", WAYS=key_ways(), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        PRECISION="tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
