@@ -278,12 +278,15 @@ def check_noise32(counters: torch.Tensor, device: str) -> float:
 
 
 def test_float32_noise_is_far_inside_the_margin():
-    """G in float32 stays within 2e-6 of the float64 definition at sampled counters, the ends and the branch point
-    (U = 1/2), far inside MARGIN; the device check of every counter is test_float32_noise_on_the_device."""
+    """G in float32 stays within 2e-6 of the float64 definition at sampled counters, the ends, where U stops being
+    exact in float32 (U = 1/2) and where the series takes over from the logarithm (U = 1 - 2^-4), far inside
+    MARGIN; the device check of every counter is test_float32_noise_on_the_device."""
     from caspo.rollout.gumbel_kernel import MARGIN
 
     device = device_for_triton()
-    edges = [0, 1, 2, (1 << 23) - 1, 1 << 23, (1 << 23) + 1, (1 << 24) - 2, (1 << 24) - 1]
+    series_from = (1 << 24) - (1 << 20)
+    edges = [0, 1, 2, (1 << 23) - 1, 1 << 23, (1 << 23) + 1, series_from - 1, series_from, series_from + 1,
+             (1 << 24) - 2, (1 << 24) - 1]
     counters = torch.cat([torch.arange(0, 1 << 24, 4093), torch.tensor(edges)]).to(torch.int32)
     error = check_noise32(counters, device)
     assert error < 2e-6 < MARGIN / 8
