@@ -221,12 +221,13 @@ def _gumbel_pick_kernel(Logits, Seeds, Positions, Threshold, inverse_temperature
     kept_total = tl.zeros([BLOCK], tl.float32)
     full_top = tl.full([BLOCK], float("-inf"), tl.float32)
     full_total = tl.zeros([BLOCK], tl.float32)
+    lanes = tl.arange(0, BLOCK)
     for offset in range(0, SPAN, BLOCK):
         start = part * SPAN + offset
-        index = start + tl.arange(0, BLOCK)
+        index = start + lanes
         # index < vocab as the lanes' own offsets against what is left: the compiler widens index to 64 bits
         # with the addresses, where a compare costs four instructions an entry instead of one
-        inside = tl.arange(0, BLOCK) < vocab - start
+        inside = lanes < vocab - start
         if CHUNK:  # a block whose chunks all lie below the cut keeps nothing: it is not read
             chunk = start // CHUNK + tl.arange(0, BLOCK // CHUNK)
             block_top = tl.max(tl.load(ChunkMaxima + row * chunks + chunk, mask=chunk < chunks,
