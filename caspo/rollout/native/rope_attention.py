@@ -42,15 +42,6 @@ from caspo.rollout.native.rope_store import rope_store, rotated_half
 
 
 @triton.jit
-def _rotated(x_ptrs, partner_ptrs, mask, cos, sin, sign, DTYPE: tl.constexpr):
-    """RoPE of head vectors at x_ptrs, whose other half is at partner_ptrs: x·cos + sign·partner·sin with
-    sign -1 on the first half (`rope_store`'s numbers)."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return rotated_half(x, partner, cos, sin, sign, DTYPE)
-
-
-@triton.jit
 def _rope_attend_kernel(QKV, Cos, Sin, Positions, Lengths, Slots, CacheK, CacheV, Out, qk_scale, key_len,
                         stride_qkv, stride_table, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh,
                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -59,8 +50,11 @@ def _rope_attend_kernel(QKV, Cos, Sin, Positions, Lengths, Slots, CacheK, CacheV
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     dtype = QKV.dtype.element_ty
+    # Every load that needs no other is issued first, in one round trip to memory: the row's slot, position and
+    # length, and its q, k and v. Only the tables wait for the position, and the first K/V block for the store.
     slot = tl.load(Slots + b).to(tl.int64)  # slot · stride_kb can pass 2**31 in a large cache
     position = tl.load(Positions + b).to(tl.int64)
+    length = tl.minimum(tl.load(Lengths + b).to(tl.int32), key_len)  # never read past key_len
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -71,17 +65,21 @@ def _rope_attend_kernel(QKV, Cos, Sin, Positions, Lengths, Slots, CacheK, CacheV
     first_half = offs_d < HEAD_DIM // 2
     partner = tl.where(first_half, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
     sign = tl.where(first_half, -1.0, 1.0)
-    cos = tl.load(Cos + position * stride_table + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + position * stride_table + offs_d, mask=d_mask, other=0.0).to(tl.float32)
 
     row = QKV + b * stride_qkv
-    q_cols = heads[:, None] * HEAD_DIM
-    # Padded head rows rotate zeros: their scores are 0, harmless, and they are never stored.
-    q = _rotated(row + q_cols + offs_d[None, :], row + q_cols + partner[None, :], q_mask, cos[None, :],
-                 sin[None, :], sign[None, :], dtype)
-    k_col = (HEADS + kv_head) * HEAD_DIM
-    k = _rotated(row + k_col + offs_d, row + k_col + partner, d_mask, cos, sin, sign, dtype)
+    q_cols = row + heads[:, None] * HEAD_DIM
+    k_cols = row + (HEADS + kv_head) * HEAD_DIM
+    # Padded head rows load zeros and rotate them: their scores are 0, harmless, and they are never stored.
+    q_x = tl.load(q_cols + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q_partner = tl.load(q_cols + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    k_x = tl.load(k_cols + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    k_partner = tl.load(k_cols + partner, mask=d_mask, other=0.0).to(tl.float32)
     v = tl.load(row + (HEADS + KV_HEADS + kv_head) * HEAD_DIM + offs_d, mask=d_mask)
+
+    cos = tl.load(Cos + position * stride_table + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + position * stride_table + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    q = rotated_half(q_x, q_partner, cos[None, :], sin[None, :], sign[None, :], dtype)
+    k = rotated_half(k_x, k_partner, cos, sin, sign, dtype)
 
     k_base = CacheK + slot * stride_kb + kv_head * stride_kh
     v_base = CacheV + slot * stride_kb + kv_head * stride_kh
@@ -89,7 +87,6 @@ def _rope_attend_kernel(QKV, Cos, Sin, Positions, Lengths, Slots, CacheK, CacheV
     tl.store(v_base + position * stride_kn + offs_d, v, mask=d_mask)
     tl.debug_barrier()  # every thread's loads below see the key and value just written
 
-    length = tl.minimum(tl.load(Lengths + b).to(tl.int32), key_len)  # never read past key_len
     o, _ = attend_chunk(q.to(dtype), k_base, v_base, 0, length, stride_kn, stride_kn, qk_scale,
                         ROWS=BLOCK_G, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], o.to(dtype), mask=q_mask)
