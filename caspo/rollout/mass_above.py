@@ -43,9 +43,9 @@ SCREEN_BOUND = 2.0 ** -18
 def _level_sums(E, start, stop, levels, vocab, scale, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
     """The m int64 sums of w over e >= each level, for the entries [start, stop) of a row E (a pointer)."""
     acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
+    lanes = tl.arange(0, BLOCK)
     for offset in range(start, stop, BLOCK):
-        index = offset + tl.arange(0, BLOCK)
-        e = tl.load(E + index, mask=index < vocab, other=0.0)
+        e = tl.load(E + offset + lanes, mask=lanes < vocab - offset, other=0.0)  # in 32 bits (nucleus_reads)
         w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
         acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
     return tl.sum(acc, axis=0)
@@ -118,10 +118,10 @@ def _screen_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row,
     if tl.load(Skip + row) == 0:
         levels = cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
         acc = tl.zeros([BLOCK, LEVELS], dtype=tl.float32)
+        lanes = tl.arange(0, BLOCK)
         for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
-            index = offset + tl.arange(0, BLOCK)
-            e = tl.load(E + row * stride_row + index, mask=index < vocab, other=0.0)
-            acc += tl.where(e[:, None] >= levels[None, :], e[:, None], 0.0)
+            e = tl.load(E + row * stride_row + offset + lanes, mask=lanes < vocab - offset, other=0.0)
+            acc += e[:, None] * (e[:, None] >= levels[None, :]).to(tl.float32)  # compare + FMA (nucleus_reads)
         sums = tl.sum(acc.to(tl.float64), axis=0)
     tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS), sums)
 
