@@ -1,5 +1,5 @@
-"""The rollout's decode kernels (attention, RoPE, the Gumbel pick, the nucleus search's per-row kernels) compile
-for an H100/H200 (sm_90) without spilling registers, on any machine.
+"""The rollout's decode kernels (attention, RoPE, the Gumbel pick, the nucleus search's reads, passes and per-row
+kernels) compile for an H100/H200 (sm_90) without spilling registers, on any machine.
 
 Triton's interpreter (the CPU tests) runs a kernel's Python, not its compilation: a kernel it accepts may
 still fail to compile for the card, or spill registers to local memory. Triton compiles for an sm_90
@@ -26,7 +26,7 @@ import json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from caspo.rollout import gumbel_kernel as gk, nucleus_resolve as nr
+from caspo.rollout import gumbel_kernel as gk, mass_above as ma, nucleus_reads as nrd, nucleus_resolve as nr
 from caspo.rollout.native import decode_attention as da, rope_attention as ra, rope_store as rs, \
     shared_prefix_attention as spa
 
@@ -37,7 +37,8 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Members": "*i64", "Slots": "
          "BestKey": "*fp64", "BestIndex": "*i32", "KeptTotal": "*fp32", "FullTop": "*fp32", "FullTotal": "*fp32",
          "ChunkMaxima": "*fp32", "X": "*fp32", "E": "*fp32", "Maxima": "*fp32", "Target": "*i64", "Lo": "*i64",
          "Hi": "*i64", "Skip": "*i8", "Known": "*i8", "Cut": "*fp32", "Chosen": "*i32", "Values": "*fp32",
-         "Index": "*i32", "Counts": "*i32", "Above": "*i64", "x_scale": "fp32", "shift_scale": "fp32"}
+         "Index": "*i32", "Counts": "*i32", "Above": "*i64", "x_scale": "fp32", "shift_scale": "fp32",
+         "RowMax": "*fp32", "ScreenSums": "*fp64", "Bits": "*i64", "scale": "fp32"}
 SHAPE = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64)  # Qwen2.5-1.5B: 12 heads, 2 KV heads, D = 128
 ATTENTION = {"num_warps": da.NUM_WARPS, "num_stages": da.NUM_STAGES}
 PICK = dict(SPAN=gk.SPAN, BLOCK=gk.BLOCK, FAST_MATH=True)
@@ -61,10 +62,23 @@ KERNELS = {
     # the nucleus search's per-row kernels at the sampler's defaults: 64 chunks of 128 of 1,187; 19 parts of 64
     "start_search": (nr._start_kernel, dict(COUNT=64, CHUNK=128, CHUNKS=2048), {"num_warps": nr.START_WARPS}),
     "finish_search": (nr._finish_kernel, dict(CAPACITY=64, PARTS=32), {"num_warps": nr.FINISH_WARPS}),
+    # the nucleus search's reads of the rows and its passes, at the sampler's defaults (7 levels a pass)
+    "chunk_maxima": (nrd._chunk_maxima_kernel, dict(CHUNK=128, PER_PART=nrd.SPAN // 128, ROWS=nrd.BLOCK // 128),
+                     {"num_warps": nrd.WARPS}),
+    "exp_and_mass": (nrd._exp_and_mass_kernel, dict(SPAN=nrd.SPAN, BLOCK=nrd.BLOCK, LO=0, HI=127 << 23, M=7, LEVELS=8),
+                     {"num_warps": nrd.WARPS}, {"Partial": "*i64"}),
+    "threshold_logit": (nrd._threshold_logit_kernel, dict(SPAN=nrd.SPAN, BLOCK=nrd.BLOCK), {"num_warps": nrd.WARPS},
+                        {"Partial": "*fp32"}),
+    "collect": (nrd._collect_kernel, dict(CAPACITY=64, SPAN=nrd.SPAN, BLOCK=nrd.BLOCK), {"num_warps": nrd.WARPS}),
+    "cut_mass": (ma._cut_mass_kernel, dict(M=7, LEVELS=8, SPAN=ma.SPAN, BLOCK=ma.BLOCK), {"num_warps": ma.WARPS},
+                 {"Partial": "*i64"}),
+    "screen": (ma._screen_kernel, dict(M=7, LEVELS=8, SPAN=ma.SPAN, BLOCK=ma.SCREEN_BLOCK), {"num_warps": ma.WARPS},
+               {"Partial": "*fp64"}),
 }
 usage = {}
-for name, (fn, constexprs, options) in KERNELS.items():
-    signature = {arg: "constexpr" if arg in constexprs else TYPES.get(arg, "i32") for arg in fn.arg_names}
+for name, (fn, constexprs, options, *types) in KERNELS.items():
+    types = {**TYPES, **(types[0] if types else {})}  # an argument name whose type differs between kernels
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
     # as the JIT specializes them on the engine's tensors: pointers and strides divisible by 16 (which lets
     # the loads feeding tl.dot be pipelined through shared memory)
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
@@ -98,7 +112,8 @@ def usage():
 
 @pytest.mark.parametrize("kernel", ["split", "split_from_starts", "combine", "prefix", "rope_store", "rope_store_7b",
                                     "rope_attend", "pick", "pick_under_cut", "pick_after_search", "start_search",
-                                    "finish_search"])
+                                    "finish_search", "chunk_maxima", "exp_and_mass", "threshold_logit", "collect",
+                                    "cut_mass", "screen"])
 def test_decode_kernels_compile_for_sm90_without_spilling(usage, kernel):
     resources = usage[kernel]
     assert int(resources["REG"]) <= 255
