@@ -5,9 +5,10 @@
 `sampling.nucleus_threshold` narrows a row's threshold with a few such passes (the search and its
 proof: docs/engine/nucleus.md). Written as torch reductions, each pass reads the [B, vocab] row set
 once per level; this kernel reads it once for all m levels: grid (rows, parts of the vocabulary),
-each program accumulating m int64 sums over its part, then a sum over parts. A program keeps a
-[BLOCK, m] tile of sums in registers and reduces it across threads once, at the end: reducing every
-iteration made the cross-thread shuffles, not the compare-adds, the cost of a pass. Integer sums
+each program accumulating m int64 sums over its part, then a sum over parts. A program keeps an
+[m, BLOCK] tile of sums in registers, each thread every level of its own entries (`nucleus_reads` says
+why that way round), and reduces it across threads once, at the end: reducing every iteration made the
+cross-thread shuffles, not the compare-adds, the cost of a pass. Integer sums
 are exact, so the result equals the torch computation bit for bit, whatever the order.
 
 `narrow` is a whole pass in two kernels: the levels cut from each row's interval [lo, hi] of bit
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
-BLOCK = 256  # entries per loop iteration, each thread holding BLOCK / (32 WARPS) rows of the m sums
+BLOCK = 256  # entries per loop iteration, each thread holding the m sums of BLOCK / (32 WARPS) of them
 WARPS = 4
 SCREEN_BLOCK = 512  # the float32 screen's (73 against 85 us a pass at 256 rows on an H100; the int64 sums' best is 256)
 # A float32 sum of n >= 0 terms, added one by one, is within (n - 1) u / (1 - (n - 1) u) of the exact sum
@@ -42,13 +43,13 @@ SCREEN_BOUND = 2.0 ** -18
 @triton.jit
 def _level_sums(E, start, stop, levels, vocab, scale, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
     """The m int64 sums of w over e >= each level, for the entries [start, stop) of a row E (a pointer)."""
-    acc = tl.zeros([BLOCK, LEVELS], dtype=tl.int64)
-    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros([LEVELS, BLOCK], dtype=tl.int64)
+    lanes = tl.arange(0, BLOCK)[None, :]
     for offset in range(start, stop, BLOCK):
         e = tl.load(E + offset + lanes, mask=lanes < vocab - offset, other=0.0)  # in 32 bits (nucleus_reads)
         w = (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation, as torch does
-        acc += tl.where(e[:, None] >= levels[None, :], w[:, None], 0)
-    return tl.sum(acc, axis=0)
+        acc += tl.where(e >= levels[:, None], w, 0)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -117,12 +118,12 @@ def _screen_kernel(E, Lo, Hi, Skip, Partial, vocab, stride_row,
     sums = tl.zeros([LEVELS], dtype=tl.float64)
     if tl.load(Skip + row) == 0:
         levels = cut_levels(tl.load(Lo + row), tl.load(Hi + row), tl.arange(0, LEVELS), M)
-        acc = tl.zeros([BLOCK, LEVELS], dtype=tl.float32)
-        lanes = tl.arange(0, BLOCK)
+        acc = tl.zeros([LEVELS, BLOCK], dtype=tl.float32)
+        lanes = tl.arange(0, BLOCK)[None, :]
         for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
             e = tl.load(E + row * stride_row + offset + lanes, mask=lanes < vocab - offset, other=0.0)
-            acc += e[:, None] * (e[:, None] >= levels[None, :]).to(tl.float32)  # compare + FMA (nucleus_reads)
-        sums = tl.sum(acc.to(tl.float64), axis=0)
+            acc += e * (e >= levels[:, None]).to(tl.float32)  # compare + FMA (nucleus_reads)
+        sums = tl.sum(acc.to(tl.float64), axis=1)
     tl.store(Partial + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS), sums)
 
 
