@@ -76,8 +76,8 @@ KERNELS = {
                {"Partial": "*fp64"}),
 }
 usage = {}
-for name, (fn, constexprs, options, *types) in KERNELS.items():
-    types = {**TYPES, **(types[0] if types else {})}  # an argument name whose type differs between kernels
+for name, (fn, constexprs, options, *overrides) in KERNELS.items():
+    types = {**TYPES, **(overrides[0] if overrides else {})}  # an argument name typed differently by kernel
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
     # as the JIT specializes them on the engine's tensors: pointers and strides divisible by 16 (which lets
     # the loads feeding tl.dot be pipelined through shared memory)
