@@ -92,7 +92,7 @@ def _exp_and_mass_kernel(X, RowMax, E, Partial, ScreenSums, vocab, stride_row, x
         total += (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation
         if M > 0:  # the first pass's float32 screen, whose levels are every row's (`mass_above._screen_kernel`)
             screened += e * (e >= levels[:, None]).to(tl.float32)
-    tl.store(Partial + row * tl.num_programs(1) + part, tl.sum(tl.sum(total, axis=1), axis=0))
+    tl.store(Partial + row * tl.num_programs(1) + part, tl.sum(total))
     if M > 0:
         tl.store(ScreenSums + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS),
                  tl.sum(screened.to(tl.float64), axis=1))
