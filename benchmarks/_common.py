@@ -157,8 +157,8 @@ def kernel_profile(fn, device, top: int = 15) -> list[list[str]]:
         events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(getattr(e, key) for e in events)
     largest = sorted(events, key=lambda e: -getattr(e, key))[:top]
-    return [[e.key[:70], e.count, f"{getattr(e, key) / 1e3:.1f}", f"{getattr(e, key) / max(total, 1):.1%}"]
-            for e in largest] + [["(all kernels)", sum(e.count for e in events), f"{total / 1e3:.1f}", "100.0%"]]
+    return [[e.key[:70], e.count, f"{getattr(e, key) / 1e3:.3f}", f"{getattr(e, key) / max(total, 1):.1%}"]
+            for e in largest] + [["(all kernels)", sum(e.count for e in events), f"{total / 1e3:.3f}", "100.0%"]]
 
 
 def plant_rates(model: torch.nn.Module, rates: dict[int, float]) -> None:

@@ -79,10 +79,11 @@ usage = {}
 for name, (fn, constexprs, options, *overrides) in KERNELS.items():
     types = {**TYPES, **(overrides[0] if overrides else {})}  # an argument name typed differently by kernel
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
-    # as the JIT specializes them on the engine's tensors: pointers and strides divisible by 16 (which lets
-    # the loads feeding tl.dot be pipelined through shared memory)
+    # as the JIT specializes them on the engine's tensors: pointers, strides and Qwen's vocabulary (151,936 =
+    # 16 · 9,496) divisible by 16, which lets the loads feeding tl.dot be pipelined through shared memory and a
+    # row's loads under `lanes < vocab - offset` be 128-bit
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
-               if signature[arg].startswith("*") or arg.startswith("stride")}
+               if signature[arg].startswith("*") or arg.startswith("stride") or arg == "vocab"}
     source = ASTSource(fn=fn, signature=signature, attrs=aligned,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
