@@ -6,10 +6,17 @@
 proof: docs/engine/nucleus.md). Written as torch reductions, each pass reads the [B, vocab] row set
 once per level; this kernel reads it once for all m levels: grid (rows, parts of the vocabulary),
 each program accumulating m int64 sums over its part, then a sum over parts. A program keeps an
-[m, BLOCK] tile of sums in registers, each thread every level of its own entries (`nucleus_reads` says
-why that way round), and reduces it across threads once, at the end: reducing every iteration made the
-cross-thread shuffles, not the compare-adds, the cost of a pass. Integer sums
+[m, BLOCK] tile of sums in registers and reduces it across threads once, at the end: reducing every
+iteration made the cross-thread shuffles, not the compare-adds, the cost of a pass. Integer sums
 are exact, so the result equals the torch computation bit for bit, whatever the order.
+
+The tile is [levels, entries] over the row read as a [1, BLOCK] tile, so each thread holds every level of
+its own entries. As [entries, levels] each thread held one level of many entries, and every entry crossed
+shared memory to the threads of its levels, behind two barriers a loop iteration (four in the int64 pass).
+In the SASS triton builds for sm_90 (the vocabulary divisible by 16, as the JIT specialises Qwen's), a loop
+iteration of the float32 screen went from 90 instructions to 77 and of the int64 pass from 117 to 98, with
+no barrier left; on an H100 the screen of a flat row set (256 rows, std 1) from 71 to 63 us a call
+(benchmarks/RESULTS.md, thirty-first series).
 
 `narrow` is a whole pass in two kernels: the levels cut from each row's interval [lo, hi] of bit
 patterns inside the sum kernel, then one program per row that adds the parts' sums, counts the

@@ -21,16 +21,17 @@ approximation), and numpy's exp under triton's CPU interpreter. Each kernel's gr
 of SPAN entries); the parts' results are reduced by torch or by the search's per-row kernels
 (`nucleus_resolve`).
 
-Three habits of the loops, each counted in the SASS triton builds for sm_90 (a loop iteration of the first
-pass's read, of a screened pass and of an int64 pass: 392, 133 and 120 instructions with none of them, 303, 85
-and 99 with all three, and no barrier left in any):
+Two habits of the loops, counted in the SASS triton builds for sm_90 with the vocabulary specialised as
+divisible by 16, as the JIT does for Qwen's 151,936 (a loop iteration of `exp_and_mass` with the first pass's
+screen: 367 instructions without them, 298 with both):
 - the vocabulary bound is compared as `lanes < vocab - offset`, in 32 bits: written `index < vocab`,
   the compiler widens the compare to 64 bits;
-- the m levels' sums are a [levels, entries] tile over the row read as a [1, BLOCK] tile, so each thread
-  holds every level of its own entries. As [entries, levels] each thread held one level of many entries,
-  and every entry crossed shared memory, behind two barriers an iteration, to the threads of its levels;
 - a float32 screen adds e · [e >= level], a compare that gives 1.0 or 0.0 and one FMA, where a select
   and an add cost one more instruction an entry and level. The sums are the same: e · 1 and e · 0 are exact.
+`exp_and_mass` keeps its screen as an [entries, levels] tile, where the passes (`mass_above`) keep
+[levels, entries]: that way round its loop was 273 instructions without a barrier, but the kernel ran about
+5% slower on an H100, 6 us a call at 256 rows (benchmarks/RESULTS.md, thirty-first series): with only 8
+iterations a program, its larger end, where each thread reduces every level across the warp, costs more.
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ def _exp_and_mass_kernel(X, RowMax, E, Partial, ScreenSums, vocab, stride_row, x
                          M: tl.constexpr, LEVELS: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     top = tl.load(RowMax + row)
-    total = tl.zeros([1, BLOCK], dtype=tl.int64)
+    total = tl.zeros([BLOCK], dtype=tl.int64)
     levels = cut_levels(tl.full([], LO, tl.int64), tl.full([], HI, tl.int64), tl.arange(0, LEVELS), M)
-    screened = tl.zeros([LEVELS, BLOCK], dtype=tl.float32)
-    lanes = tl.arange(0, BLOCK)[None, :]
+    screened = tl.zeros([BLOCK, LEVELS], dtype=tl.float32)
+    lanes = tl.arange(0, BLOCK)
     for offset in range(part * SPAN, part * SPAN + SPAN, BLOCK):
         index = offset + lanes
         inside = lanes < vocab - offset
@@ -91,11 +92,11 @@ def _exp_and_mass_kernel(X, RowMax, E, Partial, ScreenSums, vocab, stride_row, x
         tl.store(E + row * stride_row + index, e, mask=inside)
         total += (e * scale).to(tl.int64)  # exact scaling by a power of two, then truncation
         if M > 0:  # the first pass's float32 screen, whose levels are every row's (`mass_above._screen_kernel`)
-            screened += e * (e >= levels[:, None]).to(tl.float32)
-    tl.store(Partial + row * tl.num_programs(1) + part, tl.sum(total))
+            screened += e[:, None] * (e[:, None] >= levels[None, :]).to(tl.float32)
+    tl.store(Partial + row * tl.num_programs(1) + part, tl.sum(total, axis=0))
     if M > 0:
         tl.store(ScreenSums + (row * tl.num_programs(1) + part) * LEVELS + tl.arange(0, LEVELS),
-                 tl.sum(screened.to(tl.float64), axis=1))
+                 tl.sum(screened.to(tl.float64), axis=0))
 
 
 @triton.jit
