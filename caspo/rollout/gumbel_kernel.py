@@ -25,8 +25,9 @@ The float64 keys are the definition, but two float64 logarithms per entry made t
 compute-bound (0.43 ms at B = 256, V = 151,936 on an H200). So a program ranks its entries by
 float32 keys, whose error is far below MARGIN (`gumbel_noise32`), and computes the float64 key of
 its winner alone. On the card the float32 logarithms and exponentials are the hardware's approximate
-ones and the noise takes no division: at top-p 1.0 a program's loop is arithmetic, about 53
-instructions an entry as triton 3.9 builds it for sm_90 (75 before; benchmarks/RESULTS.md). When
+ones and the noise takes no division: at top-p 1.0 a program's loop is arithmetic, about 49
+instructions an entry as triton 3.9 builds it for sm_90 at Qwen's vocabulary (benchmarks/RESULTS.md,
+twenty-ninth and thirty-first series). When
 another entry's float32 key comes within MARGIN of the winner's, the order could differ, and the
 program ranks its part again in float64, as the definition does (about one program in 10^4).
 Tokens therefore equal `gumbel_pick`'s: the keys are the same float64 numbers and ties go to the
