@@ -30,8 +30,9 @@ screen: 367 instructions without them, 298 with both):
   and an add cost one more instruction an entry and level. The sums are the same: e · 1 and e · 0 are exact.
 `exp_and_mass` keeps its screen as an [entries, levels] tile, where the passes (`mass_above`) keep
 [levels, entries]: that way round its loop was 273 instructions without a barrier, but the kernel ran about
-5% slower on an H100, 6 us a call at 256 rows (benchmarks/RESULTS.md, thirty-first series): with only 8
-iterations a program, its larger end, where each thread reduces every level across the warp, costs more.
+5% slower on an H100, 6 us a call at 256 rows (benchmarks/RESULTS.md, thirty-first series). With only 8
+iterations a program, its larger end (each thread reduces every level across the warp) likely outweighs
+what the loop saves.
 """
 
 from __future__ import annotations
