@@ -27,11 +27,10 @@ float32 keys, whose error is far below MARGIN (`gumbel_noise32`), and computes t
 its winner alone. On the card the float32 logarithms and exponentials are the hardware's approximate
 ones and the noise takes no division: at top-p 1.0 a program's loop is arithmetic, about 49
 instructions an entry as triton 3.9 builds it for sm_90 at Qwen's vocabulary (benchmarks/RESULTS.md,
-twenty-ninth and thirty-first series). When
-another entry's float32 key comes within MARGIN of the winner's, the order could differ, and the
-program ranks its part again in float64, as the definition does (about one program in 10^4).
-Tokens therefore equal `gumbel_pick`'s: the keys are the same float64 numbers and ties go to the
-first index within a lane, a program and across parts.
+twenty-ninth and thirty-first series). When another entry's float32 key comes within MARGIN of the
+winner's, the order could differ, and the program ranks its part again in float64, as the definition
+does (about one program in 10^4). Tokens therefore equal `gumbel_pick`'s: the keys are the same
+float64 numbers and ties go to the first index within a lane, a program and across parts.
 Log-probs agree to float32 rounding (the sums run in another order).
 """
 
