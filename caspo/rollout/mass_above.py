@@ -39,8 +39,8 @@ import triton.language as tl
 SPAN = 8192  # vocabulary entries per program: 19 parts per row at a vocabulary of 151,936
 BLOCK = 256  # entries per loop iteration, each thread holding the m sums of BLOCK / (32 WARPS) of them
 WARPS = 4
-# entries per loop iteration of the float32 screen: 512 took 73 us a pass at 256 rows on an H100 against 85 at 256,
-# timed with the earlier [BLOCK, m] tile and not since (the int64 sums' best is 256)
+# entries per loop iteration of the float32 screen: with the [m, BLOCK] tile, 512 took 63 us a pass at 256 flat rows
+# on an H100, against 69 at 256 and 84 at 1,024 (the int64 sums' best is 256)
 SCREEN_BLOCK = 512
 # A float32 sum of n >= 0 terms, added one by one, is within (n - 1) u / (1 - (n - 1) u) of the exact sum
 # (u = 2^-24). Each lane of the screening kernel adds SPAN / SCREEN_BLOCK = 16 entries (at most 32 for the
