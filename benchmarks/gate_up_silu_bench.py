@@ -1,0 +1,125 @@
+"""A decode step's gate/up projection with SiLU·up in the GEMM's epilogue, against cuBLAS and the compiled
+`silu_mul`.
+
+The engine runs the MLP's first half as two kernels: one cuBLAS GEMM over the fused [gate; up] weight, writing
+[rows, 2 · intermediate] in bf16, then `runner.silu_mul`, which reads that back and writes [rows, intermediate].
+At 256 rows on an H200 the pair is about 22 + 4 µs a layer. The Triton GEMM here keeps a gate and an up
+accumulator for the same columns in one program, so SiLU·up is applied to them before anything is written:
+half the output bytes, and no second kernel. It pays only if Triton's GEMM is within a few µs of cuBLAS's.
+
+Rounded as the engine rounds: each accumulator to bf16 (a GEMM's output), SiLU in float32 rounded to bf16,
+the product rounded to bf16. What differs from the two-kernel path is the GEMM's summation order alone.
+
+Variants, each timed as CUDA-graph replays over --copies weight copies (weights from HBM, as in a step):
+`cublas + silu_mul`, `cublas alone` (the GEMM without the second kernel, for reference), and the Triton
+kernel with each configuration of CONFIGS, through pointer loads (`ptr`) or tensor descriptors (`tma`).
+
+    python benchmarks/gate_up_silu_bench.py --rows 64,256,960
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from caspo.rollout.native.gate_up_silu import _silu_mul_epilogue, gate_up_silu
+
+# (rows a tile, columns a tile of each of gate and up, K a loop step, warps, pipeline stages)
+CONFIGS = [(128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
+           (64, 64, 64, 4, 5), (64, 64, 128, 4, 3), (128, 64, 128, 8, 3), (256, 64, 64, 8, 3),
+           (64, 32, 128, 4, 4), (128, 32, 128, 4, 4)]
+
+
+@triton.jit
+def _gate_up_silu_tma_kernel(x_desc, w_desc, out_desc, rows, depth, inter,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_gate_up_silu_kernel` with its tiles moved by the tensor-memory accelerator."""
+    tile = tl.program_id(0)
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    off_m = (tile % tiles_m) * BLOCK_M
+    off_n = (tile // tiles_m) * BLOCK_N
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, depth, BLOCK_K):
+        a = x_desc.load([off_m, k0])
+        w_gate = w_desc.load([off_n, k0])
+        w_up = w_desc.load([inter + off_n, k0])
+        acc_gate = tl.dot(a, w_gate.T, acc_gate)
+        acc_up = tl.dot(a, w_up.T, acc_up)
+    out_desc.store([off_m, off_n], _silu_mul_epilogue(acc_gate, acc_up, out_desc.dtype))
+
+
+def gate_up_silu_tma(x: torch.Tensor, weight: torch.Tensor, config: tuple) -> torch.Tensor:
+    """The engine's `gate_up_silu` with its tiles moved by tensor descriptors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_n, block_k, warps, stages = config
+    rows, depth = x.shape
+    inter = weight.shape[0] // 2
+    out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(inter, block_n),)
+    _gate_up_silu_tma_kernel[grid](
+        TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+        TensorDescriptor.from_tensor(out, [block_m, block_n]), rows, depth, inter,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
+
+
+def main() -> None:
+    from _common import add_graph_timing_args, append_result, kernel_record, print_table
+    from decode_attention_bench import graph_ms
+
+    from caspo.rollout.native.runner import silu_mul
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="64,256,960", help="rows of a decode step, comma-separated")
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--intermediate", type=int, default=8960)
+    parser.add_argument("--variants", default="ptr,tma", help="the Triton kernel's loads: ptr, tma or both")
+    add_graph_timing_args(parser)
+    args = parser.parse_args()
+    record = kernel_record("gate_up_silu", args.commit)
+    torch.manual_seed(0)
+    k, inter = args.hidden, args.intermediate
+    weights = [torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(args.copies)]
+    table, best = [], {}
+    for m in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        want = silu_mul(F.linear(x, weights[0]))
+        flops = 2 * m * k * 2 * inter
+        calls = {"cublas + silu_mul": lambda i, x=x: silu_mul(F.linear(x, weights[i])),
+                 "cublas alone": lambda i, x=x: F.linear(x, weights[i])}
+        for tma in (v == "tma" for v in args.variants.split(",")):
+            kernel = gate_up_silu_tma if tma else gate_up_silu
+            for config in CONFIGS:
+                calls[f"{'tma' if tma else 'ptr'} {config}"] = (
+                    lambda i, x=x, config=config, kernel=kernel: kernel(x, weights[i], config))
+        base_ms = None
+        for name, call in calls.items():
+            try:
+                got = call(0)
+                ms = graph_ms(call, args.copies, args.calls, args.replays)
+            except Exception as error:  # a configuration the card cannot hold (shared memory, registers)
+                table.append([m, name, "failed", "", "", str(error).splitlines()[0][:60], ""])
+                continue
+            base_ms = base_ms or ms
+            same = "" if name == "cublas alone" else f"{(got != want).float().mean().item():.4f}"
+            diff = "" if name == "cublas alone" else f"{(got.float() - want.float()).abs().max().item():.3g}"
+            table.append([m, name, f"{ms * 1e3:.1f}", f"{flops / ms / 1e9:.0f}", f"{base_ms / ms:.2f}", diff, same])
+            loads = name.split(" ")[0]
+            if loads in ("ptr", "tma") and ms < best.get((m, loads), ("", 1e9))[1]:
+                best[(m, loads)] = (name[len(loads) + 1:], ms, base_ms)
+            append_result(args.out, {**record, "rows": m, "variant": name, "us": round(ms * 1e3, 2)})
+    print(f"{torch.cuda.get_device_name()}: gate/up {k} -> 2 x {inter} and SiLU·up; "
+          "(block m, block n of each half, block k, warps, stages)")
+    print_table(["rows", "variant", "µs", "TFLOP/s", "x cublas + silu_mul", "max |diff|", "share unequal"], table)
+    for (m, loads), (config, ms, base_ms) in best.items():  # one line each, for scripts to read
+        print(f"best {loads} {m} {config.replace(' ', '')} {ms * 1e3:.2f} us against {base_ms * 1e3:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The gate/up projection of a decode step with SiLU·up in the GEMM's epilogue: one launch a layer instead of two.
+
+For x [rows, hidden] and the fused weight [gate; up] [2 · inter, hidden] (`linears.fuse_linears`), each program
+keeps a gate and an up accumulator for the same block of columns, so
+
+    out[m, n] = silu(x[m] · gate[n]) · (x[m] · up[n])
+
+is formed before anything is written: [rows, inter] leaves the kernel where cuBLAS wrote [rows, 2 · inter] for
+`runner.silu_mul` to read back. Rounded as the engine rounds: each accumulator to the compute dtype (a GEMM's
+output), SiLU in float32 rounded to it, and the product rounded to it. What differs from cuBLAS + `silu_mul` is
+the GEMM's summation order alone.
+
+Why: at 256 rows `silu_mul` was about 4.3 µs of a layer on an H200 (3.7% of a top-p 1.0 decode step) for a
+kernel that only reads the GEMM's output back (benchmarks/RESULTS.md, twenty-third series). Whether the Triton
+GEMM keeps up with cuBLAS's is measured per decode size (`benchmarks/gate_up_silu_bench.py`); `GATE_UP_CONFIGS`
+lists the sizes where the pair was slower than this kernel, and `MLP.deferred` takes it only there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Decode sizes where this kernel ran faster than cuBLAS + silu_mul, by rows: (at most these rows,
+# (rows a tile, columns a tile of each of gate and up, K a loop step, warps, pipeline stages)). Past the last
+# entry (and at every prefill) the engine keeps cuBLAS + silu_mul.
+GATE_UP_CONFIGS: tuple[tuple[int, tuple[int, int, int, int, int]], ...] = ()
+
+
+def gate_up_config(rows: int) -> tuple[int, int, int, int, int] | None:
+    """The tile configuration `MLP.deferred` runs a gate/up projection of `rows` rows with (None: cuBLAS)."""
+    for most_rows, config in GATE_UP_CONFIGS:
+        if rows <= most_rows:
+            return config
+    return None
+
+
+@triton.jit
+def _silu_mul_epilogue(acc_gate, acc_up, dtype: tl.constexpr):
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    return (silu.to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
+def _gate_up_silu_kernel(X, W, Out, rows, depth, inter, stride_x, stride_w, stride_o,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tile = tl.program_id(0)
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    m = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)  # the row tiles of one column block run side by side
+    n = (tile // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, depth, BLOCK_K):
+        kk = k0 + k
+        a = tl.load(X + m[:, None] * stride_x + kk[None, :], mask=(m[:, None] < rows) & (kk[None, :] < depth),
+                    other=0.0)
+        w_mask = (n[None, :] < inter) & (kk[:, None] < depth)
+        w_gate = tl.load(W + n[None, :] * stride_w + kk[:, None], mask=w_mask, other=0.0)
+        w_up = tl.load(W + (inter + n[None, :]) * stride_w + kk[:, None], mask=w_mask, other=0.0)
+        acc_gate += tl.dot(a, w_gate)
+        acc_up += tl.dot(a, w_up)
+    out = _silu_mul_epilogue(acc_gate, acc_up, Out.dtype.element_ty)
+    tl.store(Out + m[:, None] * stride_o + n[None, :], out, mask=(m[:, None] < rows) & (n[None, :] < inter))
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """silu(x Wgᵀ) · (x Wuᵀ) [rows, inter] for x [rows, hidden] and weight = [Wg; Wu] [2 · inter, hidden], in x's
+    dtype; config = (block m, block n of each half, block k, warps, stages)."""
+    block_m, block_n, block_k, warps, stages = config
+    rows, depth = x.shape
+    inter = weight.shape[0] // 2
+    if weight.shape != (2 * inter, depth):
+        raise ValueError(f"weight {tuple(weight.shape)} is not [gate; up] over the {depth} features of x")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("gate_up_silu needs x and the weight contiguous in their last dimension")
+    out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(inter, block_n),)
+    _gate_up_silu_kernel[grid](x, weight, out, rows, depth, inter, x.stride(0), weight.stride(0), out.stride(0),
+                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                               num_stages=stages)
+    return out

@@ -1,0 +1,57 @@
+"""The gate/up GEMM with SiLU·up in its epilogue (`gate_up_silu.py`) against cuBLAS + `silu_mul`'s formula: in
+Triton's CPU interpreter in float16 (it does not multiply bf16 tiles), and in bf16 on a card."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from caspo.rollout.native import gate_up_silu as module
+from caspo.rollout.native.gate_up_silu import gate_up_config, gate_up_silu
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each GEMM output rounded to x's dtype, SiLU in float32 rounded, the product rounded: the engine's path."""
+    gate, up = F.linear(x.double(), weight.double()).to(x.dtype).chunk(2, dim=-1)
+    return (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("rows, depth, inter, config", [
+    (5, 40, 24, (16, 16, 16, 4, 1)),   # rows, K and columns past their tiles (24 columns in blocks of 16)
+    (33, 64, 32, (32, 32, 32, 4, 1)),  # two row tiles, whole column blocks
+])
+def test_the_epilogue_gives_silu_of_the_gate_times_the_up(rows, depth, inter, config):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, depth, generator=g).half()
+    weight = (torch.randn(2 * inter, depth, generator=g) * depth ** -0.5).half()
+    got, want = gate_up_silu(x, weight, config), reference(x, weight)
+    assert got.shape == (rows, inter) and got.dtype == torch.float16
+    # the GEMM sums in float32, the reference in float64: at most one float16 rounding apart, and mostly equal
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+    assert (got == want).float().mean() > 0.9
+    gate_only = F.silu(F.linear(x.float(), weight[:inter].float()))  # the up half really multiplies
+    assert (got.float() - gate_only).abs().max() > 0.1
+
+
+def test_a_weight_that_is_not_gate_and_up_over_x_is_refused():
+    with pytest.raises(ValueError, match="not \\[gate; up\\]"):
+        gate_up_silu(torch.zeros(2, 8).half(), torch.zeros(6, 16).half(), (16, 16, 16, 4, 1))
+
+
+def test_the_config_table_is_read_by_rows(monkeypatch):
+    small, large = (64, 64, 64, 4, 4), (128, 64, 64, 8, 4)
+    monkeypatch.setattr(module, "GATE_UP_CONFIGS", ((64, small), (256, large)))
+    assert [gate_up_config(r) for r in (1, 64, 65, 256, 257)] == [small, small, large, large, None]
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bf16_within_one_rounding_of_cublas_and_silu_mul():
+    from caspo.rollout.native.runner import silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 1536, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(2 * 8960, 1536, device="cuda", generator=g) * 1536 ** -0.5).bfloat16()
+    want = silu_mul(F.linear(x, weight))
+    for config in ((128, 64, 64, 8, 4), (64, 64, 128, 4, 3)):
+        got = gate_up_silu(x, weight, config)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
+        assert (got == want).float().mean() > 0.9
