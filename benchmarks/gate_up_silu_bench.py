@@ -23,51 +23,15 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from caspo.rollout.native.gate_up_silu import _silu_mul_epilogue, gate_up_silu
+from caspo.rollout.native.gate_up_silu import gate_up_silu
 
-# (rows a tile, columns a tile of each of gate and up, K a loop step, warps, pipeline stages)
+# (rows a tile, columns a tile of each of gate and up, K a loop step, warps, pipeline stages), each timed with
+# pointer loads and with tensor descriptors
 CONFIGS = [(128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
            (64, 128, 64, 8, 3), (64, 64, 64, 4, 3), (64, 64, 64, 4, 5), (64, 64, 128, 4, 3), (64, 32, 64, 4, 4),
            (64, 32, 128, 4, 4), (128, 32, 64, 4, 4), (128, 32, 128, 4, 4), (128, 64, 128, 8, 3),
            (256, 64, 64, 8, 3)]
-
-
-@triton.jit
-def _gate_up_silu_tma_kernel(x_desc, w_desc, out_desc, rows, depth, inter,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_gate_up_silu_kernel` with its tiles moved by the tensor-memory accelerator."""
-    tile = tl.program_id(0)
-    tiles_m = tl.cdiv(rows, BLOCK_M)
-    off_m = (tile % tiles_m) * BLOCK_M
-    off_n = (tile // tiles_m) * BLOCK_N
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, depth, BLOCK_K):
-        a = x_desc.load([off_m, k0])
-        w_gate = w_desc.load([off_n, k0])
-        w_up = w_desc.load([inter + off_n, k0])
-        acc_gate = tl.dot(a, w_gate.T, acc_gate)
-        acc_up = tl.dot(a, w_up.T, acc_up)
-    out_desc.store([off_m, off_n], _silu_mul_epilogue(acc_gate, acc_up, out_desc.dtype))
-
-
-def gate_up_silu_tma(x: torch.Tensor, weight: torch.Tensor, config: tuple) -> torch.Tensor:
-    """The engine's `gate_up_silu` with its tiles moved by tensor descriptors."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    block_m, block_n, block_k, warps, stages = config
-    rows, depth = x.shape
-    inter = weight.shape[0] // 2
-    out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(inter, block_n),)
-    _gate_up_silu_tma_kernel[grid](
-        TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-        TensorDescriptor.from_tensor(out, [block_m, block_n]), rows, depth, inter,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    return out
 
 
 def main() -> None:
@@ -95,10 +59,9 @@ def main() -> None:
         calls = {"cublas + silu_mul": lambda i, x=x: silu_mul(F.linear(x, weights[i])),
                  "cublas alone": lambda i, x=x: F.linear(x, weights[i])}
         for tma in (v == "tma" for v in args.variants.split(",")):
-            kernel = gate_up_silu_tma if tma else gate_up_silu
             for config in CONFIGS:
                 calls[f"{'tma' if tma else 'ptr'} {config}"] = (
-                    lambda i, x=x, config=config, kernel=kernel: kernel(x, weights[i], config))
+                    lambda i, x=x, config=(*config, tma): gate_up_silu(x, weights[i], config))
         base_ms = None
         for name, call in calls.items():
             try:

@@ -16,8 +16,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows, depth, inter, config", [
-    (5, 40, 24, (16, 16, 16, 4, 1)),   # rows, K and columns past their tiles (24 columns in blocks of 16)
-    (33, 64, 32, (32, 32, 32, 4, 1)),  # two row tiles, whole column blocks
+    (5, 40, 24, (16, 16, 16, 4, 1, False)),   # rows, K and columns past their tiles (24 columns in blocks of 16)
+    (33, 64, 32, (32, 32, 32, 4, 1, False)),  # two row tiles, whole column blocks
+    (33, 64, 32, (32, 32, 32, 4, 1, True)),   # the same through tensor descriptors
 ])
 def test_the_epilogue_gives_silu_of_the_gate_times_the_up(rows, depth, inter, config):
     g = torch.Generator().manual_seed(rows)
@@ -34,11 +35,13 @@ def test_the_epilogue_gives_silu_of_the_gate_times_the_up(rows, depth, inter, co
 
 def test_a_weight_that_is_not_gate_and_up_over_x_is_refused():
     with pytest.raises(ValueError, match="not \\[gate; up\\]"):
-        gate_up_silu(torch.zeros(2, 8).half(), torch.zeros(6, 16).half(), (16, 16, 16, 4, 1))
+        gate_up_silu(torch.zeros(2, 8).half(), torch.zeros(6, 16).half(), (16, 16, 16, 4, 1, False))
+    with pytest.raises(ValueError, match="whole tiles of 16"):  # 24 columns: a gate tile would read up rows
+        gate_up_silu(torch.zeros(2, 8).half(), torch.zeros(48, 8).half(), (16, 16, 16, 4, 1, True))
 
 
 def test_the_config_table_is_read_by_rows(monkeypatch):
-    small, large = (64, 64, 64, 4, 4), (128, 64, 64, 8, 4)
+    small, large = (64, 64, 64, 4, 4, False), (128, 64, 64, 8, 4, True)
     monkeypatch.setattr(module, "GATE_UP_CONFIGS", ((64, small), (256, large)))
     assert [gate_up_config(r) for r in (1, 64, 65, 256, 257)] == [small, small, large, large, None]
 
@@ -51,7 +54,7 @@ def test_on_cuda_in_bf16_within_one_rounding_of_cublas_and_silu_mul():
     x = torch.randn(256, 1536, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(2 * 8960, 1536, device="cuda", generator=g) * 1536 ** -0.5).bfloat16()
     want = silu_mul(F.linear(x, weight))
-    for config in ((128, 64, 64, 8, 4), (64, 64, 128, 4, 3)):
+    for config in ((128, 64, 64, 8, 4, False), (64, 64, 128, 4, 3, True)):
         got = gate_up_silu(x, weight, config)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
         assert (got == want).float().mean() > 0.9

@@ -22,13 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-# Decode sizes where this kernel ran faster than cuBLAS + silu_mul, by rows: (at most these rows,
-# (rows a tile, columns a tile of each of gate and up, K a loop step, warps, pipeline stages)). Past the last
-# entry (and at every prefill) the engine keeps cuBLAS + silu_mul.
-GATE_UP_CONFIGS: tuple[tuple[int, tuple[int, int, int, int, int]], ...] = ()
+# A launch configuration: (rows a tile, columns a tile of each of gate and up, K a loop step, warps, pipeline
+# stages, tiles moved by tensor descriptors (TMA) rather than pointer loads).
+Config = tuple[int, int, int, int, int, bool]
+
+# Decode sizes where this kernel ran faster than cuBLAS + silu_mul, by rows: (at most these rows, Config). Past
+# the last entry (and at every prefill) the engine keeps cuBLAS + silu_mul.
+GATE_UP_CONFIGS: tuple[tuple[int, Config], ...] = ()
 
 
-def gate_up_config(rows: int) -> tuple[int, int, int, int, int] | None:
+def gate_up_config(rows: int) -> Config | None:
     """The tile configuration `MLP.deferred` runs a gate/up projection of `rows` rows with (None: cuBLAS)."""
     for most_rows, config in GATE_UP_CONFIGS:
         if rows <= most_rows:
@@ -67,19 +70,46 @@ def _gate_up_silu_kernel(X, W, Out, rows, depth, inter, stride_x, stride_w, stri
     tl.store(Out + m[:, None] * stride_o + n[None, :], out, mask=(m[:, None] < rows) & (n[None, :] < inter))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int]) -> torch.Tensor:
+@triton.jit
+def _gate_up_silu_tma_kernel(x_desc, w_desc, out_desc, rows, depth, inter,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_gate_up_silu_kernel` with its tiles moved by the tensor memory accelerator (out-of-range reads are 0)."""
+    tile = tl.program_id(0)
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    off_m = (tile % tiles_m) * BLOCK_M
+    off_n = (tile // tiles_m) * BLOCK_N
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, depth, BLOCK_K):
+        a = x_desc.load([off_m, k0])
+        acc_gate += tl.dot(a, w_desc.load([off_n, k0]).T)
+        acc_up += tl.dot(a, w_desc.load([inter + off_n, k0]).T)
+    out_desc.store([off_m, off_n], _silu_mul_epilogue(acc_gate, acc_up, out_desc.dtype))
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: Config) -> torch.Tensor:
     """silu(x Wgᵀ) · (x Wuᵀ) [rows, inter] for x [rows, hidden] and weight = [Wg; Wu] [2 · inter, hidden], in x's
-    dtype; config = (block m, block n of each half, block k, warps, stages)."""
-    block_m, block_n, block_k, warps, stages = config
+    dtype, launched as `config` says."""
+    block_m, block_n, block_k, warps, stages, tma = config
     rows, depth = x.shape
     inter = weight.shape[0] // 2
     if weight.shape != (2 * inter, depth):
         raise ValueError(f"weight {tuple(weight.shape)} is not [gate; up] over the {depth} features of x")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("gate_up_silu needs x and the weight contiguous in their last dimension")
+    if tma and inter % block_n:  # a gate tile would run into the up rows
+        raise ValueError(f"tensor descriptors need the {inter} columns of each half in whole tiles of {block_n}")
     out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(inter, block_n),)
-    _gate_up_silu_kernel[grid](x, weight, out, rows, depth, inter, x.stride(0), weight.stride(0), out.stride(0),
-                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                               num_stages=stages)
+    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # triton 3.4 and later
+
+        _gate_up_silu_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
+                                       TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+                                       TensorDescriptor.from_tensor(out, [block_m, block_n]), rows, depth, inter,
+                                       **launch)
+    else:
+        _gate_up_silu_kernel[grid](x, weight, out, rows, depth, inter, x.stride(0), weight.stride(0), out.stride(0),
+                                   **launch)
     return out
