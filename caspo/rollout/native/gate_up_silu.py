@@ -27,7 +27,8 @@ import triton.language as tl
 Config = tuple[int, int, int, int, int, bool]
 
 # Decode sizes where this kernel ran faster than cuBLAS + silu_mul, by rows: (at most these rows, Config). Past
-# the last entry (and at every prefill) the engine keeps cuBLAS + silu_mul.
+# the last entry (and at every prefill) the engine keeps cuBLAS + silu_mul. Empty until the benchmark has timed
+# the kernel on a card: no size takes it yet.
 GATE_UP_CONFIGS: tuple[tuple[int, Config], ...] = ()
 
 
