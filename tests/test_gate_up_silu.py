@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from caspo.rollout.native import gate_up_silu as module
-from caspo.rollout.native.gate_up_silu import gate_up_config, gate_up_silu
+from caspo.rollout.native import linears
+from caspo.rollout.native.gate_up_silu import gate_up_silu
+from caspo.rollout.native.linears import gate_up_config
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,7 @@ def test_a_weight_that_is_not_gate_and_up_over_x_is_refused():
 
 def test_the_config_table_is_read_by_rows(monkeypatch):
     small, large = (64, 64, 64, 4, 4, False), (128, 64, 64, 8, 4, True)
-    monkeypatch.setattr(module, "GATE_UP_CONFIGS", ((64, small), (256, large)))
+    monkeypatch.setattr(linears, "GATE_UP_CONFIGS", ((64, small), (256, large)))
     assert [gate_up_config(r) for r in (1, 64, 65, 256, 257)] == [small, small, large, large, None]
 
 

@@ -12,8 +12,9 @@ the GEMM's summation order alone.
 
 Why: at 256 rows `silu_mul` was about 4.3 µs of a layer on an H200 (3.7% of a top-p 1.0 decode step) for a
 kernel that only reads the GEMM's output back (benchmarks/RESULTS.md, twenty-third series). Whether the Triton
-GEMM keeps up with cuBLAS's is measured per decode size (`benchmarks/gate_up_silu_bench.py`); `GATE_UP_CONFIGS`
-lists the sizes where the pair was slower than this kernel, and `MLP.deferred` takes it only there.
+GEMM keeps up with cuBLAS's is measured per decode size (`benchmarks/gate_up_silu_bench.py`);
+`linears.GATE_UP_CONFIGS` lists the sizes where the pair was slower than this kernel, and `MLP.deferred` takes
+it only there.
 """
 
 from __future__ import annotations
@@ -22,22 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-# A launch configuration: (rows a tile, columns a tile of each of gate and up, K a loop step, warps, pipeline
-# stages, tiles moved by tensor descriptors (TMA) rather than pointer loads).
-Config = tuple[int, int, int, int, int, bool]
-
-# Decode sizes where this kernel ran faster than cuBLAS + silu_mul, by rows: (at most these rows, Config). Past
-# the last entry (and at every prefill) the engine keeps cuBLAS + silu_mul. Empty until the benchmark has timed
-# the kernel on a card: no size takes it yet.
-GATE_UP_CONFIGS: tuple[tuple[int, Config], ...] = ()
-
-
-def gate_up_config(rows: int) -> Config | None:
-    """The tile configuration `MLP.deferred` runs a gate/up projection of `rows` rows with (None: cuBLAS)."""
-    for most_rows, config in GATE_UP_CONFIGS:
-        if rows <= most_rows:
-            return config
-    return None
+from caspo.rollout.native.linears import GateUpConfig
 
 
 @triton.jit
@@ -88,7 +74,7 @@ def _gate_up_silu_tma_kernel(x_desc, w_desc, out_desc, rows, depth, inter,
     out_desc.store([off_m, off_n], _silu_mul_epilogue(acc_gate, acc_up, out_desc.dtype))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: Config) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig) -> torch.Tensor:
     """silu(x Wgᵀ) · (x Wuᵀ) [rows, inter] for x [rows, hidden] and weight = [Wg; Wu] [2 · inter, hidden], in x's
     dtype, launched as `config` says."""
     block_m, block_n, block_k, warps, stages, tma = config

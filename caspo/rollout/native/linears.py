@@ -3,6 +3,8 @@
 - `fuse_linears`: q/k/v, and gate/up, each one GEMM over a weight whose row blocks are the named parameters.
 - `split_linear`: a decode step's down projection as float32 partials over spans of K, summed by the next
   norm's kernel (`settled`) where cuBLAS would split K itself and reduce in a kernel of its own.
+- `gate_up_config`: the decode sizes whose gate/up projection runs as `gate_up_silu.py`'s GEMM with SiLU·up in
+  its epilogue, and its launch configuration there.
 """
 
 from __future__ import annotations
@@ -52,6 +54,24 @@ def down_splits(rows: int, depth: int) -> int:
         if rows <= most_rows:
             return splits if spans_fit(depth, splits) else 1
     return 1
+
+
+# A launch of `gate_up_silu`: (rows a tile, columns a tile of each of gate and up, K a loop step, warps, pipeline
+# stages, tiles moved by tensor descriptors (TMA) rather than pointer loads).
+GateUpConfig = tuple[int, int, int, int, int, bool]
+
+# Decode sizes where `gate_up_silu` ran faster than cuBLAS + silu_mul, by rows: (at most these rows, its launch).
+# Past the last entry (and at every prefill) the runner keeps cuBLAS + silu_mul. Empty until
+# benchmarks/gate_up_silu_bench.py has timed the kernel on a card: no size takes it yet.
+GATE_UP_CONFIGS: tuple[tuple[int, GateUpConfig], ...] = ()
+
+
+def gate_up_config(rows: int) -> GateUpConfig | None:
+    """The tile configuration `MLP.deferred` runs a gate/up projection of `rows` rows with (None: cuBLAS)."""
+    for most_rows, config in GATE_UP_CONFIGS:
+        if rows <= most_rows:
+            return config
+    return None
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:

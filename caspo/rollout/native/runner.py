@@ -34,21 +34,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from caspo.rollout.native.kv_cache import KVCache
-from caspo.rollout.native.linears import down_splits, fuse_linears, settled, split_linear
+from caspo.rollout.native.linears import down_splits, fuse_linears, gate_up_config, settled, split_linear
 from caspo.rollout.native.prefix_groups import PrefixGroups
 from caspo.rollout.native.spec import DecoderSpec
 
 try:
     from caspo.rollout.native.decode_attention import decode_attention
-    from caspo.rollout.native.gate_up_silu import gate_up_config, gate_up_silu
+    from caspo.rollout.native.gate_up_silu import gate_up_silu
     from caspo.rollout.native.rope_attention import rope_decode_attention
     from caspo.rollout.native.rope_store import rope_store
     from caspo.rollout.native.shared_prefix_attention import shared_prefix_decode_attention
 except ImportError:  # CPU builds of torch come without triton; the engine refuses the kernels then
     decode_attention = rope_decode_attention = rope_store = shared_prefix_decode_attention = gate_up_silu = None
-
-    def gate_up_config(rows: int) -> None:
-        return None
 
 
 @dataclass
@@ -262,14 +259,14 @@ class MLP(nn.Module):
     def deferred(self, x: torch.Tensor) -> torch.Tensor:
         """The output for the next norm's kernel: `forward`'s, or on CUDA at a decode step's rows the down
         projection's float32 partials over spans of K (`down_splits`), which that kernel sums (`settled`)."""
-        rows = x.numel() // x.shape[-1]
-        config = gate_up_config(rows) if x.is_cuda and x.dtype != torch.float32 else None
+        rows, tuned = x.numel() // x.shape[-1], x.is_cuda and x.dtype != torch.float32  # the tables are for the card
+        config = gate_up_config(rows) if tuned else None
         if config is None:
             hidden = silu_mul(F.linear(x, self.gate_up_weight))
         else:  # a decode step's rows where SiLU·up in the GEMM's epilogue was measured faster
             hidden = gate_up_silu(x.reshape(rows, -1), self.gate_up_weight, config).view(*x.shape[:-1], -1)
         depth = hidden.shape[-1]
-        splits = down_splits(rows, depth) if x.is_cuda and x.dtype != torch.float32 else 1
+        splits = down_splits(rows, depth) if tuned else 1
         if splits == 1:
             return self.down_proj(hidden)
         return split_linear(hidden, self.down_proj.weight, splits)
