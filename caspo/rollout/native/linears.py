@@ -61,9 +61,10 @@ def down_splits(rows: int, depth: int) -> int:
 GateUpConfig = tuple[int, int, int, int, int, bool]
 
 # Decode sizes where `gate_up_silu` ran faster than cuBLAS + silu_mul, by rows: (at most these rows, its launch).
-# Past the last entry (and at every prefill) the runner keeps cuBLAS + silu_mul. Empty until
-# benchmarks/gate_up_silu_bench.py has timed the kernel on a card: no size takes it yet.
-GATE_UP_CONFIGS: tuple[tuple[int, GateUpConfig], ...] = ()
+# Past the last entry (and at every prefill) the runner keeps cuBLAS + silu_mul. On an H100 (gate/up 1,536 ->
+# 2 x 8,960) the kernel won by 1.02-1.16 x at 16-128 rows, where the GEMM is bound by reading the weight, and lost
+# at 256 (0.91 x: its 560 tiles fill 132 SMs in 4.24 waves) (gate_up_silu_bench.py, benchmarks/RESULTS.md).
+GATE_UP_CONFIGS: tuple[tuple[int, GateUpConfig], ...] = ((128, (64, 64, 64, 4, 3, True)),)
 
 
 def gate_up_config(rows: int) -> GateUpConfig | None:

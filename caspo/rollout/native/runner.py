@@ -260,7 +260,7 @@ class MLP(nn.Module):
         """The output for the next norm's kernel: `forward`'s, or on CUDA at a decode step's rows the down
         projection's float32 partials over spans of K (`down_splits`), which that kernel sums (`settled`)."""
         rows, tuned = x.numel() // x.shape[-1], x.is_cuda and x.dtype != torch.float32  # the tables are for the card
-        config = gate_up_config(rows) if tuned else None
+        config = gate_up_config(rows) if tuned and gate_up_silu is not None else None
         if config is None:
             hidden = silu_mul(F.linear(x, self.gate_up_weight))
         else:  # a decode step's rows where SiLU·up in the GEMM's epilogue was measured faster
