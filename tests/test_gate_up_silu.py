@@ -41,10 +41,21 @@ def test_a_weight_that_is_not_gate_and_up_over_x_is_refused():
         gate_up_silu(torch.zeros(2, 8).half(), torch.zeros(48, 8).half(), (16, 16, 16, 4, 1, True))
 
 
-def test_the_config_table_is_read_by_rows(monkeypatch):
-    small, large = (64, 64, 64, 4, 4, False), (128, 64, 64, 8, 4, True)
-    monkeypatch.setattr(linears, "GATE_UP_CONFIGS", ((64, small), (256, large)))
-    assert [gate_up_config(r) for r in (1, 64, 65, 256, 257)] == [small, small, large, large, None]
+def test_the_config_table_is_read_by_rows_on_the_card_it_was_measured_on(monkeypatch):
+    small, large = (64, 64, 64, 4, 4, False), (128, 128, 64, 8, 4, True)
+    monkeypatch.setattr(linears, "GATE_UP_CONFIGS", ((64, small), (128, None), (256, large)))
+    hopper = linears.GATE_UP_CAPABILITY
+    assert [gate_up_config(r, 1536, 8960, hopper) for r in (1, 64, 65, 128, 129, 256, 257)] == [
+        small, small, None, None, large, large, None]
+    assert gate_up_config(64, 1536, 8960, hopper + 1) is None  # another card: cuBLAS + silu_mul
+    assert gate_up_config(256, 1536, 8960 - 64, hopper) is None  # a half not in whole 128-column tiles
+    assert gate_up_config(64, 1536 + 4, 8960, hopper) is None  # rows not in whole 16-byte vectors
+
+
+def test_every_config_in_the_table_fits_the_seed_shape():
+    hopper = linears.GATE_UP_CAPABILITY
+    for most_rows, config in linears.GATE_UP_CONFIGS:
+        assert gate_up_config(most_rows, 1536, 8960, hopper) == config
 
 
 @pytest.mark.gpu

@@ -10,11 +10,11 @@ is formed before anything is written: [rows, inter] leaves the kernel where cuBL
 output), SiLU in float32 rounded to it, and the product rounded to it. What differs from cuBLAS + `silu_mul` is
 the GEMM's summation order alone.
 
-Why: at 256 rows `silu_mul` was about 4.3 µs of a layer on an H200 (3.7% of a top-p 1.0 decode step) for a
-kernel that only reads the GEMM's output back (benchmarks/RESULTS.md, twenty-third series). Whether the Triton
-GEMM keeps up with cuBLAS's is measured per decode size (`benchmarks/gate_up_silu_bench.py`);
-`linears.GATE_UP_CONFIGS` lists the sizes where the pair was slower than this kernel, and `MLP.deferred` takes
-it only there.
+Why: `silu_mul` only reads the GEMM's output back, yet costs 1.7-5.8 µs of a layer at 16-256 rows on an H100. Where
+the Triton GEMM keeps up with cuBLAS's is measured per decode size (`benchmarks/gate_up_silu_bench.py`): on an
+H100 it does up to 128 rows, where the GEMM is bound by reading the weight, and at some larger sizes, but not at
+256 (benchmarks/RESULTS.md, thirty-fourth series). `linears.GATE_UP_CONFIGS` lists the sizes where it won, and
+`MLP.deferred` takes it only there.
 """
 
 from __future__ import annotations

@@ -60,18 +60,30 @@ def down_splits(rows: int, depth: int) -> int:
 # stages, tiles moved by tensor descriptors (TMA) rather than pointer loads).
 GateUpConfig = tuple[int, int, int, int, int, bool]
 
-# Decode sizes where `gate_up_silu` ran faster than cuBLAS + silu_mul, by rows: (at most these rows, its launch).
-# Past the last entry (and at every prefill) the runner keeps cuBLAS + silu_mul. On an H100 (gate/up 1,536 ->
-# 2 x 8,960) the kernel won by 1.02-1.16 x at 16-128 rows, where the GEMM is bound by reading the weight, and lost
-# at 256 (0.91 x: its 560 tiles fill 132 SMs in 4.24 waves) (gate_up_silu_bench.py, benchmarks/RESULTS.md).
-GATE_UP_CONFIGS: tuple[tuple[int, GateUpConfig], ...] = ((128, (64, 64, 64, 4, 3, True)),)
+# Decode graph sizes (`graphs.default_batch_sizes`) where `gate_up_silu` beat cuBLAS + silu_mul by 3% or more on an
+# H100 (gate/up 1,536 -> 2 x 8,960), by rows: (at most these rows, its launch, or None for cuBLAS + silu_mul). It won
+# by 1.03-1.15 x up to 128 rows, where the GEMM is bound by reading the weight; at 192, 320 and 448 (1.15, 1.52 and
+# 1.20 x), where cuBLAS's own pick is slow; and at 832-960 (1.08-1.11 x). It lost at 144-160 and 208-256 (at 256 its
+# 560 tiles fill 132 SMs in 4.24 waves), 512 and 640-768, and tied at the rest (benchmarks/RESULTS.md, thirty-fourth
+# series). Past the last entry (larger decode steps and prefills), cuBLAS + silu_mul.
+_WIDE, _SQUARE, _SQUARE_3_STAGES = (64, 128, 64, 4, 4, True), (64, 64, 64, 4, 4, True), (64, 64, 64, 4, 3, True)
+_NARROW, _TALL = (64, 32, 64, 4, 4, True), (128, 64, 64, 4, 3, True)
+GATE_UP_CONFIGS: tuple[tuple[int, GateUpConfig | None], ...] = (
+    (8, _WIDE), (32, _SQUARE), (64, _NARROW), (128, _SQUARE_3_STAGES), (176, None), (192, _SQUARE), (256, None),
+    (320, _SQUARE_3_STAGES), (384, None), (448, _WIDE), (768, None), (832, _WIDE), (896, _TALL), (960, _WIDE))
+# The compute capability (major) the table was measured on: Hopper, whose TMA the tensor-descriptor launches use.
+GATE_UP_CAPABILITY = 9
 
 
-def gate_up_config(rows: int) -> GateUpConfig | None:
-    """The tile configuration `MLP.deferred` runs a gate/up projection of `rows` rows with (None: cuBLAS)."""
+def gate_up_config(rows: int, depth: int, inter: int, capability: int) -> GateUpConfig | None:
+    """The launch `MLP.deferred` runs a gate/up projection of `rows` rows, K = depth and `inter` columns a half
+    with on a card of this compute capability (major); None for cuBLAS + silu_mul, also where the tensor
+    descriptors cannot hold the shape (rows of whole 16-byte vectors, each half in whole column tiles)."""
+    if capability != GATE_UP_CAPABILITY:
+        return None
     for most_rows, config in GATE_UP_CONFIGS:
         if rows <= most_rows:
-            return config
+            return config if config is not None and spans_fit(depth, 1) and inter % config[1] == 0 else None
     return None
 
 

@@ -260,7 +260,10 @@ class MLP(nn.Module):
         """The output for the next norm's kernel: `forward`'s, or on CUDA at a decode step's rows the down
         projection's float32 partials over spans of K (`down_splits`), which that kernel sums (`settled`)."""
         rows, tuned = x.numel() // x.shape[-1], x.is_cuda and x.dtype != torch.float32  # the tables are for the card
-        config = gate_up_config(rows) if tuned and gate_up_silu is not None else None
+        config = None
+        if tuned and gate_up_silu is not None:  # CUDA builds of torch without triton keep cuBLAS + silu_mul
+            capability = torch.cuda.get_device_capability(x.device)[0]
+            config = gate_up_config(rows, x.shape[-1], self.gate_up_weight.shape[0] // 2, capability)
         if config is None:
             hidden = silu_mul(F.linear(x, self.gate_up_weight))
         else:  # a decode step's rows where SiLU·up in the GEMM's epilogue was measured faster
