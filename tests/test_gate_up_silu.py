@@ -1,6 +1,9 @@
 """The gate/up GEMM with SiLU·up in its epilogue (`gate_up_silu.py`) against cuBLAS + `silu_mul`'s formula: in
 Triton's CPU interpreter in float16 (it does not multiply bf16 tiles), and in bf16 on a card."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +11,9 @@ import torch.nn.functional as F
 from caspo.rollout.native import linears
 from caspo.rollout.native.gate_up_silu import gate_up_silu
 from caspo.rollout.native.linears import gate_up_config
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from gate_up_silu_bench import gate_up_table, parse_rows  # noqa: E402
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -50,6 +56,20 @@ def test_the_config_table_is_read_by_rows_on_the_card_it_was_measured_on(monkeyp
     assert gate_up_config(64, 1536, 8960, hopper + 1) is None  # another card: cuBLAS + silu_mul
     assert gate_up_config(256, 1536, 8960 - 64, hopper) is None  # a half not in whole 128-column tiles
     assert gate_up_config(64, 1536 + 4, 8960, hopper) is None  # rows not in whole 16-byte vectors
+
+
+def test_the_benchmark_writes_the_table_from_the_sizes_that_won_by_the_gain():
+    wide, square = (64, 128, 64, 4, 4, True), (64, 64, 64, 4, 4, True)
+    sizes = [(1, 23.6, wide, 22.8), (8, 24.1, wide, 23.0),  # 1.035 and 1.05 x: one entry for both
+             (16, 24.3, square, 22.8),
+             (144, 29.7, square, 31.3), (160, 30.2, wide, 29.8),  # slower, then only 1.01 x: cuBLAS for both
+             (192, 34.2, square, 29.8),
+             (256, 31.6, square, 35.3), (384, 43.3, None, 0.0)]  # slower, then nothing ran: no trailing entry
+    assert gate_up_table(sizes, 1.03) == ((8, wide), (16, square), (160, None), (192, square))
+    assert gate_up_table(sizes, 1.10) == ((160, None), (192, square))
+    assert parse_rows("64,256") == [64, 256]
+    graphs = parse_rows("graphs")
+    assert graphs[:5] == [1, 2, 4, 8, 16] and graphs[-1] == 1024 and 960 in graphs
 
 
 def test_every_config_in_the_table_fits_the_seed_shape():

@@ -62,15 +62,16 @@ GateUpConfig = tuple[int, int, int, int, int, bool]
 
 # Decode graph sizes (`graphs.default_batch_sizes`) where `gate_up_silu` beat cuBLAS + silu_mul by 3% or more on an
 # H100 (gate/up 1,536 -> 2 x 8,960), by rows: (at most these rows, its launch, or None for cuBLAS + silu_mul). It won
-# by 1.03-1.15 x up to 128 rows, where the GEMM is bound by reading the weight; at 192, 320 and 448 (1.15, 1.52 and
+# by 1.03-1.15 x at 2-128 rows, where the GEMM is bound by reading the weight; at 192, 320 and 448 (1.15, 1.52 and
 # 1.20 x), where cuBLAS's own pick is slow; and at 832-960 (1.08-1.11 x). It lost at 144-160 and 208-256 (at 256 its
 # 560 tiles fill 132 SMs in 4.24 waves), 512 and 640-768, and tied at the rest (benchmarks/RESULTS.md, thirty-fourth
 # series). Past the last entry (larger decode steps and prefills), cuBLAS + silu_mul.
 _WIDE, _SQUARE, _SQUARE_3_STAGES = (64, 128, 64, 4, 4, True), (64, 64, 64, 4, 4, True), (64, 64, 64, 4, 3, True)
 _NARROW, _TALL = (64, 32, 64, 4, 4, True), (128, 64, 64, 4, 3, True)
 GATE_UP_CONFIGS: tuple[tuple[int, GateUpConfig | None], ...] = (
-    (8, _WIDE), (32, _SQUARE), (64, _NARROW), (128, _SQUARE_3_STAGES), (176, None), (192, _SQUARE), (256, None),
-    (320, _SQUARE_3_STAGES), (384, None), (448, _WIDE), (768, None), (832, _WIDE), (896, _TALL), (960, _WIDE))
+    (1, None), (8, _WIDE), (32, _SQUARE), (64, _NARROW), (128, _SQUARE_3_STAGES), (176, None), (192, _SQUARE),
+    (256, None), (320, _SQUARE_3_STAGES), (384, None), (448, _WIDE), (768, None), (832, _WIDE), (896, _TALL),
+    (960, _WIDE))
 # The compute capability (major) the table was measured on: Hopper, whose TMA the tensor-descriptor launches use.
 GATE_UP_CAPABILITY = 9
 
