@@ -12,7 +12,7 @@ the GEMM's summation order alone.
 
 Why: `silu_mul` only reads the GEMM's output back, yet costs 1.7-5.8 µs of a layer at 16-256 rows on an H100. Where
 the Triton GEMM keeps up with cuBLAS's is measured per decode size (`benchmarks/gate_up_silu_bench.py`): on an
-H100 it does up to 128 rows, where the GEMM is bound by reading the weight, and at some larger sizes, but not at
+H100 it does at 2-128 rows, where the GEMM is bound by reading the weight, and at some larger sizes, but not at
 256 (benchmarks/RESULTS.md, thirty-fourth series). `linears.GATE_UP_CONFIGS` lists the sizes where it won, and
 `MLP.deferred` takes it only there.
 """
