@@ -65,7 +65,8 @@ GateUpConfig = tuple[int, int, int, int, int, bool]
 # by 1.03-1.15 x at 2-128 rows, where the GEMM is bound by reading the weight; at 192, 320 and 448 (1.15, 1.52 and
 # 1.20 x), where cuBLAS's own pick is slow; and at 832-960 (1.08-1.11 x). It lost at 144-160 and 208-256 (at 256 its
 # 560 tiles fill 132 SMs in 4.24 waves), 512 and 640-768, and tied at the rest (benchmarks/RESULTS.md, thirty-fourth
-# series). Past the last entry (larger decode steps and prefills), cuBLAS + silu_mul.
+# series). On an H200 the same entries lost nowhere by more than 1.5% (thirty-fifth series). Past the last entry
+# (larger decode steps and prefills), cuBLAS + silu_mul.
 _WIDE, _SQUARE, _SQUARE_3_STAGES = (64, 128, 64, 4, 4, True), (64, 64, 64, 4, 4, True), (64, 64, 64, 4, 3, True)
 _NARROW, _TALL = (64, 32, 64, 4, 4, True), (128, 64, 64, 4, 3, True)
 GATE_UP_CONFIGS: tuple[tuple[int, GateUpConfig | None], ...] = (
