@@ -156,11 +156,14 @@ def main() -> None:
         for s in steps:  # forward + backward of every (prompt + response) token, attention FLOPs left out
             tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
             s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.nproc * args.peak_tflops * 1e12)
-        print_table(["method", "step", *PHASES, "resp len", "steps", "MC tokens", "MC gen s", "MC score s",
-                     "MC rounds (forwards)", "MC prefill/wait/host s", "MC rows/step of decoded", "MC grouped steps",
-                     "MC graphs", "MC shared", "|Δ logp|", "policy MFU", "peak GiB", "reserved GiB", "held GiB",
-                     "compiled", "retries"],
-                    [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES), f"{s['response_len_mean']:.0f}",
+        print_table(["method", "step", *PHASES, "roll graphs", "resp len", "steps", "MC tokens", "MC gen s",
+                     "MC score s", "MC rounds (forwards)", "MC prefill/wait/host s", "MC rows/step of decoded",
+                     "MC grouped steps", "MC graphs", "MC shared", "|Δ logp|", "policy MFU", "peak GiB",
+                     "reserved GiB", "held GiB", "compiled", "retries"],
+                    [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES),
+                      f"{s['roll_graph_captures']} in {s['t_roll_capture']:.1f} s"
+                      if "roll_graph_captures" in s else "-",
+                      f"{s['response_len_mean']:.0f}",
                       f"{s.get('steps_per_response', 0):.1f}", s.get("mc_tokens", "-"),
                       *(f"{s[k]:.1f}" if k in s else "-" for k in ("t_mc_generate", "t_mc_score")),
                       f"{s['mc_prefill_rounds']} ({s['mc_prefill_forwards']})" if "mc_prefill_forwards" in s else "-",

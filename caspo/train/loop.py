@@ -113,12 +113,17 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
             groups.append(i)
             ids.append(tr.data.train[item].id)
     requests = [Request(p, s, cfg.rollout.max_new_tokens) for p, s in zip(prompts, seeds)]
+    engine_stats = getattr(tr.engine, "stats", None)  # the native engine's counters
+    before = (engine_stats.graph_captures, engine_stats.capture_s) if engine_stats else None
     completions = generate_blocks(tr, requests, G)
     texts = [tr.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     labels = [tr.data.train[item].label for item in indices for _ in range(G)]
     batch = RolloutBatch.from_completions(prompts, completions, group_ids=groups, example_ids=ids,
                                           sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id,
                                           labels=labels)
+    if before is not None:  # each wake drops the decode graphs: a rollout captures its shapes again
+        batch.stats["rollout"] = {"roll_graph_captures": engine_stats.graph_captures - before[0],
+                                  "t_roll_capture": engine_stats.capture_s - before[1]}
     return batch.to(tr.device)
 
 
@@ -147,6 +152,7 @@ def batch_stats(batch: RolloutBatch) -> dict:
         "truncated_frac": float((~batch.finished).float().mean()),
         "reward_timeouts": 0, "reward_crashes": 0, "reward_over_budget": 0, "reward_recycled": 0,
         **batch.stats.get("reward", {}),
+        **batch.stats.get("rollout", {}),
         "behaviour_vs_old_logp_absdiff": float(
             algo.masked_mean((batch.behaviour_logprobs - batch.old_logprobs).abs(), batch.response_mask)),
     }

@@ -63,12 +63,13 @@ def run_cli(args: list[str]) -> None:
 
 
 def _measured(key: str) -> bool:
-    return key.startswith(("t_", "mem_")) or key == "compiled_graphs"
+    """Timers, memory, and counts of what a process compiles or captures (a resumed one starts with none)."""
+    return key.startswith(("t_", "mem_")) or key == "compiled_graphs" or key.endswith("_graph_captures")
 
 
 def traces(run_dir: Path) -> dict[str, str]:
     """Per-run hashes of what the steps produced: tokens, rewards, and metrics without timers, memory
-    figures and compilation counts (which a process that resumed measures differently)."""
+    figures and compilation or graph-capture counts (which a process that resumed measures differently)."""
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [{k: v for k, v in m.items() if not _measured(k)} for m in metrics if "reward_mean" in m]
