@@ -103,15 +103,11 @@ def main() -> None:
         engine.generate([Request(r.prompt_ids, r.seed, max_new_tokens=8) for r in requests[:2]], sampling)  # warm-up
         before = dataclasses.replace(engine.stats)
         completions, seconds, peak = timed(args.device, partial(engine.generate, requests, sampling))
-        computed = engine.stats.prefill_tokens - before.prefill_tokens
-        shared = engine.stats.shared_tokens - before.shared_tokens
-        rounds = engine.stats.prefill_rounds - before.prefill_rounds
-        forwards = engine.stats.prefill_forwards - before.prefill_forwards
-        steps = engine.stats.decode_steps - before.decode_steps
-        grouped = engine.stats.grouped_steps - before.grouped_steps
-        captures = engine.stats.graph_captures - before.graph_captures
-        capture_s = engine.stats.capture_s - before.capture_s
-        split = {name: round(getattr(engine.stats, name) - getattr(before, name), 3)
+        during = engine.stats.since(before)
+        computed, shared, rounds = during.prefill_tokens, during.shared_tokens, during.prefill_rounds
+        forwards, steps, grouped = during.prefill_forwards, during.decode_steps, during.grouped_steps
+        captures, capture_s = during.graph_captures, during.capture_s
+        split = {name: round(getattr(during, name), 3)
                  for name in ("prefill_s", "wait_s", "generate_s")}  # the engine's host time, in parts
         split["host_s"] = round(split.pop("generate_s") - split["prefill_s"] - split["wait_s"], 3)
         generated = sum(len(c.tokens) for c in completions)

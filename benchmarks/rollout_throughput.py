@@ -162,9 +162,10 @@ def main() -> None:
 def host_split(before, after) -> dict:
     """Per decode step of one generate call (EngineStats before and after it): the host's wait for tokens and
     its own work, admission rounds excluded."""
-    steps = max(after.decode_steps - before.decode_steps, 1)
-    wait = after.wait_s - before.wait_s
-    own = (after.generate_s - before.generate_s) - (after.prefill_s - before.prefill_s) - wait
+    during = after.since(before)
+    steps = max(during.decode_steps, 1)
+    wait = during.wait_s
+    own = during.generate_s - during.prefill_s - wait
     return {"wait_ms_per_step": round(1e3 * wait / steps, 3), "host_ms_per_step": round(1e3 * own / steps, 3)}
 
 

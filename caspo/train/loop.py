@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from typing import Callable, Optional, Protocol
@@ -114,7 +115,7 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
             ids.append(tr.data.train[item].id)
     requests = [Request(p, s, cfg.rollout.max_new_tokens) for p, s in zip(prompts, seeds)]
     engine_stats = getattr(tr.engine, "stats", None)  # the native engine's counters
-    before = (engine_stats.graph_captures, engine_stats.capture_s) if engine_stats else None
+    before = dataclasses.replace(engine_stats) if engine_stats else None
     completions = generate_blocks(tr, requests, G)
     texts = [tr.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     labels = [tr.data.train[item].label for item in indices for _ in range(G)]
@@ -122,8 +123,8 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
                                           sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id,
                                           labels=labels)
     if before is not None:  # each wake drops the decode graphs: a rollout captures its shapes again
-        batch.stats["rollout"] = {"roll_graph_captures": engine_stats.graph_captures - before[0],
-                                  "t_roll_capture": engine_stats.capture_s - before[1]}
+        during = engine_stats.since(before)
+        batch.stats["rollout"] = {"roll_graph_captures": during.graph_captures, "t_roll_capture": during.capture_s}
     return batch.to(tr.device)
 
 

@@ -82,21 +82,21 @@ class MonteCarloValues(MethodState):
         batch.step_values, batch.step_mask = mc.values.to(device), mc.step_mask.to(device)
         out = {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes,
                "t_mc_generate": mc.generate_s, "t_mc_score": mc.score_s, **step_stats(batch, batch.step_values)}
-        if before is not None:  # the share of the continuations' prompt positions copied from a resident slot
-            computed = engine_stats.prefill_tokens - before.prefill_tokens
-            shared = engine_stats.shared_tokens - before.shared_tokens
-            out["mc_prefill_shared_frac"] = shared / max(computed + shared, 1)
-            out["mc_prefill_rounds"] = engine_stats.prefill_rounds - before.prefill_rounds
-            out["mc_prefill_forwards"] = engine_stats.prefill_forwards - before.prefill_forwards
-            out["mc_decode_steps"] = engine_stats.decode_steps - before.decode_steps
-            out["mc_grouped_steps"] = engine_stats.grouped_steps - before.grouped_steps  # shared_prefix_attention
-            out["mc_decode_rows"] = engine_stats.decode_rows - before.decode_rows
-            out["mc_graph_captures"] = engine_stats.graph_captures - before.graph_captures
-            out["t_mc_capture"] = engine_stats.capture_s - before.capture_s
+        if before is not None:  # the engine's counters over the continuations' generation
+            during = engine_stats.since(before)
+            # the share of the continuations' prompt positions copied from a resident slot
+            out["mc_prefill_shared_frac"] = during.shared_tokens / max(during.prefill_tokens + during.shared_tokens, 1)
+            out["mc_prefill_rounds"] = during.prefill_rounds
+            out["mc_prefill_forwards"] = during.prefill_forwards
+            out["mc_decode_steps"] = during.decode_steps
+            out["mc_grouped_steps"] = during.grouped_steps  # shared_prefix_attention
+            out["mc_decode_rows"] = during.decode_rows
+            out["mc_graph_captures"] = during.graph_captures
+            out["t_mc_capture"] = during.capture_s
             # the engine's host time: admission rounds, blocked on the device, and the rest its own work
-            out["t_mc_prefill"] = engine_stats.prefill_s - before.prefill_s
-            out["t_mc_wait"] = engine_stats.wait_s - before.wait_s
-            out["t_mc_host"] = engine_stats.generate_s - before.generate_s - out["t_mc_prefill"] - out["t_mc_wait"]
+            out["t_mc_prefill"] = during.prefill_s
+            out["t_mc_wait"] = during.wait_s
+            out["t_mc_host"] = during.generate_s - during.prefill_s - during.wait_s
         return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -77,6 +77,10 @@ class EngineStats:
     generate_s: float = 0.0  # host seconds inside generate
     prefill_s: float = 0.0  # of those, in admission rounds: planning, K/V copies, launching forwards and samplers
     wait_s: float = 0.0  # of those, blocked until a decode step's tokens reached the host (the device is the bound)
+
+    def since(self, before: "EngineStats") -> "EngineStats":
+        """What happened between an earlier reading (`dataclasses.replace(stats)`) and this one."""
+        return EngineStats(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
 
 
 class NativeEngine(PublishedWeights):
