@@ -345,6 +345,34 @@ def test_dppo_binary_kl_mask_uses_delta_high_for_positive_and_delta_low_otherwis
         dppo_binary_loss(logp, anchor, A, mask, divergence="js")
 
 
+def test_dppo_binary_default_delta_is_the_papers_for_each_divergence():
+    # A=+1, p_a .1 → p .24: p − p_a = .14 (inside TV's .15);
+    # D = .1 ln(.1/.24) + .9 ln(.9/.76) = 0.0646161 (outside KL's .05, inside .15)
+    logp, anchor = dppo_row([0.24], [0.1])
+    A, mask = row([1.0]), torch.ones(1, 1)
+    masked = {}
+    for divergence, deltas in (("tv", {}), ("kl", {}), ("kl", {"delta_low": 0.15, "delta_high": 0.15})):
+        _, m = dppo_binary_loss(logp, anchor, A, mask, divergence=divergence, **deltas)
+        masked[divergence, bool(deltas)] = m["dppo_masked_frac"].item()
+    assert masked == {("tv", False): 0.0, ("kl", False): 1.0, ("kl", True): 0.0}
+
+
+def test_dppo_methods_take_their_divergences_default_delta_unless_set():
+    from types import SimpleNamespace
+
+    from caspo.config import MethodConfig
+    from caspo.train.policy_losses import DPPO_KL, DPPO_TV, LossInputs
+
+    logp, anchor = dppo_row([0.24], [0.1])  # the token above: masked at δ = .05 under KL only
+    batch = SimpleNamespace(old_logprobs=anchor, advantages=row([1.0]), response_mask=torch.ones(1, 1))
+    inputs = LossInputs(logp=logp, batch=batch, denom=None)
+    assert MethodConfig().dppo_delta_low is None and MethodConfig().dppo_delta_high is None
+    assert DPPO_KL.fn(inputs, MethodConfig())[1]["dppo_masked_frac"].item() == 1.0
+    assert DPPO_TV.fn(inputs, MethodConfig())[1]["dppo_masked_frac"].item() == 0.0
+    wide = MethodConfig(dppo_delta_low=0.15, dppo_delta_high=0.15)
+    assert DPPO_KL.fn(inputs, wide)[1]["dppo_masked_frac"].item() == 0.0
+
+
 def test_dppo_junk_padding_does_not_leak():
     logp = torch.tensor([[math.log(0.4), NAN]], dtype=f64, requires_grad=True)
     anchor = row([math.log(0.3), INF])

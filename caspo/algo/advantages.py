@@ -152,7 +152,9 @@ def terminal_advantages(
     Returns ``[B]``; every response token of sequence i takes A_i, which is GAE
     with γ = λ = 1, V = 0 and the score as the last token's reward, then
     standardised. ``group_ids`` is only read for ``group``. An all-equal batch
-    (or group) gets exactly 0.
+    (or group) gets exactly 0. With a KL penalty in the reward the trainer passes
+    s_i = Σ_t r_{i,t}, the score less the response's summed penalty (as GRPO's s_i):
+    one advantage per sequence, not a per-token return-to-go.
     """
     if scope == "off":
         return scores.clone() if scores.is_floating_point() else scores.to(torch.get_default_dtype())

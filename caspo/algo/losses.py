@@ -215,14 +215,18 @@ def divergence_gate_loss(
     return loss, metrics
 
 
+# The trust region's default δ per divergence (Qi et al. 2026): binary TV 0.15, binary KL 0.05.
+DPPO_DELTA = {"tv": 0.15, "kl": 0.05}
+
+
 def dppo_binary_loss(
     logp: torch.Tensor,
     logp_anchor: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     divergence: str = "tv",
-    delta_low: float = 0.15,
-    delta_high: float = 0.15,
+    delta_low: float | None = None,
+    delta_high: float | None = None,
     ratio_cap: float | None = 10.0,
     agg: str = "token-mean",
     denom: torch.Tensor | float | None = None,
@@ -239,11 +243,15 @@ def dppo_binary_loss(
         ℓ    = −A · sg(min(r, ratio_cap)) · logp · [not invalid]
         loss = agg(ℓ)
 
-    δ_high bounds moves that raise p (A > 0), δ_low moves that lower it (A ≤ 0).
-    The defaults 0.15 suit ``tv``; the paper uses 0.05 for ``kl``. The gradient is
+    δ_high bounds moves that raise p (A > 0), δ_low moves that lower it (A ≤ 0); None takes the
+    paper's default for the divergence (``DPPO_DELTA``: 0.15 for ``tv``, 0.05 for ``kl``). The gradient is
     −A·min(r, cap)·∇logp on valid tokens; the value uses logp, so it is not
     comparable to a PPO loss value. Metric ``dppo_masked_frac`` = mmean[invalid].
     """
+    if divergence not in DPPO_DELTA:
+        raise ValueError(f"unknown DPPO divergence {divergence!r}; valid: {', '.join(DPPO_DELTA)}")
+    delta_low = DPPO_DELTA[divergence] if delta_low is None else delta_low
+    delta_high = DPPO_DELTA[divergence] if delta_high is None else delta_high
     keep = mask.bool()
     logp, logp_anchor, advantages = (masked_fill_zero(t, keep) for t in (logp, logp_anchor, advantages))
     with torch.no_grad():
@@ -251,11 +259,9 @@ def dppo_binary_loss(
         up, down = advantages > 0, advantages <= 0
         if divergence == "tv":
             invalid = (up & (p - p_a > delta_high)) | (down & (p - p_a < -delta_low))
-        elif divergence == "kl":
+        else:
             d = p_a * (logp_anchor - logp) + (1 - p_a) * torch.log((1 - p_a + 1e-8) / (1 - p + 1e-8))
             invalid = (up & (p > p_a) & (d > delta_high)) | (down & (p < p_a) & (d > delta_low))
-        else:
-            raise ValueError(f"unknown DPPO divergence {divergence!r}; valid: tv, kl")
         invalid = invalid & keep
         weight = _ratio(logp, logp_anchor)
         if ratio_cap is not None:

@@ -199,7 +199,9 @@ class MethodConfig:
     adv_whiten: Literal["auto", "none", "batch"] = "auto"
     # clip advantages at ±adv_clip (in units of σ after whitening); 0 = off
     adv_clip: float = 0.0
-    # KL to the reference: a loss term (kl_coef × kl_estimator) and/or k1 folded into the reward
+    # KL to the reference: a loss term (kl_coef × kl_estimator) and/or k1 folded into the reward: per token for
+    # the GAE methods; otherwise summed over the response, into the one sequence advantage of grpo, ppo and
+    # dppo_tv/_kl, and into the last step's reward of vineppo and caspo
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
     kl_reward_coef: float = 0.0
@@ -230,9 +232,10 @@ class MethodConfig:
     # batch), within each prompt's "group" of samples, or "off"; vineppo over tokens, caspo over valid steps
     step_adv_scope: Literal["batch", "group", "off"] = "batch"
     caspo: CaspoConfig = field(default_factory=CaspoConfig)
-    # dppo_tv / dppo_kl
-    dppo_delta_low: float = 0.15
-    dppo_delta_high: float = 0.15
+    # dppo_tv / dppo_kl: the trust region's δ for moves down (A ≤ 0) and up (A > 0); null: the paper's default
+    # for the method's divergence, 0.15 for dppo_tv and 0.05 for dppo_kl (caspo.algo.losses.DPPO_DELTA)
+    dppo_delta_low: Optional[float] = None
+    dppo_delta_high: Optional[float] = None
     dppo_ratio_cap: float = 10.0
 
 
