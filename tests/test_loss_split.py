@@ -3,13 +3,14 @@
 import pytest
 import torch
 
+from caspo import algo
 from caspo.algo import AGG_MODES
 from caspo.config import load_config
 from caspo.methods import get_method
 from caspo.precision import LossScaler
 from caspo.train import loop
 from caspo.train.advantages import compute_advantages
-from caspo.train.update import accumulate_gradients, actor_loss
+from caspo.train.update import accumulate_gradients, actor_loss, update
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,3 +76,21 @@ def test_no_grad_passes_take_their_own_micro_batches(rollout):
     mask = batch.response_mask.bool()
     for knobs in (("2", "0", "8", "0"), ("2", "0", "0", "40"), ("8", "40", "1", "0")):
         assert torch.allclose(scores[knobs][mask], scores["2", "0", "0", "0"][mask], atol=1e-5, rtol=0), knobs
+
+
+def test_dr_grpo_normaliser_is_the_generation_budget(rollout, monkeypatch):
+    """seq-mean-token-sum-norm divides by B'·rollout.max_new_tokens (Dr. GRPO's constant), not by the batch's
+    longest response, which moves from step to step. Runs last: it steps the shared policy."""
+    tr, batch = rollout
+    cfg = load_config("tests", ["train.minibatch_size=8", "method.loss_agg=seq-mean-token-sum-norm",
+                                "method.kl_coef=0.1"])
+    assert batch.responses.shape[1] < cfg.rollout.max_new_tokens  # else the two lengths coincide
+    lengths, aggregate_denom = [], algo.aggregate_denom
+
+    def recording(mask, mode, norm_len=None):
+        lengths.append(norm_len)
+        return aggregate_denom(mask, mode, norm_len)
+
+    monkeypatch.setattr(algo, "aggregate_denom", recording)
+    update(tr.actor, batch, cfg, tr.method, tr.method_state, torch.Generator().manual_seed(0), LossScaler("fp32"))
+    assert lengths and set(lengths) == {cfg.rollout.max_new_tokens}

@@ -190,6 +190,8 @@ class MethodConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
+    # how token losses are summed (caspo.algo.aggregate); seq-mean-token-sum-norm (Dr. GRPO) divides by
+    # rows × rollout.max_new_tokens
     loss_agg: LossAgg = "token-mean"
     # group advantages: divide by the group's std (false = Dr. GRPO's s - mean)
     std_normalize: bool = True

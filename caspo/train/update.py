@@ -220,7 +220,9 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
 def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", state: MethodState,
            generator: torch.Generator, scaler: LossScaler) -> dict:
     t = cfg.train
-    norm_len = batch.responses.shape[1]
+    # seq-mean-token-sum-norm's constant length (Dr. GRPO's; verl pads responses to it): the generation budget,
+    # not this batch's longest response, so that the loss's scale does not move from step to step
+    norm_len = cfg.rollout.max_new_tokens
     stats = UpdateStats()
     # (grad-norm key, learner, loss): the policy first, then the method's own learners
     learners = [("grad_norm", actor, actor_loss(method, state, norm_len))] + [
