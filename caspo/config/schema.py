@@ -238,6 +238,8 @@ class MethodConfig:
     # for the method's divergence, 0.15 for dppo_tv and 0.05 for dppo_kl (caspo.algo.losses.DPPO_DELTA)
     dppo_delta_low: Optional[float] = None
     dppo_delta_high: Optional[float] = None
+    # the loss's sg(min(r, C)) with r = π/π_old, the trainer's recomputed π_old (Stable-RL's `_recompute` variants,
+    # C = 10; verl anchors on π_old too, with C = 20)
     dppo_ratio_cap: float = 10.0
 
 
