@@ -99,6 +99,9 @@ def resolve_method(cfg: Config) -> Method:
     if method.step_whiten == "none" and m.step_adv_scope != "batch":
         raise ConfigError(f"method.step_adv_scope={m.step_adv_scope} scopes the step advantages of vineppo and caspo; "
                           f"method {m.name} has none (its whitening is method.adv_whiten): leave it batch")
+    if m.step_adv_scope == "minibatch" and method.step_whiten != "tokens":
+        raise ConfigError(f"method.step_adv_scope=minibatch whitens VinePPO's token advantages in the update, one "
+                          f"optimizer minibatch at a time; {m.name} takes batch, group or off")
     groups = (method.group_baseline or (method.advantages is adv.terminal and m.terminal_scope == "group")
               or (method.step_whiten != "none" and m.step_adv_scope == "group"))
     if groups and r.samples_per_prompt < 2:

@@ -1,4 +1,5 @@
-"""Gradients of one minibatch do not depend on how it is split into micro-batches."""
+"""The update's minibatches: gradients do not depend on how one is split into micro-batches; Dr. GRPO's
+normaliser; VinePPO's whitening minibatch by minibatch."""
 
 import pytest
 import torch
@@ -6,10 +7,12 @@ import torch
 from caspo import algo
 from caspo.algo import AGG_MODES
 from caspo.config import load_config
-from caspo.methods import get_method
+from caspo.config.schema import ConfigError
+from caspo.methods import get_method, resolve_method
 from caspo.precision import LossScaler
 from caspo.train import loop
-from caspo.train.advantages import compute_advantages
+from caspo.train import update as update_module
+from caspo.train.advantages import compute_advantages, minibatch_advantages
 from caspo.train.update import accumulate_gradients, actor_loss, update
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,3 +97,50 @@ def test_dr_grpo_normaliser_is_the_generation_budget(rollout, monkeypatch):
     monkeypatch.setattr(algo, "aggregate_denom", recording)
     update(tr.actor, batch, cfg, tr.method, tr.method_state, torch.Generator().manual_seed(0), LossScaler("fp32"))
     assert lengths and set(lengths) == {cfg.rollout.max_new_tokens}
+
+
+def test_minibatch_advantages_whiten_and_clip_only_the_minibatchs_rows():
+    adv = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 0.0], [5.0, 7.0, 0.0], [4.0, 4.0, 4.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    rows = torch.tensor([2, 0, 1])
+    out = minibatch_advantages(adv, mask, rows, k=0.0)
+    # the rows' valid tokens 1, 2, 3, 5, 7: mean 3.6, unbiased variance 5.8
+    expected = (torch.tensor([1.0, 2.0, 3.0, 5.0, 7.0]) - 3.6) / (5.8 + 1e-8) ** 0.5
+    got = torch.cat([out[0, :2], out[1, :1], out[2, :2]])
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert out[0, 2] == 0 and out[2, 2] == 0  # padding
+    assert torch.equal(out[3], adv[3])  # a row outside the minibatch is untouched
+    clipped = minibatch_advantages(adv, mask, rows, k=1.0)
+    assert torch.allclose(clipped[2, 1], torch.tensor(1.0)) and clipped[2, 1] < out[2, 1]  # 7 → 1.418 σ → 1
+
+
+def test_minibatch_scope_is_vineppos_alone():
+    resolve_method(load_config("tests", ["method.name=vineppo", "method.step_adv_scope=minibatch"]))
+    for name in ("caspo", "grpo"):
+        cfg = load_config("tests", [f"method.name={name}", "method.step_adv_scope=minibatch",
+                                    "method.caspo.value_model=/nonexistent"])
+        with pytest.raises(ConfigError, match="step_adv_scope"):
+            resolve_method(cfg)
+
+
+def test_the_update_reads_each_minibatchs_own_whitening(rollout, monkeypatch):
+    """Every optimizer step reads the advantages whitened over its own rows (each epoch anew), and the batch
+    keeps its raw advantages after the update. Runs after the gradient tests: it steps the shared policy."""
+    tr, batch = rollout
+    cfg = load_config("tests", ["train.minibatch_size=4", "train.epochs_per_rollout=2", "method.adv_clip=2"])
+    cfg.method.step_adv_scope = "minibatch"  # vineppo's setting, on this grpo batch's advantages
+    raw = batch.advantages.clone()
+    seen, accumulate = [], update_module.accumulate_gradients
+
+    def recording(model, b, rows, *args, **kwargs):
+        seen.append((rows.clone(), b.advantages.clone()))
+        return accumulate(model, b, rows, *args, **kwargs)
+
+    monkeypatch.setattr(update_module, "accumulate_gradients", recording)
+    update(tr.actor, batch, cfg, tr.method, tr.method_state, torch.Generator().manual_seed(0), LossScaler("fp32"))
+    assert len(seen) == 4  # two epochs of two minibatches
+    for rows, read in seen:
+        assert torch.equal(read, minibatch_advantages(raw, batch.response_mask, rows, 2.0))
+        assert not torch.equal(read[rows], raw[rows])
+    assert {tuple(sorted(r.tolist())) for r, _ in seen[:2]} != {tuple(sorted(r.tolist())) for r, _ in seen[2:]}
+    assert torch.equal(batch.advantages, raw)

@@ -119,6 +119,12 @@ def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     assert all(r["steps_mean"] >= 1 for r in rows)
 
 
+def test_vineppo_whitens_minibatch_by_minibatch_in_a_run(tmp_path):
+    cfg, rows = run(tmp_path, "method.name=vineppo", "method.vineppo_k=2", "method.step_adv_scope=minibatch",
+                    "method.adv_clip=3", steps=1)
+    assert rows[0]["grad_norm"] > 0 and rows[0]["mc_tokens"] > 0
+
+
 # prob frozen and online in the default run; the value and logprob transforms with -m slow
 @pytest.mark.parametrize("transform", [pytest.param("value", marks=pytest.mark.slow), "prob",
                                        pytest.param("logprob", marks=pytest.mark.slow)])

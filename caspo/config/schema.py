@@ -231,8 +231,9 @@ class MethodConfig:
     # min(rollout.max_new_tokens, N − prompt − prefix), N its model context (2048 for Rho-1B)
     vineppo_context_tokens: int = 0
     # vineppo / caspo: step advantages standardised over the "batch" (the seed's standardize_advantage_scope:
-    # batch), within each prompt's "group" of samples, or "off"; vineppo over tokens, caspo over valid steps
-    step_adv_scope: Literal["batch", "group", "off"] = "batch"
+    # batch), within each prompt's "group" of samples, or "off"; vineppo over tokens, caspo over valid steps.
+    # vineppo also takes "minibatch": each optimizer minibatch's tokens, in the update (upstream VinePPO's trainer)
+    step_adv_scope: Literal["batch", "group", "off", "minibatch"] = "batch"
     caspo: CaspoConfig = field(default_factory=CaspoConfig)
     # dppo_tv / dppo_kl: the trust region's δ for moves down (A ≤ 0) and up (A > 0); null: the paper's default
     # for the method's divergence, 0.15 for dppo_tv and 0.05 for dppo_kl (caspo.algo.losses.DPPO_DELTA)

@@ -14,7 +14,9 @@ Token rewards carry the verifier's score on the last response token, minus
 β·k1(π_old, π_ref) on every token when the KL is folded into the reward; a sequence
 score is their sum. Token whitening and the ±method.adv_clip σ clip follow, in
 `compute_advantages`: over method.step_adv_scope for a row whose step advantages are
-whitened per token (vineppo), else by method.adv_whiten (or the row's rule when "auto").
+whitened per token (vineppo), else by method.adv_whiten (or the row's rule when "auto"). A
+step_adv_scope of "minibatch" leaves both to the update, each optimizer minibatch taking
+`minibatch_advantages` of its rows.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def compute_advantages(batch: RolloutBatch, cfg: Config, method: "Method") -> Ad
     m, mask = cfg.method, batch.response_mask
     adv, returns = method.advantages(batch, token_rewards(batch, cfg), m)
     scope = token_scope(method, m)
+    if scope == "minibatch":  # whitened and clipped in the update, minibatch by minibatch (minibatch_advantages)
+        return adv * mask, returns
     adv = scoped_whiten(adv, mask, batch.group_ids, scope) if scope != "off" else adv
     adv = clip_sigmas(adv, mask, m.adv_clip, whitened=scope != "off")
     return adv * mask, returns
@@ -65,6 +69,15 @@ def token_scope(method: "Method", m: MethodConfig) -> str:
         return m.step_adv_scope
     whiten = method.whiten if m.adv_whiten == "auto" else m.adv_whiten
     return "batch" if whiten == "batch" else "off"
+
+
+def minibatch_advantages(advantages: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, k: float) -> torch.Tensor:
+    """`advantages` [B, R] with the rows of one optimizer minibatch whitened over their valid tokens and clipped at
+    ±k σ (method.step_adv_scope=minibatch): upstream VinePPO's trainer whitens the advantages of the episodes each
+    training step reads (64, across its GPUs), every epoch anew. The other rows are left as they are."""
+    out = advantages.clone()
+    out[rows] = clip_sigmas(algo.masked_whiten(advantages[rows], mask[rows].bool()), mask[rows], k, whitened=True)
+    return out
 
 
 def clip_sigmas(adv: torch.Tensor, mask: torch.Tensor, k: float, whitened: bool) -> torch.Tensor:

@@ -23,6 +23,7 @@ from caspo.config import Config
 from caspo.models.forward import hidden_kl, hidden_logprobs, hidden_token_loss, response_hidden
 from caspo.precision import LossScaler, autocast, loss_scale
 from caspo.train import distributed, fsdp
+from caspo.train.advantages import minibatch_advantages
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import Learner
 from caspo.train.policy_losses import LossInputs
@@ -230,6 +231,8 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
     for _, learner, _ in learners:
         learner.model.train()
     filled = torch.zeros(batch.size, dtype=torch.bool)  # rows whose old log-probs this rank's forwards gave
+    advantages = batch.advantages  # with step_adv_scope=minibatch, each minibatch reads its own whitening of them
+    per_minibatch = cfg.method.step_adv_scope == "minibatch"
     batch.update_ratios = torch.zeros_like(batch.response_mask)
     # what the policy's forwards give back: its ratios (a later epoch's replace an earlier one's), and π_old
     policy_gives = ("old_logprobs", "update_ratios") if batch.old_is_current else ("update_ratios",)
@@ -238,12 +241,15 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
         for start in range(0, batch.size, t.minibatch_size):
             rows = order[start:start + t.minibatch_size]
             filled[distributed.my_rows(rows)] = True
+            if per_minibatch:
+                batch.advantages = minibatch_advantages(advantages, batch.response_mask, rows, cfg.method.adv_clip)
             for key, learner, loss_fn in learners:
                 train_minibatch(key, learner, batch, rows, cfg, scaler, norm_len, loss_fn, stats,
                                 written=policy_gives if learner is actor else ())
             stats.minibatches += 1
     for _, learner, _ in learners:
         learner.model.eval()
+    batch.advantages = advantages
     if distributed.active() and batch.old_is_current:  # each rank's forwards gave its rows' old log-probs
         batch.old_logprobs = distributed.share_rows(batch.old_logprobs, filled)
     if distributed.active():  # and their ratios
