@@ -209,6 +209,21 @@ def test_kl_reward_reaches_the_sequence_score_and_gae():
     torch.testing.assert_close(returns, expected)
 
 
+def test_kl_reward_is_charged_to_the_step_that_paid_it():
+    # token rewards (above): row 0: −.05, .1, 1.0 over steps 0, 1, 1;  row 1: −.01, .03 in its one step
+    # step rewards: row 0: r_0 = −.05, r_1 = 1.1;  row 1: r_0 = .02
+    # step TD (γ = 1, V(s_n) = 0): row 0: −.05 + .8 − .5 = .25, 1.1 − .8 = .3;  row 1: .02 − .5 = −.48
+    for method in ("vineppo", "caspo"):
+        batch = make_batch([[1, 1, 1], [1, 1, 0]], [0, 0], [1.0, 0.0], step_ids=[[0, 1, 1], [0, 0, -1]],
+                           step_values=[[0.5, 0.8], [0.5, 0.0]], old=OLD, ref=REF)
+        batch.step_mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+        adv = advantages(batch, method, "method.step_adv_scope=off", "method.caspo.step_adv_clip=0",
+                         "method.kl_reward_coef=0.1")
+        mask = batch.step_mask.bool()
+        torch.testing.assert_close(batch.step_advantages[mask], torch.tensor([0.25, 0.3, -0.48]))
+        torch.testing.assert_close(adv, torch.tensor([[0.25, 0.3, 0.3], [-0.48, -0.48, 0.0]]))
+
+
 # ---------------------------------------------------------------- the checks of resolve_method
 
 
@@ -221,6 +236,6 @@ def test_step_adv_scope_is_checked_against_the_method():
     with pytest.raises(ConfigError, match="samples_per_prompt must be >= 2"):
         resolve_method(load_config("tests", ["method.name=vineppo", "method.step_adv_scope=group",
                                              "rollout.samples_per_prompt=1", "train.minibatch_size=4"]))
-    with pytest.raises(ConfigError, match=r"expected one of \['batch', 'group', 'off'\]"):
+    with pytest.raises(ConfigError, match=r"expected one of \['batch', 'group', 'off', 'minibatch'\]"):
         load_config("tests", ["method.step_adv_scope=prompt"])
     assert load_config("tests", ["method.step_adv_scope=off"]).method.step_adv_scope == "off"  # YAML's off

@@ -202,8 +202,8 @@ class MethodConfig:
     # clip advantages at ±adv_clip (in units of σ after whitening); 0 = off
     adv_clip: float = 0.0
     # KL to the reference: a loss term (kl_coef × kl_estimator) and/or k1 folded into the reward: per token for
-    # the GAE methods; otherwise summed over the response, into the one sequence advantage of grpo, ppo and
-    # dppo_tv/_kl, and into the last step's reward of vineppo and caspo
+    # the GAE methods, per step for vineppo and caspo (each step its own tokens' penalties), and summed over the
+    # response into the one sequence advantage of grpo, ppo and dppo_tv/_kl
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
     kl_reward_coef: float = 0.0

@@ -6,7 +6,8 @@ Each is `fn(batch, token_rewards, m) -> (advantages [B, R], returns [B, R] or No
     terminal        s_i standardised over the batch, the group, or not at all
     gae             Â_t = Σ_l (γλ)^l δ_{t+l},  δ_t = r_t + γV_{t+1} − V_t;  returns R_t = Â_t + V_t
     mc_step_td      A_k = r_k + γ·V(s_{k+1}) − V(s_k) on Monte Carlo step values (VinePPO);
-                    r_k = R on the last step, V(s_n) = 0; each token takes its step's advantage
+                    r_k the rewards of step k's tokens (R in the last step), V(s_n) = 0; each token
+                    takes its step's advantage
     prefix_step_td  the same on CASPO's transformed values T(V(s_k)), then whitened over the valid
                     steps (each step once) of method.step_adv_scope and clipped at ±method.caspo.step_adv_clip σ
 
@@ -103,13 +104,14 @@ def gae(batch: RolloutBatch, rewards: torch.Tensor, m: MethodConfig) -> Advantag
     return algo.gae(rewards, batch.values, batch.response_mask, m.gamma, m.lam)
 
 
-def step_td_advantages(batch: RolloutBatch, scores: torch.Tensor, gamma: float) -> torch.Tensor:
-    """[B, S] A_k = r_k + γ·V(s_{k+1}) − V(s_k) on `batch.step_values`, the score R as the last step's reward."""
-    values, step_mask = batch.step_values, batch.step_mask
-    n = step_mask.sum(-1).long()
-    step_rewards = torch.zeros_like(values)
-    step_rewards[torch.arange(len(n)), (n - 1).clamp(min=0)] = scores.to(values.dtype) * (n > 0)
-    return algo.step_td(step_rewards, values, step_mask, gamma)
+def step_td_advantages(batch: RolloutBatch, rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """[B, S] A_k = r_k + γ·V(s_{k+1}) − V(s_k) on `batch.step_values`, r_k the token rewards [B, R] of step k
+    summed: the score R sits on the last response token, so in the last step, and a KL penalty folded into the
+    reward is charged to the step whose token paid it."""
+    values, step_ids = batch.step_values, batch.step_ids
+    paid = torch.where(step_ids >= 0, rewards.to(values.dtype), torch.zeros((), dtype=values.dtype))
+    step_rewards = torch.zeros_like(values).scatter_add_(1, step_ids.clamp(min=0), paid)
+    return algo.step_td(step_rewards, values, batch.step_mask, gamma)
 
 
 def to_tokens(batch: RolloutBatch, step_adv: torch.Tensor) -> torch.Tensor:
@@ -120,12 +122,12 @@ def to_tokens(batch: RolloutBatch, step_adv: torch.Tensor) -> torch.Tensor:
 
 
 def mc_step_td(batch: RolloutBatch, rewards: torch.Tensor, m: MethodConfig) -> Advantages:
-    batch.step_advantages = step_td_advantages(batch, rewards.sum(-1), m.gamma)
+    batch.step_advantages = step_td_advantages(batch, rewards, m.gamma)
     return to_tokens(batch, batch.step_advantages), None
 
 
 def prefix_step_td(batch: RolloutBatch, rewards: torch.Tensor, m: MethodConfig) -> Advantages:
-    step_adv = step_td_advantages(batch, rewards.sum(-1), m.gamma)
+    step_adv = step_td_advantages(batch, rewards, m.gamma)
     scope = m.step_adv_scope
     if scope != "off":
         step_adv = scoped_whiten(step_adv, batch.step_mask, batch.group_ids, scope)
