@@ -141,6 +141,8 @@ def test_minerva_extractor_in_score():
         # thousands separators and currency
         (r"\boxed{1,450,000}", "1450000", 1.0),
         (r"\boxed{1450000}", "1,450,000", 1.0),
+        (r"\boxed{1\;450\:000}", "1450000", 1.0),  # medium and thick spaces as thousands separators
+        (r"\boxed{12\;3}", "123", 0.0),  # not a group of three
         (r"\boxed{\$18}", "18", 1.0),
         (r"\boxed{\$18.00}", "18", 1.0),
         # no box: no answer (the last-number fallback is off by default)

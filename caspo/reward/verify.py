@@ -32,8 +32,9 @@ VERIFIER_VERSION = (
 )
 
 _INTEGER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)")  # ASCII digits only
-# A thin space (or `\ `, `\!`, `~`) between thousands groups: "1\,000" is 1000 (math-verify reads 1*0).
-_DIGIT_GROUP_SPACE = re.compile(r"(?<=[0-9])(?:\\[,! ]|~)(?=[0-9]{3}(?![0-9]))")
+# A LaTeX space (`\,`, `\:`, `\;`, `\ `, `\!`, `~`) between thousands groups: "1\,000" is 1000 (math-verify
+# reads 1*0).
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=[0-9])(?:\\[,:; !]|~)(?=[0-9]{3}(?![0-9]))")
 
 
 def score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0, *,
