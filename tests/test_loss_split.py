@@ -6,8 +6,7 @@ import torch
 
 from caspo import algo
 from caspo.algo import AGG_MODES
-from caspo.config import load_config
-from caspo.config.schema import ConfigError
+from caspo.config import ConfigError, load_config
 from caspo.methods import get_method, resolve_method
 from caspo.precision import LossScaler
 from caspo.train import loop
@@ -83,7 +82,7 @@ def test_no_grad_passes_take_their_own_micro_batches(rollout):
 
 def test_dr_grpo_normaliser_is_the_generation_budget(rollout, monkeypatch):
     """seq-mean-token-sum-norm divides by B'·rollout.max_new_tokens (Dr. GRPO's constant), not by the batch's
-    longest response, which moves from step to step. Runs last: it steps the shared policy."""
+    longest response, which moves from step to step. Runs after the gradient tests: it steps the shared policy."""
     tr, batch = rollout
     cfg = load_config("tests", ["train.minibatch_size=8", "method.loss_agg=seq-mean-token-sum-norm",
                                 "method.kl_coef=0.1"])
