@@ -194,6 +194,35 @@ def test_publication_and_sleep_keep_graphs_valid(family):
     assert engine.stats.graph_captures == 2 * captured  # the cache moved: its graphs are captured again
 
 
+def test_a_wake_recaptures_known_graphs_without_warm_up_runs(monkeypatch):
+    """After sleep(weights=True), a publication and a wake, the graphs of shapes captured before are captured
+    again without their warm-up runs and sample what a fresh engine samples; a new key still warms up."""
+    from caspo.rollout.native import graphs
+
+    warm_ups, capture = [], graphs.capture
+    monkeypatch.setattr(graphs, "capture", lambda step, device, pool, warm_up=True: (
+        warm_ups.append(warm_up), capture(step, device, pool, warm_up))[1])
+    model, sp = build("qwen2"), SamplingParams(temperature=1.0, top_p=0.9)
+    engine = native(model, cuda_graphs=True)
+    first = engine.generate(requests(8), sp)
+    assert warm_ups and all(warm_ups)  # decode graphs and the prompts' sampler graphs, each warmed once
+    captured, warm_ups[:] = len(warm_ups), []
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.sleep(weights=True)
+    engine.wake()
+    publish(engine, updated, version=1)
+    after = engine.generate(requests(8), sp)
+    assert len(warm_ups) == captured and not any(warm_ups)
+    assert [c.tokens for c in after] == [c.tokens for c in native(updated, cuda_graphs=True).generate(requests(8), sp)]
+    assert [c.tokens for c in after] != [c.tokens for c in first]  # the replays read the published weights
+    warm_ups[:] = []
+    engine.generate(requests(8), SamplingParams(temperature=1.0, top_p=0.8))  # new sampling keys
+    assert warm_ups and all(warm_ups)
+
+
 def test_sleep_and_wake_cycles_hold_no_more_memory(monkeypatch):
     """Every wake recaptures the graphs. cuBLAS keeps a workspace for each stream it runs on, so the captures
     warm up on one stream: a new one per capture held 0.16 GiB more in each of the first outer steps at the 1.5B

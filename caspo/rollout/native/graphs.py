@@ -14,6 +14,10 @@ With shared-prefix attention the step's groups (`prefix_groups.PrefixGroups`) ar
 loaded each step like the tokens, positions and slots; a step the engine does not group (too little
 shared to pay) replays a graph of the plain step, so the key also says whether the step is grouped.
 
+A capture is preceded by one warm-up run of its step, unless a graph of the same key was captured before
+(`warmed`, which the model runner keeps across the engine's sleeps): what the warm-up is for lives as long as
+the process, so after a wake the graphs are captured again without it.
+
 The sampler alone (`SamplerGraphs`) samples the logits of freshly prefilled prompts: the nucleus
 search at top-p < 1 is about a hundred kernels, which launched one by one cost the host more than
 the device runs them. Every kernel of the sampler works row by row, so the rows a graph pads with
@@ -80,7 +84,7 @@ def smallest_holding(ladder: list[int], n: int, what: str) -> int:
 
 class DecodeGraphs:
     def __init__(self, runner: Runner, cache: KVCache, batch_sizes: list[int], key_lengths: list[int], stats=None,
-                 prefix_members: int = 0):
+                 prefix_members: int = 0, warmed: set | None = None):
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the engine runs on {cache.device}")
         if max(batch_sizes) > cache.slots:
@@ -103,6 +107,7 @@ class DecodeGraphs:
                                        torch.zeros(rows, **long), torch.zeros(1, **long))
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = None  # one memory pool for all graphs: they never run concurrently
+        self.warmed = set() if warmed is None else warmed  # keys whose step has run before: no warm-up
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pad_slot: int, key_len: int,
             groups: PrefixGroups | None = None):
@@ -151,7 +156,8 @@ class DecodeGraphs:
 
     def _replay(self, key: tuple, sp: SamplingParams | None = None):
         if key not in self.graphs:
-            self.graphs[key] = self._capture(*key[:3], sp)
+            self.graphs[key] = self._capture(*key[:3], sp, warm_up=key not in self.warmed)
+            self.warmed.add(key)
         graph, output = self.graphs[key]
         graph.replay()
         return output
@@ -169,10 +175,10 @@ class DecodeGraphs:
         logits = self.runner.logits(hidden)
         return (logits, *pick(logits, self.seeds[:size], self.steps[:size], sp))
 
-    def _capture(self, size: int, keys: int, grouped: bool, sp: SamplingParams | None
+    def _capture(self, size: int, keys: int, grouped: bool, sp: SamplingParams | None, warm_up: bool
                  ) -> tuple[torch.cuda.CUDAGraph, object]:
         started = time.perf_counter()
-        graph, output = capture(lambda: self._step(size, keys, grouped, sp), self.cache.device, self.pool)
+        graph, output = capture(lambda: self._step(size, keys, grouped, sp), self.cache.device, self.pool, warm_up)
         self.pool = graph.pool()
         if self.stats is not None:
             self.stats.graph_captures += 1
@@ -186,7 +192,7 @@ class SamplerGraphs:
     It has a memory pool of its own, apart from the decode graphs', and the engine's sleep drops it too.
     """
 
-    def __init__(self, batch_sizes: list[int], vocab_size: int, device: torch.device):
+    def __init__(self, batch_sizes: list[int], vocab_size: int, device: torch.device, warmed: set | None = None):
         self.sizes = sorted(set(batch_sizes))
         rows = self.sizes[-1]
         self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
@@ -194,6 +200,7 @@ class SamplerGraphs:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
+        self.warmed = set() if warmed is None else warmed
 
     def run(self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, sp: SamplingParams
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,9 +214,10 @@ class SamplerGraphs:
         key = (size, *sampling_key(sp))
         if key not in self.graphs:
             step = lambda: pick(self.logits[:size], self.seeds[:size], self.positions[:size], sp)  # noqa: E731
-            graph, outputs = capture(step, self.logits.device, self.pool)
+            graph, outputs = capture(step, self.logits.device, self.pool, warm_up=key not in self.warmed)
             self.pool = graph.pool()
             self.graphs[key] = graph, outputs
+            self.warmed.add(key)
         graph, (tokens, packed) = self.graphs[key]
         graph.replay()
         return tokens[:n], packed[:n]
@@ -218,22 +226,26 @@ class SamplerGraphs:
 _WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(step, device: torch.device, pool, warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, object]:
     """A CUDA graph of `step()` in memory pool `pool` (None: a new one), and the outputs of its capture.
 
-    One warm-up run on a side stream first: library handles, workspaces and Triton compilations are
-    created on first use, which must not happen during capture. The side stream is the same for every
-    capture: cuBLAS keeps a workspace for each stream it has run on, so a new stream per capture (each
-    engine wake recaptures) would hold more workspaces step after step, up to one for each of the 32
-    streams torch's pool hands out (about 1 GiB on an H100).
+    With `warm_up`, one run on a side stream first: library handles, workspaces, Triton and inductor
+    compilations are created on first use, which must not happen during capture. All of them outlive the
+    graph, so a step that ran once in this process needs no second warm-up; skipping it saves about half of
+    a recapture's host time (0.5 s of a 64 × 8 rollout on an H100, benchmarks/RESULTS.md).
+
+    The warm-ups' side stream is the same for every capture: cuBLAS keeps a workspace for each stream it
+    has run on, so a new stream per warm-up would hold more workspaces step after step, up to one for each
+    of the 32 streams torch's pool hands out (about 1 GiB on an H100).
     """
-    if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
-    stream = _WARMUP_STREAMS[device]
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream(device).wait_stream(stream)
+    if warm_up:
+        if device not in _WARMUP_STREAMS:
+            _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _WARMUP_STREAMS[device]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = step()

@@ -40,6 +40,8 @@ class ModelRunner:
         self.device, self.max_seq_len = cache.device, max_seq_len
         self.graph_batch_sizes = graph_batch_sizes  # None: no CUDA graphs
         self.graph_sampler = graph_batch_sizes is not None and sampler_graphs
+        # Graph keys captured before: kept across sleeps, so a wake's recaptures skip their warm-up runs.
+        self.warmed_decode, self.warmed_sampler = set(), set()
         # Final-norm hidden state of each slot's last prompt position: what an exact prefix share reuses.
         self.prompt_hidden = torch.zeros(cache.slots, spec.hidden_size, dtype=cache.dtype, device=self.device)
         self.graphs = self._capture() if graph_batch_sizes is not None else None
@@ -68,10 +70,12 @@ class ModelRunner:
 
     def _capture(self) -> DecodeGraphs:
         return DecodeGraphs(self.runner, self.cache, self.graph_batch_sizes, default_key_lengths(self.max_seq_len),
-                            stats=self.stats, prefix_members=self.prefix_members)
+                            stats=self.stats, prefix_members=self.prefix_members, warmed=self.warmed_decode)
 
     def _sampler_graphs(self) -> SamplerGraphs | None:
-        return SamplerGraphs(self.graph_batch_sizes, self.spec.vocab_size, self.device) if self.graph_sampler else None
+        if not self.graph_sampler:
+            return None
+        return SamplerGraphs(self.graph_batch_sizes, self.spec.vocab_size, self.device, warmed=self.warmed_sampler)
 
     # ------------------------------------------------------------ prefill
     def prefill(self, plan: list[PrefillWave], seqs: list[SequenceState]) -> torch.Tensor:
