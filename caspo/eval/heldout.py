@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from caspo.reward.extract import has_box
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.sampling import sample_seed
@@ -16,7 +17,7 @@ EVAL_RUN_SEED = 0  # the same for every run, so every run is judged on the same 
 @dataclass
 class EvalResult:
     accuracy: float
-    boxed_rate: float  # fraction of completions containing a \boxed{}
+    boxed_rate: float  # fraction of completions with a box the extractor reads (\boxed{}, \fbox{}, \boxed 42)
     truncated_rate: float
     n: int
     texts: list[str]
@@ -67,7 +68,7 @@ def _score(engine, tokenizer, requests: list[Request], sampling: SamplingParams,
     n = len(texts)
     return EvalResult(
         accuracy=sum(rewards) / n,
-        boxed_rate=sum("\\boxed{" in t for t in texts) / n,
+        boxed_rate=sum(has_box(t) for t in texts) / n,
         truncated_rate=sum(not f for f in finished) / n,
         n=n,
         texts=texts,

@@ -12,7 +12,7 @@ from caspo.data.registry import level_name
 from caspo.eval.benchmarks import Suite
 from caspo.eval.heldout import greedy_requests, sample_requests
 from caspo.eval.metrics import sample_metrics
-from caspo.reward import extract_answer
+from caspo.reward import extract_answer, has_box
 from caspo.rollout.base import Request, SamplingParams
 
 CHUNK = 1024  # requests per engine call, one progress step each
@@ -91,7 +91,7 @@ def problem_records(suite: Suite, greedy: Outputs, sampled: Outputs | None, K: i
     for i, ex in enumerate(suite.examples):
         rec = {"id": ex.id, "label": ex.label, "greedy_reward": greedy.rewards[i],
                "greedy_answer": answer_of(greedy.texts[i], greedy.finished[i], reward),
-               "greedy_finished": greedy.finished[i], "greedy_boxed": "\\boxed" in greedy.texts[i],
+               "greedy_finished": greedy.finished[i], "greedy_boxed": has_box(greedy.texts[i]),
                "greedy_text": greedy.texts[i]}
         if suite.subject_field:
             rec["subject"] = str(ex.meta.get(suite.subject_field, ""))
@@ -102,7 +102,7 @@ def problem_records(suite: Suite, greedy: Outputs, sampled: Outputs | None, K: i
             rec["rewards"] = sampled.rewards[span]
             rec["answers"] = [answer_of(t, f, reward) for t, f in zip(sampled.texts[span], sampled.finished[span])]
             rec["finished"] = sampled.finished[span]
-            rec["boxed"] = ["\\boxed" in t for t in sampled.texts[span]]
+            rec["boxed"] = [has_box(t) for t in sampled.texts[span]]
         records.append(rec)
     return records
 

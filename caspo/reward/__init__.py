@@ -1,6 +1,6 @@
 """Final-answer reward for verifiable math (math-verify, run in worker processes); docs/reliability.md."""
 
-from caspo.reward.extract import EXTRACTORS, FALLBACKS, extract_answer, last_boxed, last_number, minerva_answer
+from caspo.reward.extract import EXTRACTORS, FALLBACKS, extract_answer, has_box, last_boxed, last_number, minerva_answer
 from caspo.reward.labels import normalize_text, text_label
 from caspo.reward.pool import RewardPool, RewardResult
 from caspo.reward.prefilter import too_costly
@@ -14,6 +14,7 @@ __all__ = [
     "RewardResult",
     "check_label",
     "extract_answer",
+    "has_box",
     "last_boxed",
     "last_number",
     "minerva_answer",
