@@ -2,7 +2,7 @@
 
 import pytest
 
-from caspo.reward import normalize_text, score, text_label, too_costly
+from caspo.reward import check_label, normalize_text, score, text_label, too_costly
 from caspo.reward.labels import letter_word, same_text
 from caspo.reward.prefilter import MAX_ANSWER_CHARS, hedged
 
@@ -83,6 +83,47 @@ def test_hedged(answer, refused):
     assert (hedged(answer) is not None) == refused
     if refused:
         assert score(f"\\boxed{{{answer}}}", "42") == 0.0
+
+
+# Boxes that do not parse whole, which math-verify's defaults read by their last plain expression (42), and
+# equations between two numbers that differ, which it reads by their right-hand side: each scored 1 against 42
+# before the box was read whole and false equations refused.
+FRAGMENTS = [r"41 ? 42", r"41 @ 42", r"1, 2, \dots, 42", r"41 \dots 42", r"41 \star 42", r"41 \cup 42",
+             r"\{41\}\cup 42", r"41 ~ 42", r"41 \operatorname{or} 42", r"41 --> 42", r"41 ==> 42", r"41 <=> 42",
+             r"41 \vert 42", r"41 \| 42", r"41 \# 42", r"41 \& 42", r"41 & 42", r"41 \subset 42", r"41 \Leftarrow 42",
+             r"41 \forall 42", r"41 = 42", r"41 \equiv 42", r"x = 41 = 42", r"41 = x = 42", r"\{41 = 42\}",
+             r"41 \approx 42 = 42"]
+
+
+@pytest.mark.parametrize("answer", FRAGMENTS)
+def test_an_answer_is_read_whole_and_a_false_equation_scores_zero(answer):
+    assert score(f"\\boxed{{{answer}}}", "42") == 0.0
+
+
+@pytest.mark.parametrize("answer, label", [
+    ("x = 42", "42"), (r"\frac{3}{6} = \frac{1}{2}", r"\frac12"), ("2+2=4", "4"), ("n = 1024 = 2^{10}", "1024"),
+    ("f(2) = 42", "42"), (r"\sqrt{2} = 1.41421356", r"\sqrt2"), (r"\frac13 \approx 0.333", r"\frac13"),
+    (r"(0,1)\cup(2,3)", r"(0,1)\cup(2,3)"), (r"\{41\}\cup\{42\}", r"\{41,42\}"), ("a=41, b=42", "41,42"),
+])
+def test_true_equations_and_whole_unions_still_score(answer, label):
+    assert score(f"\\boxed{{{answer}}}", label) == 1.0
+
+
+@pytest.mark.parametrize("answer, label, expected", [
+    (r"\frac\pi4", r"\frac{\pi}{4}", 1.0), (r"\dfrac \pi 4", r"\frac{\pi}{4}", 1.0),
+    (r"\frac3\pi", r"\frac{3}{\pi}", 1.0),
+    (r"\frac{1}{\frac\pi2}", r"\frac{2}{\pi}", 1.0), (r"\frac{\pi}{4} + 2 - \sqrt2", r"\frac \pi4 + 2 - \sqrt2", 1.0),
+    ("2", r"\frac \pi4 + 2 - \sqrt2", 0.0),  # math-verify read this gold as 2: it misreads `\frac \pi4`
+    ("90", "90\\text{ square\nunits}", 1.0),  # a line break inside the gold's text
+    ("4", "4:40 a.m.", 0.0), ("4:40 a.m.", "4:40 a.m.", 1.0),  # a gold that parses only as text: its text alone
+])
+def test_fractions_without_braces_and_golds_read_whole(answer, label, expected):
+    assert score(f"\\boxed{{{answer}}}", label) == expected
+
+
+def test_a_gold_read_only_as_text_is_rejected_at_load():
+    with pytest.raises(ValueError, match="only as a string"):
+        check_label("4:40 a.m.")
 
 
 @pytest.mark.parametrize("label, expected", [

@@ -36,6 +36,9 @@ SHIPPED: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("dsr_sub", "dsr_sub.jsonl", 1209, known_invalid={
         "dsr_sub-139": "gold '\\div' is an operator, which the verifier reads only as text",
         "dsr_sub-265": "source defect: empty answer",
+        "dsr_sub-309": "gold '(1001)_2, ..., 5 | B' mixes base-subscripted numerals with a divisibility condition, "
+                       "read only as text",
+        "dsr_sub-546": "gold '4:40 a.m.' is a clock time, read only as text",
         "dsr_sub-782": "gold '\\[ v \\]' is wrapped in display-math delimiters, read only as text",
         "dsr_sub-1187": "source defect: the answer is cut off (an unclosed brace)",
     }),
@@ -44,6 +47,9 @@ SHIPPED: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("olympiadbench", "olympiadbench.jsonl", 675, known_invalid={
         "olympiadbench-1782": "gold 'm_{\\max }=n^{2}-n-1' is an equation of a subscripted name, read only as text",
         "olympiadbench-2045": "source defect: gold 't(0,4]' lost its membership sign, read only as text",
+        "olympiadbench-1965": "gold 'f(x)=a x+b, where b is an arbitrary integer, ...' is a sentence, "
+                              "read only as text",
+        "olympiadbench-1970": "gold '(-\\infty, 0) \\cup\\{1\\}.' ends in a period, read only as text",
     }),
     Benchmark("math", "math.jsonl", 5000, subject_field="type", level_field="level", known_invalid={
         "test/counting_and_probability/861.json": "gold '\\frac{12}{5,\\!525}' has a thousands separator "

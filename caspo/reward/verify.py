@@ -2,8 +2,9 @@
 
 The answer is extracted first (caspo.reward.extract: the last box by default) and checked by the
 pre-filter (caspo.reward.prefilter); only then is it handed to math-verify, wrapped as
-`$\\boxed{...}$`, because math-verify merges two nearby boxes into a set. Golds are wrapped as
-`$...$`: a bare `\\frac12` parses to nothing. Text labels (caspo.reward.labels) are compared as
+`$\\boxed{...}$`, because math-verify merges two nearby boxes into a set, and parsed as that box
+alone; an answer that equates numbers that differ scores 0 (docs/reliability.md, "Hedges"). Golds
+are wrapped as `$...$`: a bare `\\frac12` parses to nothing. Text labels (caspo.reward.labels) are compared as
 normalized strings, never by math-verify.
 
 The reward workers import this module, so it imports only the standard library, math-verify and
@@ -16,8 +17,9 @@ import threading
 from functools import lru_cache
 from importlib.metadata import version
 
-from math_verify import parse, verify
+from math_verify import LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
+from sympy import And, Basic, Eq
 
 from caspo.reward.extract import extract_answer
 from caspo.reward.labels import letter_word, normalize_text, same_text, text_label
@@ -26,11 +28,21 @@ from caspo.reward.prefilter import MAX_ANSWER_CHARS, hedged, too_costly
 # Names this verifier and the libraries that decide its verdicts; bump the first part
 # whenever extraction or scoring changes, so results can be traced to the code that made them.
 VERIFIER_VERSION = (
-    "caspo-final-answer-2"
+    "caspo-final-answer-3"
     f"+math-verify-{version('math-verify')}"
     f"+latex2sympy2_extended-{version('latex2sympy2_extended')}"
 )
 
+# The box (or the gold) as a whole, or its text: math-verify's defaults go on, when it does not parse, to the
+# rightmost plain expression inside it, so `41 ? 42` and `1, 2, \\dots, 42` would read as 42.
+_BOX_ONLY = [LatexExtractionConfig()]
+# `\\frac\\pi4` is TeX for \\frac{\\pi}{4} (an argument without braces is one token), which math-verify misreads
+# (`\\frac{\\}{p}i4`) where the token is a command: such arguments get their braces first. Commands that take
+# arguments of their own (`\\frac\\sqrt{2}{2}`) are left alone.
+_FRAC = re.compile(r"\\[dt]?frac(?![A-Za-z])")
+_TOKEN = re.compile(r"\s*(\\[A-Za-z]+|[0-9A-Za-z])")
+_TAKES_ARGUMENTS = {"sqrt", "frac", "dfrac", "tfrac", "cfrac", "text", "textbf", "textit", "textrm", "mathrm", "mathbf",
+                    "mbox", "operatorname", "overline", "bar", "hat", "vec", "boxed", "binom", "left", "right"}
 _INTEGER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)")  # ASCII digits only
 # A LaTeX space (`\,`, `\:`, `\;`, `\ `, `\!`, `~`) between thousands groups: "1\,000" is 1000 (math-verify
 # reads 1*0).
@@ -67,18 +79,73 @@ def score(response: str, label: str, finished: bool = True, timeout_s: float | N
     if hedged(answer):
         return 0.0
     try:
-        answer = _DIGIT_GROUP_SPACE.sub("", answer)
+        answer = _normalized(answer)
         fast = _integer_verdict(answer, gold)
         if fast is not None:
             return fast
         seconds = _alarm_seconds(timeout_s)
-        parsed_gold = _parse_gold(_DIGIT_GROUP_SPACE.sub("", gold), seconds)
+        parsed_gold = _parse_gold(_normalized(gold), seconds)
         # Unescaped "$" inside the box ("\boxed{$18$}") would close the math environment early.
         answer = re.sub(r"(?<!\\)\$", "", answer)
-        prediction = parse("$\\boxed{" + answer + "}$", parsing_timeout=seconds)
-        return 1.0 if verify(list(parsed_gold), prediction, timeout_seconds=seconds) else 0.0
+        prediction = parse("$\\boxed{" + answer + "}$", extraction_config=_BOX_ONLY, extraction_mode="first_match",
+                           parsing_timeout=seconds)
+        if not verify(list(parsed_gold), prediction, timeout_seconds=seconds):
+            return 0.0
+        return 0.0 if _states_a_false_equation(prediction, seconds) else 1.0
     except (Exception, TimeoutException):  # TimeoutException is a BaseException
         return 0.0
+
+
+def _braced_fractions(latex: str) -> str:
+    """`\\frac\\pi4` -> `\\frac{\\pi}{4}`: each one-token argument of a fraction in braces (see _FRAC). The last
+    fraction goes first, so that one inside another's braces is done before the outer one skips past it."""
+    for frac in reversed(list(_FRAC.finditer(latex))):
+        pos = frac.end()
+        for _ in range(2):
+            if re.match(r"\s*\{", latex[pos:]):
+                pos = _group_end(latex, latex.index("{", pos))
+                continue
+            token = _TOKEN.match(latex, pos)
+            if token is None or token.group(1).lstrip("\\") in _TAKES_ARGUMENTS:
+                break
+            latex = latex[:token.start(1)] + "{" + token.group(1) + "}" + latex[token.end():]
+            pos = token.start(1) + len(token.group(1)) + 2
+    return latex
+
+
+def _group_end(latex: str, start: int) -> int:
+    """Index after the brace group opening at `start` (the end of the text if it never closes)."""
+    depth = 0
+    for i in range(start, len(latex)):
+        depth += {"{": 1, "}": -1}.get(latex[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(latex)
+
+
+def _normalized(latex: str) -> str:
+    """What math-verify is handed: thousands groups joined, line breaks read as spaces, fractions braced."""
+    return _braced_fractions(_DIGIT_GROUP_SPACE.sub("", latex).replace("\n", " "))
+
+
+def _states_a_false_equation(prediction: list, seconds: int | None) -> bool:
+    """Whether the parsed answer equates numbers that differ: `41 = 42`, `x = 41 = 42`, `41 = x = 42`, `\\{41 = 42\\}`.
+
+    Against a gold that is no equation, math-verify reads an equation (or a chain of them) by its last
+    right-hand side, so each of those would score against 42. True ones (`\\frac{3}{6} = \\frac{1}{2}`,
+    `n = 1024 = 2^{10}`) still score.
+    """
+    expr = prediction[0] if prediction else None
+    if not isinstance(expr, Basic):
+        return False
+    chains = [[eq] for eq in expr.atoms(Eq)]
+    chains += [chain for chain in (list(getattr(a, "_unsorted_args", a.args)) for a in expr.atoms(And))
+               if all(isinstance(r, Eq) for r in chain)]
+    for chain in chains:
+        numbers = [side for r in chain for side in (r.lhs, r.rhs) if side.is_number]
+        if any(not verify([numbers[0]], [n], timeout_seconds=seconds) for n in numbers[1:]):
+            return True
+    return False
 
 
 def check_label(label: str) -> None:
@@ -106,7 +173,7 @@ def check_label(label: str) -> None:
                              f"({'*'.join(word[:4])}...): mark a word as text (\\text{{{gold}}}) or write math as "
                              "LaTeX (\\pi, x \\cdot y)")
         try:
-            parsed = _parse_gold(_DIGIT_GROUP_SPACE.sub("", gold), _alarm_seconds(5.0))
+            parsed = _parse_gold(_normalized(gold), _alarm_seconds(5.0))
         except ValueError:
             raise ValueError(f"math-verify cannot parse label {label!r}") from None
         if all(isinstance(p, str) for p in parsed):  # math-verify only echoed the text back
@@ -143,7 +210,8 @@ def _parse_gold(gold: str, seconds: int | None) -> tuple:
 
     Raises ValueError if nothing parses; a failure (possibly a timeout) is not cached.
     """
-    parsed = parse("$" + gold + "$", parsing_timeout=seconds)
+    parsed = parse("$" + gold + "$", extraction_config=_BOX_ONLY, extraction_mode="first_match",
+                   parsing_timeout=seconds)
     if not parsed:
         raise ValueError(f"math-verify cannot parse {gold!r}")
     return tuple(parsed)
