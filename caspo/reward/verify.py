@@ -33,9 +33,9 @@ VERIFIER_VERSION = (
     f"+latex2sympy2_extended-{version('latex2sympy2_extended')}"
 )
 
-# The box (or the gold) as a whole, or its text: math-verify's defaults go on, when it does not parse, to the
-# rightmost plain expression inside it, so `41 ? 42` and `1, 2, \\dots, 42` would read as 42.
-_BOX_ONLY = [LatexExtractionConfig()]
+# Parse a box (or a gold) as a whole, or keep its text: math-verify's defaults go on, when it does not parse,
+# to the rightmost plain expression inside it, so `41 ? 42` and `1, 2, \\dots, 42` would read as 42.
+_LATEX_ONLY = [LatexExtractionConfig()]
 # `\\frac\\pi4` is TeX for \\frac{\\pi}{4} (an argument without braces is one token), which math-verify misreads
 # (`\\frac{\\}{p}i4`) where the token is a command: such arguments get their braces first. Commands that take
 # arguments of their own (`\\frac\\sqrt{2}{2}`) are left alone.
@@ -87,7 +87,7 @@ def score(response: str, label: str, finished: bool = True, timeout_s: float | N
         parsed_gold = _parse_gold(_normalized(gold), seconds)
         # Unescaped "$" inside the box ("\boxed{$18$}") would close the math environment early.
         answer = re.sub(r"(?<!\\)\$", "", answer)
-        prediction = parse("$\\boxed{" + answer + "}$", extraction_config=_BOX_ONLY, extraction_mode="first_match",
+        prediction = parse("$\\boxed{" + answer + "}$", extraction_config=_LATEX_ONLY, extraction_mode="first_match",
                            parsing_timeout=seconds)
         if not verify(list(parsed_gold), prediction, timeout_seconds=seconds):
             return 0.0
@@ -210,7 +210,7 @@ def _parse_gold(gold: str, seconds: int | None) -> tuple:
 
     Raises ValueError if nothing parses; a failure (possibly a timeout) is not cached.
     """
-    parsed = parse("$" + gold + "$", extraction_config=_BOX_ONLY, extraction_mode="first_match",
+    parsed = parse("$" + gold + "$", extraction_config=_LATEX_ONLY, extraction_mode="first_match",
                    parsing_timeout=seconds)
     if not parsed:
         raise ValueError(f"math-verify cannot parse {gold!r}")
