@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from caspo.device_memory import device_memory_bytes
+from caspo.device_memory import GIB, device_memory_bytes
 
 
 class CacheDoesNotFit(torch.OutOfMemoryError):
@@ -98,14 +98,13 @@ class KVCache:
             raise CacheDoesNotFit(self._does_not_fit()) from None
 
     def _does_not_fit(self) -> str:
-        gib = 2**30
         needed = self.capacity_report().bytes
         room = ""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             held = torch.cuda.memory_reserved(self.device)
-            room = f": {self.device} has {free / gib:.1f} GiB free beside the {held / gib:.1f} GiB this process holds"
-        return (f"the KV cache ({needed / gib:.1f} GiB: {self.slots} slots of {self.max_seq_len} positions) does not "
+            room = f": {self.device} has {free / GIB:.1f} GiB free beside the {held / GIB:.1f} GiB this process holds"
+        return (f"the KV cache ({needed / GIB:.1f} GiB: {self.slots} slots of {self.max_seq_len} positions) does not "
                 f"fit{room} (weights, optimizer state); lower rollout.gpu_memory_fraction, its share of the card, "
                 f"or size it with rollout.capacity_tokens")
 
