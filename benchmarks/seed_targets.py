@@ -6,21 +6,22 @@ gave it, and whether it holds. Each part takes under ten minutes on an H100 or H
 
     python benchmarks/seed_targets.py run grpo-32 --out targets.jsonl         # 32 × 8 × 1,024 grpo          ~2 min
     python benchmarks/seed_targets.py run methods-64 --out targets.jsonl      # 64 × 8 grpo and ppo_critic   ~4 min
-    python benchmarks/seed_targets.py run step-values-64 --out targets.jsonl  # 64 × 8 caspo and vineppo     ~7 min
+    python benchmarks/seed_targets.py run step-values-64 --out targets.jsonl  # 64 × 8 caspo and vineppo     ~8 min
     python benchmarks/seed_targets.py run seed-shape --out targets.jsonl      # 128 × 8, responses to 2,048  ~8 min
     python benchmarks/seed_targets.py run rollout --out targets.jsonl         # top-p 0.9 and 1.0            ~2 min
     python benchmarks/seed_targets.py report targets.jsonl [--markdown targets.md]
 
 The KV cache is sized in GiB and passed as the card's share of it, so an 80 GB and a 141 GB card run the same cache.
-Each part's default (KV_GIB) fits an 80 GB card: 11 GiB holds a whole 32 × 8 × 1,024 rollout; 14 fits beside
-ppo_critic's policy, critic, reference and optimizers at 64 × 8 (15.5 GiB were left there); 16 holds a 64 × 8 rollout,
-and its slots then serve vineppo's continuations. --kv-gib 42 gives an H200 its default share of 0.3. The seed's shape
-runs under `model.device_memory_gib=76` on any card, at the preset's own KV share of that cap. A run's first step
-compiles and captures graphs, so step times and MFU are the worst of the steps after it; peaks are the largest of all
-steps. A ratio divides the last steps of two methods measured on the same card. The 64 × 8 runs plant line steps and
-EOS in the random policy, as RESULTS.md's do: its responses then have about five steps and 430 of their 1,024 tokens.
-Every part runs under caspo's allocator, expandable segments (caspo/allocator.py), unless PYTORCH_CUDA_ALLOC_CONF
-says otherwise; each record names the setting.
+Each method's default (KV_GIB) fits an 80 GB card: 11 GiB holds a whole 32 × 8 × 1,024 rollout; 14 fits beside
+ppo_critic's policy, critic, reference and optimizers at 64 × 8 (15.5 GiB were left there); 16 holds caspo's 64 × 8
+rollout; vineppo's 36 is the most an 80 GB card leaves its continuations (peak 74.4 GiB allocated, 76.0 reserved on an
+H100), about 930 of them at once. --kv-gib sets every method's cache; 42 gives an H200 its default share of 0.3. The
+seed's shape runs under `model.device_memory_gib=76` on any card, at the preset's own KV share of that cap. A run's
+first step compiles and captures graphs, so step times and MFU are the worst of the steps after it; peaks are the
+largest of all steps. A ratio divides the last steps of two methods measured on the same card. The 64 × 8 runs plant
+line steps and EOS in the random policy, as RESULTS.md's do: its responses then have about five steps and 430 of their
+1,024 tokens. Every part runs under caspo's allocator, expandable segments (caspo/allocator.py), unless
+PYTORCH_CUDA_ALLOC_CONF says otherwise; each record names the setting.
 """
 
 from __future__ import annotations
@@ -54,16 +55,23 @@ ROLLOUT_SHAPE = {"prompts": 256, "samples": 1, "prompt_len": 128, "new_tokens": 
 
 # ---------------------------------------------------------------- run: the benchmarks behind the targets
 
-def part_commands(part: str, kv_share: float, out: str, commit: str) -> list[list[str]]:
-    """The benchmark command lines of a part (seed-shape is `run_seed_shape`)."""
-    kv = ["--gpu-memory-fraction", f"{kv_share:.4f}", "--out", out, "--commit", commit]
+def part_commands(part: str, card_gib: float, out: str, commit: str, kv_gib: float = 0.0) -> list[list[str]]:
+    """The benchmark command lines of a part (seed-shape is `run_seed_shape`): each method's KV cache is `kv_gib`,
+    or its default in KV_GIB, passed as its share of the card's `card_gib`."""
+    def smoke(methods: str, *flags: str) -> list[str]:
+        gib = kv_gib or KV_GIB[methods]
+        if not 0 < gib < card_gib:
+            raise SystemExit(f"a KV cache of {gib} GiB does not fit this card's {card_gib:.1f} GiB; pass --kv-gib")
+        return [*SMOKE, "--methods", methods, *flags, "--gpu-memory-fraction", f"{gib / card_gib:.4f}",
+                "--out", out, "--commit", commit]
+
     if part == "grpo-32":
-        return [[*SMOKE, "--methods", "grpo", "--steps", "4", *COMPILED, *kv]]
+        return [smoke("grpo", "--steps", "4", *COMPILED)]
     if part == "methods-64":
-        return [[*SMOKE, "--methods", "grpo,ppo_critic", "--prompts", "64", "--steps", "3", *COMPILED, *PLANTED, *kv]]
-    if part == "step-values-64":
-        return [[*SMOKE, "--methods", "caspo,vineppo", "--prompts", "64", "--steps", "2", *COMPILED, *PLANTED,
-                 "--set", "rollout.shared_prefix_attention=true", *kv]]
+        return [smoke("grpo,ppo_critic", "--prompts", "64", "--steps", "3", *COMPILED, *PLANTED)]
+    if part == "step-values-64":  # one process a method: each with its own cache
+        return [smoke(method, "--prompts", "64", "--steps", "2", *COMPILED, *PLANTED,
+                      "--set", "rollout.shared_prefix_attention=true") for method in ("caspo", "vineppo")]
     if part == "rollout":
         return [[sys.executable, str(HERE / "rollout_throughput.py"), "--engines", "native-graphs", "--top-p", top_p,
                  "--out", out, "--commit", commit] for top_p in ("0.9", "1.0")]
@@ -94,7 +102,7 @@ def run_environment(card: str, commit: str) -> dict:
 
 
 PARTS = ("grpo-32", "methods-64", "step-values-64", "seed-shape", "rollout")
-KV_GIB = {"grpo-32": 11.0, "methods-64": 14.0, "step-values-64": 16.0}
+KV_GIB = {"grpo": 11.0, "grpo,ppo_critic": 14.0, "caspo": 16.0, "vineppo": 36.0}  # by the methods of a run
 
 
 # ---------------------------------------------------------------- report: each target against its figure
@@ -252,7 +260,7 @@ def main() -> None:
     run.add_argument("--out", required=True, help="append the results as JSON lines to this file")
     run.add_argument("--commit", default="", help="the code's commit (default: git's, where this is a checkout)")
     run.add_argument("--kv-gib", type=float, default=0.0,
-                     help="the KV cache in GiB of the 32 × 8 and 64 × 8 parts (default: the part's KV_GIB)")
+                     help="the KV cache in GiB of every method of the 32 × 8 and 64 × 8 parts (default: KV_GIB's)")
     report = sub.add_parser("report", help="each target against the figures in a results file")
     report.add_argument("results")
     report.add_argument("--markdown", default="", help="also write the table to this file as Markdown")
@@ -273,10 +281,7 @@ def main() -> None:
     if args.part == "seed-shape":
         run_seed_shape(args.out, commit, card)
         return
-    kv_gib = args.kv_gib or KV_GIB.get(args.part, 0.0)
-    if args.part != "rollout" and not 0 < kv_gib < total_gib:
-        raise SystemExit(f"--kv-gib {kv_gib} does not fit this card's {total_gib:.1f} GiB")
-    for command in part_commands(args.part, kv_gib / total_gib, args.out, commit):
+    for command in part_commands(args.part, total_gib, args.out, commit, args.kv_gib):
         status = subprocess.run(command).returncode
         if status:  # a benchmark appends each finished run, so what finished before the failure is kept
             raise SystemExit(f"{args.part}: {Path(command[1]).name} exited with status {status}; what finished "

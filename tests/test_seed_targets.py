@@ -92,14 +92,27 @@ def test_markdown_has_a_row_per_target():
     assert all("not measured" in line for line in table[2:])
 
 
+def share(command: list[str]) -> str:
+    return command[command.index("--gpu-memory-fraction") + 1]
+
+
 def test_parts_pass_the_kv_share_and_the_results_file_to_each_benchmark():
-    (command,) = part_commands("grpo-32", 11 / 79.2, "out.jsonl", "abc")
-    assert command[command.index("--gpu-memory-fraction") + 1] == "0.1389"
+    (command,) = part_commands("grpo-32", 79.2, "out.jsonl", "abc")
+    assert share(command) == "0.1389"  # 11 GiB of 79.2
     assert command[command.index("--out") + 1] == "out.jsonl" and command[command.index("--commit") + 1] == "abc"
-    rollouts = part_commands("rollout", 0.1, "out.jsonl", "abc")
+    rollouts = part_commands("rollout", 79.2, "out.jsonl", "abc")
     assert [c[c.index("--top-p") + 1] for c in rollouts] == ["0.9", "1.0"]
     with pytest.raises(ValueError, match="unknown part"):
-        part_commands("grpo-16", 0.1, "out.jsonl", "abc")
+        part_commands("grpo-16", 79.2, "out.jsonl", "abc")
+
+
+def test_step_values_run_each_method_in_its_own_process_with_its_own_cache():
+    caspo, vineppo = part_commands("step-values-64", 79.2, "out.jsonl", "abc")
+    assert caspo[caspo.index("--methods") + 1] == "caspo" and share(caspo) == "0.2020"  # 16 GiB
+    assert vineppo[vineppo.index("--methods") + 1] == "vineppo" and share(vineppo) == "0.4545"  # 36 GiB
+    assert {share(c) for c in part_commands("step-values-64", 139.8, "o", "c", kv_gib=42)} == {"0.3004"}
+    with pytest.raises(SystemExit, match="36.0 GiB does not fit this card's 30.0 GiB"):
+        part_commands("step-values-64", 30.0, "out.jsonl", "abc")
 
 
 def test_a_results_file_with_a_broken_line_is_named_by_its_line(tmp_path):
