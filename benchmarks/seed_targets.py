@@ -159,7 +159,9 @@ def ratio_figure(method: str, base: str) -> Callable:
                           "not comparable: measured on different cards")
         t, b = top["steps"][-1]["t_step"], bottom["steps"][-1]["t_step"]
         commits = top["commit"] if top["commit"] == bottom["commit"] else f"{top['commit']} / {bottom['commit']}"
-        return Figure(t / b, top["card"], commits, f"{t:.1f} s / {b:.1f} s")
+        shares = [r.get("knobs", {}).get("kv_share") for r in (top, bottom)]  # each method's own cache
+        caches = f", KV share {shares[0]:.3f} / {shares[1]:.3f}" if None not in shares else ""
+        return Figure(t / b, top["card"], commits, f"{t:.1f} s / {b:.1f} s{caches}")
     return measure
 
 

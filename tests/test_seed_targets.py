@@ -11,11 +11,11 @@ from seed_targets import markdown, part_commands, read_records, report_rows  # n
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
-def smoke(method, prompts, steps, card=H200, commit="abc", nproc=1):
+def smoke(method, prompts, steps, card=H200, commit="abc", nproc=1, kv_share=0.139):
     """A trainer_smoke record; `steps` are (t_step, peak allocated GiB, policy MFU)."""
     return {"benchmark": "trainer_smoke", "method": method, "card": card, "commit": commit,
             "shape": {"prompts": prompts, "samples": 8, "new_tokens": 1024},
-            "knobs": {"nproc": nproc, "kv_share": 0.139},
+            "knobs": {"nproc": nproc, "kv_share": kv_share},
             "steps": [{"step": i + 1, "t_step": t, "mem_peak_gb": peak, "policy_mfu": mfu}
                       for i, (t, peak, mfu) in enumerate(steps)]}
 
@@ -50,10 +50,11 @@ def test_the_latest_record_of_a_shape_counts_and_other_shapes_or_ranks_do_not():
 
 def test_ratios_divide_last_steps_of_one_card_only():
     records = [smoke("caspo", 64, [(40.0, 90, 0.4), (16.5, 90, 0.47)], commit="c1"),
-               smoke("vineppo", 64, [(104.1, 89, 0.4), (105.2, 89, 0.47)], commit="c1"),
+               smoke("vineppo", 64, [(104.1, 89, 0.4), (105.2, 89, 0.47)], commit="c1", kv_share=0.455),
                smoke("grpo", 64, [(26.1, 80, 0.4), (15.1, 80, 0.44), (14.7, 80, 0.44)], commit="c2")]
     rows = rows_by_target(records)
-    assert rows["64 × 8 vineppo / caspo"][2:7] == ["6.38", "missed", H200, "c1", "105.2 s / 16.5 s"]
+    assert rows["64 × 8 vineppo / caspo"][2:7] == ["6.38", "missed", H200, "c1",
+                                                   "105.2 s / 16.5 s, KV share 0.455 / 0.139"]
     assert rows["64 × 8 caspo / grpo"][2:6] == ["1.12", "met", H200, "c1 / c2"]
     assert rows["64 × 8 grpo: step"][2:4] == ["15.1", "met"]
     assert rows["64 × 8 ppo_critic / grpo"][3] == "not measured"
