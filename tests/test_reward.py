@@ -256,6 +256,17 @@ def test_check_label_names_the_fix_for_a_word():
         check_label("banana")
 
 
+def test_a_gold_that_is_a_formula_ending_a_sentence_is_judged_by_the_formula():
+    """College Math writes some golds as `$h=4$.`: the check boxes the formula (a box of the whole label,
+    period and dollars included, does not parse), and the verdicts are the formula's."""
+    check_label("$h=4$.")
+    check_label("$(x, y)=(1,0)$.")
+    assert score(r"\boxed{4}", "$h=4$.") == score(r"\boxed{h=4}", "$h=4$.") == 1.0
+    assert score(r"\boxed{5}", "$h=4$.") == score(r"\boxed{(0,1)}", "$(x, y)=(1,0)$.") == 0.0
+    with pytest.raises(ValueError, match="does not match itself"):  # a formula inside prose stays refused
+        check_label(r"$\min$ at $x=1$.")
+
+
 def test_verifier_version_names_math_verify():
     from importlib.metadata import version
 

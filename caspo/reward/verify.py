@@ -46,6 +46,8 @@ _TAKES_ARGUMENTS = {"sqrt", "frac", "dfrac", "tfrac", "cfrac", "text", "textbf",
 _INTEGER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)")  # ASCII digits only
 # A LaTeX space (`\,`, `\:`, `\;`, `\ `, `\!`, `~`) between thousands groups: "1\,000" is 1000 (math-verify
 # reads 1*0).
+# A label that is one formula ending a sentence (`$h=4$.`, as College Math writes some).
+_FORMULA_AND_PERIOD = re.compile(r"\$([^$]+)\$\s*\.")
 _DIGIT_GROUP_SPACE = re.compile(r"(?<=[0-9])(?:\\[,:; !]|~)(?=[0-9]{3}(?![0-9]))")
 
 
@@ -182,7 +184,9 @@ def check_label(label: str) -> None:
     if refused:
         raise ValueError(f"label {label!r} is refused by the verifier's pre-filter ({refused}), "
                          "so no answer could match it; simplify the label")
-    if score("\\boxed{" + gold + "}", label) != 1.0:
+    sentence = _FORMULA_AND_PERIOD.fullmatch(label.strip())
+    boxed = sentence.group(1) if sentence else gold  # a response boxes the formula, not the sentence's period
+    if score("\\boxed{" + boxed + "}", label) != 1.0:
         raise ValueError(f"label {label!r} does not match itself: a response boxing it would score 0")
 
 
