@@ -5,7 +5,7 @@ of up to 128 tokens from every prefix: 4608 requests whose prompts share long pr
 the prompt tokens computed, the prefill rounds and the wall time of the native engine in each
 of --modes, and appends one JSON line to --out:
 
-    shared       prefix sharing, the engine's default admission (once max_running // 16 slots are free)
+    shared       prefix sharing, the engine's default admission (once max_running // 8 slots, at most 64, are free)
     admit-N      prefix sharing, a prefill round once N slots are free (admit_batch=N; admit-1: whenever one frees)
     recompute-N  prefix sharing, a round's chained prompts computed in one wave when that recomputes at most
                  N positions (recompute_budget=N; recompute-0: copied link by link, one wave per link)

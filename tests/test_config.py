@@ -179,7 +179,7 @@ def test_config_is_the_bottom_layer():
     ("sft.heads=3", "sft.hidden=128 must be a multiple of sft.heads=3"),
     ("eval.top_p=1.5", r"eval.top_p must be in \(0, 1\], got 1.5"),
     ("data.heldout_fraction=-0.1", r"data.heldout_fraction must be in \(0, 1\), or 0 \(off\), got -0.1"),
-    ("rollout.admit_batch=-1", r"rollout.admit_batch must be >= 0 \(0 = a sixteenth of the running slots\)"),
+    ("rollout.admit_batch=-1", r"rollout.admit_batch must be >= 0 \(0 = an eighth of the running slots, at most 64\)"),
     ("method.vineppo_context_tokens=-1", r"method.vineppo_context_tokens must be >= 0"),
 ])
 def test_out_of_range_values_name_the_key_and_the_range(override, message):

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeCompletion, NativeEngine, UnsupportedModelError, decoder_spec
+from caspo.rollout.native.engine import default_admit_batch
 from caspo.rollout.native.kv_cache import KVCache
 from caspo.rollout.native.scheduler import Scheduler
 from caspo.rollout.sampling import sample_seed
@@ -377,6 +378,11 @@ def test_batched_admission_waits_for_free_slots_and_changes_no_token(model):
     assert [s.index for s in scheduler.admit()] == [6]  # the last waiting request fits: no reason to wait
     with pytest.raises(ValueError, match="admit_batch=9 must be in"):
         engine(model, max_running=8, admit_batch=9)
+
+
+def test_the_default_admission_batch_is_an_eighth_of_the_slots_from_1_to_64(model):
+    assert [default_admit_batch(n) for n in (1, 8, 15, 16, 420, 512, 1024, 4096)] == [1, 1, 1, 2, 52, 64, 64, 64]
+    assert engine(model, capacity_tokens=64 * 24).admit_batch == 3  # 24 slots
 
 
 def test_prefill_forwards_group_pieces_of_similar_width():

@@ -104,7 +104,7 @@ class RolloutConfig:
     # Sequences decoded together; 0 = all requests of a step at once.
     max_batch: int = 0
     # native engine: waiting requests are admitted once this many slots are free (or all of them fit, or nothing
-    # runs), one prefill round per batch of finished sequences; 0 = a sixteenth of the running slots
+    # runs), one prefill round per batch of finished sequences; 0 = an eighth of the running slots, at most 64
     admit_batch: int = 0
     # Generate with the policy of `staleness` updates ago, as asynchronous RL does (0 = on-policy).
     staleness: int = 0

@@ -88,7 +88,7 @@ RANGES: dict[str, Range] = {
     "rollout.top_p": TOP_P,
     "rollout.top_k": at_least(0, "0 = off"),
     "rollout.max_batch": at_least(0, "0 = all requests of a step at once"),
-    "rollout.admit_batch": at_least(0, "0 = a sixteenth of the running slots"),
+    "rollout.admit_batch": at_least(0, "0 = an eighth of the running slots, at most 64"),
     "rollout.staleness": at_least(0, "0 = on-policy"),
     "reward.workers": at_least(0, "0 = score in the trainer's process"),
     "reward.timeout_s": POSITIVE,

@@ -94,7 +94,7 @@ class NativeEngine(PublishedWeights):
     max_prefill_tokens: padded prompt positions per prefill forward; longer prompts are prefilled in pieces.
     admit_batch: waiting requests are admitted once this many slots are free (or all of them fit, or nothing
         runs), so that sequences finishing one or two a step (Monte Carlo continuations) cost one prefill
-        round per batch of them rather than one per decode step (default: max_running // 16, at least 1).
+        round per batch of them rather than one per decode step (default: `default_admit_batch`).
     prefix_sharing: prompts sharing a prefix with a resident sequence copy its K/V instead of computing it.
     recompute_budget: prompt positions an admission round may compute again so that prompts extending one
         another (Monte Carlo continuations from successive step boundaries) prefill in one wave of forwards
@@ -166,7 +166,7 @@ class NativeEngine(PublishedWeights):
                              device=self.device, planes=self.spec.planes)
         self.max_running = self.cache.slots
         self.max_prefill_tokens = max_prefill_tokens
-        self.admit_batch = max(1, self.max_running // 16) if admit_batch is None else admit_batch
+        self.admit_batch = default_admit_batch(self.max_running) if admit_batch is None else admit_batch
         if not 1 <= self.admit_batch <= self.max_running:
             raise ValueError(f"admit_batch={admit_batch} must be in [1, max_running={self.max_running}]")
         self.prefix_sharing = prefix_sharing
@@ -314,6 +314,13 @@ class NativeEngine(PublishedWeights):
             raise ValueError(f"every sequence needs 1..max_seq_len={self.max_seq_len} tokens")
         with torch.no_grad():
             return self.model_runner.teacher_forced_logits(sequences)
+
+
+def default_admit_batch(max_running: int) -> int:
+    """An eighth of the slots, from 1 to 64. Each admission round costs about the same host time whatever its
+    size, so the best batch measured was about the same at 420 slots (54 and 64, 4-5% faster than 27) and at
+    1,024 (64, faster than 128 and 256): benchmarks/RESULTS.md, tenth, thirty-seventh and thirty-eighth series."""
+    return min(64, max(1, max_running // 8))
 
 
 def _read_source(model) -> tuple[object, dict[str, torch.Tensor], torch.device]:
