@@ -152,6 +152,8 @@ def test_a_hub_name_goes_through_load_dataset_and_fails_clearly_offline(tmp_path
 
 
 def test_unknown_sources_name_the_forms(tmp_path):
+    with pytest.raises(DataError, match=r"College Math does not ship .* data.skip_invalid=true"):
+        parse_source("collegemath")
     with pytest.raises(DataError, match=r"unknown data source 'math5000': use a shipped name \(dsr_sub, math500"):
         parse_source("math5000")
     with pytest.raises(DataError, match="no such data file"):

@@ -61,6 +61,12 @@ SHIPPED: dict[str, Benchmark] = {b.name: b for b in [
 
 NAMES = (*SHIPPED, ARITH)
 
+# Benchmarks of the seed's suite that do not ship, by the names a user would try, with how to evaluate them.
+NOT_SHIPPED = dict.fromkeys(
+    ("collegemath", "college_math", "college-math"),
+    "College Math does not ship (its rows carry their textbooks' licences); evaluate your copy: --benchmarks "
+    "/path/college_math_test.jsonl data.id_field=id data.skip_invalid=true (docs/data.md)")
+
 
 def level_name(value) -> str:
     """One spelling of a MATH level: "Level 5", 5 and "5" are all "5"."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from caspo.data.examples import DataError
-from caspo.data.registry import ARITH, NAMES, SHIPPED
+from caspo.data.registry import ARITH, NAMES, NOT_SHIPPED, SHIPPED
 
 HF = "hf:"
 FORMS = "a shipped name (" + ", ".join(NAMES) + "), a .jsonl or .parquet file, a datasets folder, or hf:NAME"
@@ -44,6 +44,8 @@ def parse_source(source: str) -> Source:
         return Source("arith", source)
     if source in SHIPPED:
         return Source("shipped", source)
+    if source in NOT_SHIPPED:
+        raise DataError(NOT_SHIPPED[source])
     if source.startswith(HF):
         rest, _, split = source[len(HF):].partition("@")
         name, _, config = rest.partition(":")
