@@ -16,6 +16,7 @@ from caspo.rollout.base import Request, SamplingParams, publish
 from caspo.rollout.factory import build_engine
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import LoopedSpec, NativeEngine, UnsupportedModelError, decoder_spec
+from caspo.rollout.native.engine import default_admit_batch
 from caspo.rollout.native.looped_runner import LoopedCausalLM
 from caspo.rollout.sampling import sample_seed
 
@@ -180,7 +181,7 @@ def test_build_engine_serves_a_looped_policy_natively():
     tokenizer = SimpleNamespace(decode=lambda ids: "", pad_token_id=0, eos_token_id=1)
     native = build_engine(cfg, policy, tokenizer, max_seq_len=64)
     assert isinstance(native.runner, LoopedCausalLM) and native.cache.planes == 2
-    assert native.admit_batch == min(64, max(1, native.max_running // 8))  # rollout.admit_batch=0: the engine's default
+    assert native.admit_batch == default_admit_batch(native.max_running)  # rollout.admit_batch=0: the engine's default
     admitting = build_engine(load_config("tests", ["rollout.backend=native", "rollout.admit_batch=3"]), policy,
                              tokenizer, max_seq_len=64)
     assert admitting.admit_batch == 3

@@ -44,10 +44,10 @@ _TOKEN = re.compile(r"\s*(\\[A-Za-z]+|[0-9A-Za-z])")
 _TAKES_ARGUMENTS = {"sqrt", "frac", "dfrac", "tfrac", "cfrac", "text", "textbf", "textit", "textrm", "mathrm", "mathbf",
                     "mbox", "operatorname", "overline", "bar", "hat", "vec", "boxed", "binom", "left", "right"}
 _INTEGER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)")  # ASCII digits only
-# A LaTeX space (`\,`, `\:`, `\;`, `\ `, `\!`, `~`) between thousands groups: "1\,000" is 1000 (math-verify
-# reads 1*0).
 # A label that is one formula ending a sentence (`$h=4$.`, as College Math writes some).
 _FORMULA_AND_PERIOD = re.compile(r"\$([^$]+)\$\s*\.")
+# A LaTeX space (`\,`, `\:`, `\;`, `\ `, `\!`, `~`) between thousands groups: "1\,000" is 1000 (math-verify
+# reads 1*0).
 _DIGIT_GROUP_SPACE = re.compile(r"(?<=[0-9])(?:\\[,:; !]|~)(?=[0-9]{3}(?![0-9]))")
 
 
