@@ -92,13 +92,12 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     import os
     import subprocess
 
-    from caspo.methods import resolve_method
     from caspo.train import distributed
     from caspo.value.refresh import train as run_train
 
     cfg = checked_config(preset, overrides)
     if (nproc > 1 or ray_address) and not distributed.launched():  # start the ranks, each running this command
-        distributed.check_config(cfg, nproc, resolve_method(cfg).loss.full_vocab)
+        distributed.check_config(cfg, nproc)
         if cfg.train.deterministic:  # in place before any rank starts (Ray passes it on to each)
             from caspo.train.trainer import DETERMINISTIC_ENV
 
@@ -224,12 +223,11 @@ def verify_resume(preset: str = PRESET, overrides: Optional[List[str]] = OVERRID
                   workdir: str = typer.Option("runs/verify-resume", help="folder for the two runs"),
                   nproc: int = typer.Option(1, "--nproc", min=1, help="processes of each run (as caspo train)")):
     """Check that 2 steps + a resumed third equal 3 uninterrupted steps, bit for bit."""
-    from caspo.methods import resolve_method
     from caspo.train.distributed import check_config
     from caspo.train.verify_resume import verify_resume as run_verify
 
     cfg = checked_config(preset, overrides)
-    check_config(cfg, nproc, resolve_method(cfg).loss.full_vocab)  # fail fast on a bad config
+    check_config(cfg, nproc)  # fail fast on a bad config
     if not run_verify(preset, overrides or [], workdir, nproc=nproc):
         raise typer.Exit(1)
 

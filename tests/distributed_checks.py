@@ -55,7 +55,7 @@ def max_diff(a: dict, b: dict) -> float:
 def main(out: str) -> None:
     torch.manual_seed(0)
     cfg = load_config("tests", ["train.micro_batch_size=2", "train.micro_batch_tokens=30"])
-    cfg = distributed.start(cfg, False)
+    cfg = distributed.start(cfg)
     assert distributed.active() and distributed.size() == 2
     batch = make_batch()
     rows = torch.tensor([5, 0, 3, 6, 1, 2, 4])  # a minibatch in the update's order: 3 micro-batches, then 2

@@ -122,7 +122,10 @@ class CriticAndFrozenOld(Critic):
         return cls(cfg, policy_path, policy, device)
 
     def before_update(self, tr: "Trainer") -> None:
-        self.old_policy.load_state_dict(tr.policy.state_dict())
+        self.old_policy.load_state_dict(tr.policy.state_dict())  # sharded alike, each rank copies its shards
+
+    def sharded_frozen_models(self) -> list[torch.nn.Module]:
+        return [self.old_policy]
 
     def frozen_old_policy(self) -> torch.nn.Module:
         return self.old_policy

@@ -45,7 +45,6 @@ UNSUPPORTED = {
     "rollout.staleness > 0": "the engine's old versions would be full copies on every rank; use 0",
     "method.caspo.refresh_every > 0": "the refresh pipeline runs in one process; use method.caspo.online or one "
                                       "process",
-    "a full-vocabulary loss (flow_dppo)": "its frozen old policy is not sharded yet; run it in one process",
 }
 
 
@@ -73,9 +72,8 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def check_config(cfg: Config, nproc: int, full_vocab_loss: bool) -> None:
-    """A ConfigError naming each setting that `nproc` processes cannot honour yet; `full_vocab_loss`: the run's
-    method (`caspo.methods.resolve_method`) has a loss that reads full-vocabulary distributions."""
+def check_config(cfg: Config, nproc: int) -> None:
+    """A ConfigError naming each setting that `nproc` processes cannot honour yet."""
     if nproc <= 1:
         return
     found = []
@@ -83,8 +81,6 @@ def check_config(cfg: Config, nproc: int, full_vocab_loss: bool) -> None:
         found.append("rollout.staleness > 0")
     if cfg.method.caspo.refresh_every:
         found.append("method.caspo.refresh_every > 0")
-    if full_vocab_loss:
-        found.append("a full-vocabulary loss (flow_dppo)")
     if cfg.model.device.startswith("cuda:"):
         raise ConfigError(f"model.device={cfg.model.device} with {nproc} processes: each rank takes the device of "
                           "its local rank; use model.device=cuda (or auto)")
@@ -92,14 +88,13 @@ def check_config(cfg: Config, nproc: int, full_vocab_loss: bool) -> None:
         raise ConfigError(f"{nproc} processes cannot run " + "; ".join(f"{k}: {UNSUPPORTED[k]}" for k in found))
 
 
-def start(cfg: Config, full_vocab_loss: bool) -> Config:
+def start(cfg: Config) -> Config:
     """Join the process group when this process is one of several ranks: on CUDA the current device becomes
     cuda:LOCAL_RANK (where model.device=cuda then points). Returns the rank's config: rank 0's is `cfg`, the
-    others' report to no tracker. In a single process: `cfg` as it is, and no group. (`full_vocab_loss`: as
-    `check_config`.)"""
+    others' report to no tracker. In a single process: `cfg` as it is, and no group."""
     if not launched():
         return cfg
-    check_config(cfg, int(os.environ["WORLD_SIZE"]), full_vocab_loss)
+    check_config(cfg, int(os.environ["WORLD_SIZE"]))
     join(cfg.model.device)
     if not is_main():  # rank 0 prints and reports to the trackers; the others keep their own metrics.jsonl
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loggers=["jsonl"]))

@@ -26,7 +26,6 @@ from caspo import algo
 from caspo.batch import RolloutBatch
 from caspo.config import Config, ConfigError, to_yaml
 from caspo.eval.benchmarks import load_suites
-from caspo.methods import resolve_method
 from caspo.models.policy import resolve_device
 from caspo.precision import all_finite
 from caspo.report.curves import plot_run
@@ -206,7 +205,7 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     Ctrl-C end the run after the current step, with a checkpoint to resume from; so does a train.health
     detector set to stop (raising RunStopped). run.json records what the run ran on, status.json its state."""
     # a rank of several joins the others (caspo.train.distributed); else nothing
-    cfg = distributed.start(cfg, resolve_method(cfg).loss.full_vocab)
+    cfg = distributed.start(cfg)
     if cfg.method.caspo.refresh_every and refresh is None:
         raise ConfigError("method.caspo.refresh_every needs the refresh pipeline: run `caspo train`, or pass "
                           "refresh=caspo.value.refresh.Refresh(cfg) to train()")

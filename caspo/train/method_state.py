@@ -54,6 +54,11 @@ class MethodState:
         """The update's loss for each learner of `learners` it trains with the policy, in that order."""
         return {}
 
+    def sharded_frozen_models(self) -> list[torch.nn.Module]:
+        """Frozen models the policy's loss reads beside it, sharded with several processes as the reference is
+        (called through `caspo.train.fsdp.call`)."""
+        return []
+
     def frozen_old_policy(self) -> torch.nn.Module:
         """The policy as it was before this update, for a loss that reads its full-vocabulary distributions."""
         raise TypeError(f"{type(self).__name__} keeps no frozen old policy, so it cannot serve a loss that reads "

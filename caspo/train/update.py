@@ -48,11 +48,9 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
     hidden = response_hidden(model, batch)
     inputs = LossInputs(logp=None, batch=batch, denom=denom)
     if method.loss.full_vocab:
-        old = state.frozen_old_policy()
-        with torch.no_grad():
-            old_hidden = response_hidden(old, batch)
-            inputs.frozen_old_logp = hidden_logprobs(old, old_hidden, batch.responses, T)[0]
-            inputs.divergence = hidden_kl(old, old_hidden, model, hidden.detach(), T)
+        with torch.no_grad():  # through the old policy's FSDP root, when sharded: its head is read directly
+            inputs.frozen_old_logp, inputs.divergence = fsdp.call(state.frozen_old_policy(), old_policy_reading,
+                                                                  batch, model, hidden.detach(), T)
 
     def terms(logp):
         """(the method's loss, the KL term or None, the loss's metrics) at these log-probs."""
@@ -84,6 +82,15 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
     if kl_loss is not None:
         metrics["kl"] = kl_loss.detach()
     return loss, metrics
+
+
+def old_policy_reading(old: torch.nn.Module, batch: RolloutBatch, model: torch.nn.Module, hidden: torch.Tensor,
+                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a full-vocabulary loss reads of the frozen old policy: its log-probs of the sampled tokens and
+    KL(π_old ‖ π) per position, against `model`'s response states `hidden`."""
+    old_hidden = response_hidden(old, batch)
+    return (hidden_logprobs(old, old_hidden, batch.responses, temperature)[0],
+            hidden_kl(old, old_hidden, model, hidden, temperature))
 
 
 # Off: the head recomputes each chunk's logits in the backward, for any loss (benchmarks time both).
