@@ -142,6 +142,19 @@ def test_the_rng_state_loads_with_weights_only(one_step_checkpoint):
     assert state["rng"]["numpy"][0] == "MT19937" and state["rng"]["numpy"][1].dtype.name == "uint32"
 
 
+def test_a_rank_file_of_several_processes_holds_its_rng_and_snapshots(tmp_path):
+    """A rank's own file: its RNG and its shards of the engine's old versions; one written when it held the RNG
+    alone still resumes, with no snapshots."""
+    (tmp_path / "ranks").mkdir()
+    rng = ckpt.rng_state()
+    shard = {2: {"w": torch.arange(3.0)}}
+    torch.save({"rng": rng, "snapshots": shard}, ckpt.rank_state_path(tmp_path, 0))
+    torch.save(rng, ckpt.rank_state_path(tmp_path, 1))
+    new, old = ckpt.load_rank_state(tmp_path, 0), ckpt.load_rank_state(tmp_path, 1)
+    assert torch.equal(new["snapshots"][2]["w"], shard[2]["w"]) and old["snapshots"] == {}
+    assert torch.equal(new["rng"]["torch"], rng["torch"]) and torch.equal(old["rng"]["torch"], rng["torch"])
+
+
 def test_resuming_with_another_method_is_a_config_error(one_step_checkpoint):
     import dataclasses
 

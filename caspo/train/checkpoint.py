@@ -176,9 +176,11 @@ def rank_state_path(ckpt: Path, rank: int) -> Path:
 
 
 def load_rank_state(ckpt: Path, rank: int) -> dict:
+    """What rank `rank` alone held: {"rng": its RNG states, "snapshots": its shards of the engine's old versions}."""
     path = rank_state_path(ckpt, rank)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {ckpt} has no state for rank {rank} ({path.name}); resume it with the "
                               "number of processes that wrote it")
     with torch.serialization.safe_globals(SAFE_GLOBALS):
-        return torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True)
+    return state if "rng" in state else {"rng": state, "snapshots": {}}  # written when it held the RNG alone

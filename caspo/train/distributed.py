@@ -42,7 +42,6 @@ from caspo.runlog import console
 
 # what a run of several processes does not do yet, each with the way out
 UNSUPPORTED = {
-    "rollout.staleness > 0": "the engine's old versions would be full copies on every rank; use 0",
     "method.caspo.refresh_every > 0": "the refresh pipeline runs in one process; use method.caspo.online or one "
                                       "process",
 }
@@ -77,8 +76,6 @@ def check_config(cfg: Config, nproc: int) -> None:
     if nproc <= 1:
         return
     found = []
-    if cfg.rollout.staleness:
-        found.append("rollout.staleness > 0")
     if cfg.method.caspo.refresh_every:
         found.append("method.caspo.refresh_every > 0")
     if cfg.model.device.startswith("cuda:"):

@@ -108,6 +108,20 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def local_copies(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copies of the model's parameters as this rank holds them: its shards of sharded ones."""
+    return {name: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in model.named_parameters()}
+
+
+def like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a copy of this rank's part of `param`, `local_copies`) as `param` is: sharded alike, on its device."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride())
+
+
 def rebuild(lr: Learner, model: torch.nn.Module) -> Learner:
     """The learner's optimizer and schedule again, over `model`'s (now sharded) parameters, with the same
     settings; built after wrapping, as every optimizer must be."""

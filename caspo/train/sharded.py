@@ -45,15 +45,16 @@ def whole_state(model: torch.nn.Module, precision: str) -> dict[str, torch.Tenso
 
 
 def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: str, tokenizer,
-         trainer_state: dict, counters: dict, config_yaml: str) -> Path:
-    """Every rank writes its shards and RNG; rank 0 the HF exports, the trainer state and the manifest."""
+         trainer_state: dict, rank_state: dict, counters: dict, config_yaml: str) -> Path:
+    """Every rank writes its shards and `rank_state` (what it alone holds: its RNG, its shards of old versions);
+    rank 0 the HF exports, the trainer state and the manifest."""
     root, final, tmp = ckpt.checkpoint_paths(run_dir, step)
     if distributed.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "ranks").mkdir(parents=True)
     distributed.barrier()
     dcp.save(sharded_state(learners), checkpoint_id=tmp / ckpt.SHARDS)
-    torch.save(ckpt.rng_state(), ckpt.rank_state_path(tmp, distributed.rank()))
+    torch.save(rank_state, ckpt.rank_state_path(tmp, distributed.rank()))
     exports = {name: whole_state(lr.model, precision) for name, lr in learners.items()}
     distributed.barrier()  # every rank's part is on disk
     error = None
@@ -71,7 +72,7 @@ def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: s
 
 
 def restore(checkpoint: Path, learners: dict[str, Learner], world_size: int) -> dict:
-    """Load every learner's shards and optimizer state; returns this rank's RNG states."""
+    """Load every learner's shards and optimizer state; returns this rank's own state (`ckpt.load_rank_state`)."""
     if not ckpt.is_sharded(checkpoint):
         raise ckpt.CheckpointError(f"{checkpoint} was written by one process; resume it without --nproc (or start "
                                    "a new run with several)")

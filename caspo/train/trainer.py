@@ -47,7 +47,7 @@ class Trainer:
     scaler: LossScaler
     step: int = 0  # outer steps completed
     version: int = 0  # updates applied to the actor
-    # rollout.staleness > 0: CPU copies of the last versions, so the engine can serve an old one
+    # rollout.staleness > 0: CPU copies of the last versions (this rank's shards), so the engine can serve an old one
     snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -138,12 +138,14 @@ def publish_current(tr: Trainer) -> None:
     if k == 0:
         publish(tr.engine, tr.policy, tr.version)
         return
-    tr.snapshots[tr.version] = {n: p.detach().cpu().clone() for n, p in tr.policy.named_parameters()}
+    tr.snapshots[tr.version] = fsdp.local_copies(tr.policy)
     serve = max(0, tr.version - k)
     for v in [v for v in tr.snapshots if v < serve]:
         del tr.snapshots[v]
+    params = dict(tr.policy.named_parameters())
     tr.engine.begin(serve)
-    tr.engine.load(tr.snapshots[serve])
+    for name, local in tr.snapshots[serve].items():  # a sharded one gathered whole, one tensor at a time
+        tr.engine.load({name: fsdp.like(params[name], local)})
     tr.engine.commit()
 
 
@@ -176,14 +178,14 @@ def trainer_state(tr: Trainer) -> dict:
 
 
 def sharded_trainer_state(tr: Trainer) -> dict:
-    """Rank 0's part of a sharded checkpoint: the state every rank shares (the models, optimizers and each
-    rank's RNG are in the shards)."""
+    """Rank 0's part of a sharded checkpoint: the state every rank shares (the models and optimizers are in the
+    shards; each rank's RNG and its shards of the engine's old versions in its own file)."""
     state = {
         "step": tr.step, "version": tr.version, "config": to_dict(tr.cfg), "world_size": distributed.size(),
         "learners": sorted(learners(tr)),
         "schedulers": {k: lr.scheduler.state_dict() for k, lr in learners(tr).items()},
         "loss_scaler": tr.scaler.state_dict(), "cursor": tr.cursor.state_dict(),
-        "update_rng": tr.update_rng.get_state(), "snapshots": tr.snapshots, **tr.method_state.state_dict(),
+        "update_rng": tr.update_rng.get_state(), **tr.method_state.state_dict(),
     }
     return state
 
@@ -193,7 +195,9 @@ def save(tr: Trainer) -> Path:
     if distributed.active():
         return sharded.save(Path(tr.cfg.train.output_dir), tr.step, learners=learners(tr),
                             precision=tr.cfg.train.precision, tokenizer=tr.tokenizer,
-                            trainer_state=sharded_trainer_state(tr), counters=counters, config_yaml=to_yaml(tr.cfg))
+                            trainer_state=sharded_trainer_state(tr),
+                            rank_state={"rng": ckpt.rng_state(), "snapshots": tr.snapshots}, counters=counters,
+                            config_yaml=to_yaml(tr.cfg))
     models = {k: export(lr.model, tr.cfg.train.precision) for k, lr in learners(tr).items()}
     return ckpt.save_checkpoint(
         tr.run_dir, tr.step, models=models, tokenizer=tr.tokenizer,
@@ -253,12 +257,12 @@ def restore_sharded(tr: Trainer, checkpoint: Path) -> None:
                           f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
                           "new run")
     tr.method_state.load_state_dict(tr, state)
-    rng = sharded.restore(checkpoint, learners(tr), state.get("world_size", 1))
+    own = sharded.restore(checkpoint, learners(tr), state.get("world_size", 1))
     for name, lr in learners(tr).items():
         lr.scheduler.load_state_dict(state["schedulers"][name])
     tr.scaler.load_state_dict(state["loss_scaler"])
     tr.cursor.load_state_dict(state["cursor"])
     tr.update_rng.set_state(state["update_rng"])
-    ckpt.set_rng_state(rng)
-    tr.step, tr.version, tr.snapshots = state["step"], state["version"], state["snapshots"]
+    ckpt.set_rng_state(own["rng"])
+    tr.step, tr.version, tr.snapshots = state["step"], state["version"], own["snapshots"]
     publish_current(tr)

@@ -84,14 +84,14 @@ def traces(run_dir: Path) -> dict[str, str]:
 
 def sharded_state(ckpt: Path) -> dict:
     """A sharded checkpoint's DCP state as whole tensors ({"models": ..., "optimizers": ...}) and every
-    rank's RNG states, read in this one process."""
+    rank's own state (its RNG states, its shards of the engine's old versions), read in this one process."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(ckpt / SHARDS, Path(tmp) / "state.pt")
         state = torch.load(Path(tmp) / "state.pt", weights_only=True)
-    state["rng"] = [load_rank_state(ckpt, r) for r in range(len(list((ckpt / "ranks").glob("rank_*.pt"))))]
-    return state
+    ranks = [load_rank_state(ckpt, r) for r in range(len(list((ckpt / "ranks").glob("rank_*.pt"))))]
+    return state | {"rng": [r["rng"] for r in ranks], "snapshots": [r["snapshots"] for r in ranks]}
 
 
 def state_hashes(run_dir: Path) -> dict[str, str]:
