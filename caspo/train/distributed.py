@@ -40,13 +40,6 @@ import torch.distributed as dist
 from caspo.config import Config, ConfigError
 from caspo.runlog import console
 
-# what a run of several processes does not do yet, each with the way out
-UNSUPPORTED = {
-    "method.caspo.refresh_every > 0": "the refresh pipeline runs in one process; use method.caspo.online or one "
-                                      "process",
-}
-
-
 # ---------------------------------------------------------------- the process group
 
 
@@ -72,17 +65,10 @@ def is_main() -> bool:
 
 
 def check_config(cfg: Config, nproc: int) -> None:
-    """A ConfigError naming each setting that `nproc` processes cannot honour yet."""
-    if nproc <= 1:
-        return
-    found = []
-    if cfg.method.caspo.refresh_every:
-        found.append("method.caspo.refresh_every > 0")
-    if cfg.model.device.startswith("cuda:"):
+    """A ConfigError for a setting that `nproc` processes cannot honour."""
+    if nproc > 1 and cfg.model.device.startswith("cuda:"):
         raise ConfigError(f"model.device={cfg.model.device} with {nproc} processes: each rank takes the device of "
                           "its local rank; use model.device=cuda (or auto)")
-    if found:
-        raise ConfigError(f"{nproc} processes cannot run " + "; ".join(f"{k}: {UNSUPPORTED[k]}" for k in found))
 
 
 def start(cfg: Config) -> Config:

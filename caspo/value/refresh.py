@@ -15,6 +15,10 @@ Phase 0: a refreshed run given no value model (method.caspo.value_model empty) l
 base policy and trains the first one before step 1, in <run>/refresh/step_000000/, with the
 same collection and training and β = the phase-1 default (10).
 
+With several processes every rank collects its shard of the labels (prompts r, r + N, …) and
+rank 0 merges them into the unsharded collection's file; the value model trains sharded on
+every rank (as `caspo value train --nproc N`), and every rank loads it whole.
+
 Every checkpoint records its value model's source, so a run resumed after a refresh
 continues with the refreshed model. `refresh/step_n/refresh.json` is written last: a run
 resumed at a refresh step reuses finished artifacts (or only the labels, if the value
@@ -35,12 +39,13 @@ from caspo.models.policy import load_policy
 from caspo.models.provenance import label_provenance
 from caspo.runlog import console
 from caspo.segment import splitter_name
-from caspo.train import loop
+from caspo.train import distributed, loop
 from caspo.train.step_values import ValueSource
 from caspo.train.timers import PhaseTimer
 from caspo.train.trainer import Trainer, restore
 from caspo.value.collect import CollectSpec, collect, refresh_seed_step
-from caspo.value.labels import LabelFileError, read_label_file
+from caspo.value.labels import LabelFileError, merge_label_files, read_label_file
+from caspo.value.shards import shard_path
 from caspo.value.train import TrainSpec, train_value
 
 MARKER = "refresh.json"
@@ -151,7 +156,7 @@ def refresh(tr: Trainer, checkpoint: Path) -> dict:
     if saved != step:
         raise ValueError(f"refresh after step {step} needs that step's checkpoint; {checkpoint} holds step {saved}")
     policy = str((checkpoint / "policy").resolve())
-    folder = refresh_dir(tr.run_dir, step)
+    folder = refresh_dir(tr.cfg.train.output_dir, step)  # the run's, not a rank's log folder
     timer = PhaseTimer()
     with timer("t_refresh"):
         provenance = label_provenance(tr.cfg, tr.tokenizer, load_policy(policy)).to_dict()
@@ -177,23 +182,19 @@ def artifacts(cfg: Config, beta: float, device: str, step: int, policy: str, fol
     The labels are collected from `policy` (the checkpoint's export; `at_checkpoint`, the model section
     to collect with, defaults to the run's with that policy and no hub pin)."""
     marker = folder / MARKER
-    if marker.is_file():
-        summary = json.loads(marker.read_text())
-        if summary["conditions"] == want:
-            return summary, "all"
-        console.print(f"refresh artifacts in {folder} were made under other conditions; making them again")
-        marker.unlink()
     labels, value = folder / "labels.jsonl", folder / "value"
-    reused = "labels" if reusable_labels(labels, want) else "none"
+    reused = distributed.on_main(reusable, folder, want)  # rank 0 reads (and clears) for every rank
+    if reused == "all":
+        return json.loads(marker.read_text()), "all"
     timer = PhaseTimer()
     if reused == "none":
         with timer("collect"):
             if at_checkpoint is None:
                 at_checkpoint = replace(cfg.model, policy=policy, revision=None)  # the pin is the base policy's
-            collect(replace(cfg, model=at_checkpoint), collect_spec(cfg), labels,
-                    splitter=want["splitter"], seed_step=want["seed_step"])
+            collect_labels(replace(cfg, model=at_checkpoint), collect_spec(cfg), labels, want)
     header = read_label_file(labels).header
-    shutil.rmtree(value, ignore_errors=True)  # a value training cut short leaves a partial folder
+    # a value training cut short leaves a partial folder
+    distributed.on_main(shutil.rmtree, value, True)
     with timer("train"):
         try:
             trained = train_value(labels, policy, value, train_spec(cfg, beta), device)
@@ -206,8 +207,39 @@ def artifacts(cfg: Config, beta: float, device: str, step: int, policy: str, fol
                "label_rows": header["rows"], "collect_stats": header["stats"],
                "val_spearman": trained["best"]["spearman"], "train_rows": trained["train_rows"],
                "val_rows": trained["val_rows"], "seconds": timer.reset(), "conditions": want}
-    write_json(marker, summary)  # last: its presence says the artifacts are complete
+    distributed.on_main(write_json, marker, summary)  # last: its presence says the artifacts are complete
     return summary, reused
+
+
+def reusable(folder: Path, want: dict) -> str:
+    """What of the refresh's artifacts in `folder` can be reused under the conditions `want`: "all", "labels" or
+    "none"; a marker of other conditions is removed."""
+    marker = folder / MARKER
+    if marker.is_file():
+        if json.loads(marker.read_text())["conditions"] == want:
+            return "all"
+        console.print(f"refresh artifacts in {folder} were made under other conditions; making them again")
+        marker.unlink()
+    return "labels" if reusable_labels(folder / "labels.jsonl", want) else "none"
+
+
+def collect_labels(cfg: Config, spec, out: Path, want: dict) -> None:
+    """The refresh's label file; with several processes each rank collects its shard and rank 0 merges them
+    (the seeds make the merged file the one process's). A rank's failure is raised on every rank."""
+    n = distributed.size()
+    if n == 1:
+        collect(cfg, spec, out, splitter=want["splitter"], seed_step=want["seed_step"])
+        return
+    r, error = distributed.rank(), None
+    try:
+        collect(cfg, spec, shard_path(out, r, n), shard=(r, n), splitter=want["splitter"],
+                seed_step=want["seed_step"])
+    except Exception as err:  # every rank must reach the gather below
+        error = f"{type(err).__name__}: {err}"
+    failed = [(rank, e) for rank, e in enumerate(distributed.gather_objects(error)) if e is not None]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]}'s shard of the refresh's labels failed: {failed[0][1]}")
+    distributed.on_main(merge_label_files, [shard_path(out, rank, n) for rank in range(n)], out)
 
 
 def reusable_labels(path: Path, want: dict) -> bool:
