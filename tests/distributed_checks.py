@@ -16,9 +16,11 @@ from caspo.config import load_config
 from caspo.models.forward import hidden_logprobs, response_hidden, response_logprobs
 from caspo.models.policy import load_policy
 from caspo.precision import LossScaler
-from caspo.rollout.base import Completion, publish
+from caspo.reward.pool import RewardResult
+from caspo.rollout.base import Completion, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.train import distributed, fsdp, sharded
+from caspo.train.blocks import RankSplitEngine, RankSplitPool
 from caspo.train.scoring import score
 from caspo.train.update import accumulate_gradients
 
@@ -97,11 +99,42 @@ def main(out: str) -> None:
         distributed.on_main(lambda: 1 / 0)
     except ZeroDivisionError:
         facts["on_main_raises_everywhere"] = True
-    facts["per_rank"] = distributed.gather_objects({k: facts[k] for k in ("micro_batches", "grad_diff",
-                                                                           "digest_equal", "export_keys_equal")})
+    # the evaluations' engine and pool: each rank its block of a call, every rank all of the results
+    engine, pool = RecordingEngine(), RecordingPool()
+    completions = RankSplitEngine(engine).generate([Request([i], seed=i, max_new_tokens=1) for i in range(5)],
+                                                   SamplingParams())
+    result = RankSplitPool(pool).score([str(i) * (i + 1) for i in range(5)], ["0"] * 5, [True] * 5)
+    facts["split_generated"], facts["split_scored"] = engine.seen, pool.seen
+    facts["split_completions"] = [c.tokens for c in completions]
+    facts["split_rewards"], facts["split_timeouts"] = result.rewards, result.timeouts
+    facts["per_rank"] = distributed.gather_objects({k: facts[k] for k in (
+        "micro_batches", "grad_diff", "digest_equal", "export_keys_equal", "split_generated", "split_scored",
+        "split_completions", "split_rewards")})
     if distributed.is_main():
         with open(out, "w") as f:
             json.dump(facts, f, indent=1)
+
+
+class RecordingEngine:
+    """Completes prompt [i] with tokens [i, i]; records the prompts it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def generate(self, requests, sampling):
+        self.seen += [r.prompt_ids[0] for r in requests]
+        return [Completion(r.prompt_ids * 2, [0.0, 0.0], "stop", 0) for r in requests]
+
+
+class RecordingPool:
+    """Rewards each text by its length, one timeout a call; records the texts it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def score(self, texts, labels, finished):
+        self.seen += texts
+        return RewardResult([float(len(t)) for t in texts], timeouts=1)
 
 
 class distributed_off:

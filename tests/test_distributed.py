@@ -76,7 +76,8 @@ def test_launch_command_runs_the_cli_under_torchrun():
 def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_path):
     """tests/distributed_checks.py on 2 gloo ranks: token-packed micro-batches of unequal number per rank
     (stand-ins keep the collectives matched), the gradient of the whole minibatch, the no-grad scores, the
-    engine's digest after a publication of the sharded policy, rank 0's HF export, the helpers."""
+    engine's digest after a publication of the sharded policy, rank 0's HF export, the helpers, the evaluations'
+    engine and pool split by ranks."""
     out = tmp_path / "facts.json"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              str(HERE / "distributed_checks.py"), str(out)], capture_output=True, text=True,
@@ -94,6 +95,12 @@ def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_pat
     assert facts["gather_rows"] == [0, 10, 20, 30, 40]
     assert facts["all_sum"] == {"a": 2.0, "only0": 2.0, "only1": 2.0}
     assert facts["on_main_raises_everywhere"]
+    # evaluations split by ranks: rank 0 generated and scored items 0-2, rank 1 items 3-4; each holds all results
+    assert [r["split_generated"] for r in facts["per_rank"]] == [[0, 1, 2], [3, 4]]
+    assert [r["split_scored"] for r in facts["per_rank"]] == [["0", "11", "222"], ["3333", "44444"]]
+    assert all(r["split_completions"] == [[i, i] for i in range(5)] for r in facts["per_rank"])
+    assert all(r["split_rewards"] == [1.0, 2.0, 3.0, 4.0, 5.0] for r in facts["per_rank"])
+    assert facts["split_timeouts"] == 2
 
 
 def exported(run: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -237,3 +244,23 @@ def test_a_refreshed_caspo_run_on_two_processes_labels_and_trains_as_one(tmp_pat
     assert [s["tokens_digest"] for s in samples(runs[1])] == [s["tokens_digest"] for s in samples(runs[2])]
     p1, p2 = exported(runs[1])["policy"], exported(runs[2])["policy"]
     assert max((p1[k] - p2[k]).abs().max().item() for k in p1) <= 1e-6
+
+
+@pytest.mark.slow
+def test_evaluations_split_by_ranks_give_the_one_process_numbers(tmp_path):
+    """The held-out evaluation (greedy and avg@k) and eval.benchmarks with 2 processes, each rank generating and
+    scoring its block: the same metrics and the same per-problem records as one process."""
+    evals = ["train.steps=2", "eval.before=true", "eval.after=true", "eval.samples=2", "eval.benchmarks=[heldout]",
+             "reward.workers=0"]
+    runs = {n: tmp_path / f"n{n}" for n in (1, 2)}
+    for n, run in runs.items():
+        result = caspo("train", "tests", "model.threads=1", "train.deterministic=true", *evals,
+                       f"train.output_dir={run}", *(["--nproc", "2"] if n == 2 else []))
+        assert result.returncode == 0, result.stderr[-3000:]
+    rows = {n: [{k: v for k, v in json.loads(x).items() if k.startswith(("eval_", "bench_")) and "_t_" not in k
+                 and not k.startswith("eval_t")} for x in (run / "metrics.jsonl").read_text().splitlines()]
+            for n, run in runs.items()}
+    assert rows[1] == rows[2] and sum("eval_sampled_accuracy" in r for r in rows[1]) == 2
+    for checkpoint in ("base", "step_000002"):
+        one, two = ((run / "eval" / checkpoint / "heldout.jsonl").read_text() for run in runs.values())
+        assert one == two and len(one.splitlines()) == 16

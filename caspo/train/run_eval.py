@@ -7,18 +7,21 @@ from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
 from caspo.eval.run import evaluate_checkpoint
 from caspo.eval.suite import eval_samplers
 from caspo.rollout.base import publish
+from caspo.train.blocks import evaluation_engine_and_pool
 from caspo.train.trainer import Trainer, publish_current
 
 
 def evaluate(tr: Trainer) -> dict:
+    """The held-out set's metrics; with several processes each rank generates and scores its block of it."""
     cfg = tr.cfg
-    result = greedy_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
-                             tr.pool, max_new_tokens=cfg.eval.max_new_tokens,
+    engine, pool = evaluation_engine_and_pool(tr)
+    result = greedy_accuracy(engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
+                             pool, max_new_tokens=cfg.eval.max_new_tokens,
                              stop_token_ids=tr.sampling.stop_token_ids, stop_strings=cfg.rollout.stop)
     metrics = {f"eval_{k}": v for k, v in result.summary().items()}
     if cfg.eval.samples:
-        sampled = sampled_accuracy(tr.engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
-                                   tr.pool, samples=cfg.eval.samples, sampling=eval_samplers(cfg, tr.sampling)[1],
+        sampled = sampled_accuracy(engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
+                                   pool, samples=cfg.eval.samples, sampling=eval_samplers(cfg, tr.sampling)[1],
                                    max_new_tokens=cfg.eval.max_new_tokens)
         metrics |= {f"eval_sampled_{k}": v for k, v in sampled.summary().items()}
     return metrics
@@ -30,10 +33,12 @@ def sampled_note(metrics: dict) -> str:
 
 def evaluate_benchmarks(tr: Trainer, suites: list, checkpoint: str, policy: str, progress=None) -> dict:
     """eval.benchmarks on the policy the run holds now, written as `caspo eval` writes them
-    (<run>/eval/<checkpoint>.json); returns each benchmark's greedy accuracy for the run log."""
+    (<run>/eval/<checkpoint>.json); returns each benchmark's greedy accuracy for the run log. With several
+    processes each rank generates and scores its block of every benchmark."""
     if tr.cfg.rollout.staleness:  # the engine serves an older version: evaluate the one just saved
         publish(tr.engine, tr.policy, tr.version)
-    result = evaluate_checkpoint(tr.engine, tr.tokenizer, tr.pool, tr.cfg, suites, tr.sampling,
+    engine, pool = evaluation_engine_and_pool(tr)
+    result = evaluate_checkpoint(engine, tr.tokenizer, pool, tr.cfg, suites, tr.sampling,
                                  checkpoint=checkpoint, step=tr.step, policy=policy, out_dir=tr.run_dir / "eval",
                                  progress=progress)
     if tr.cfg.rollout.staleness:
