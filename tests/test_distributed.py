@@ -115,12 +115,13 @@ def samples(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["grpo", "ppo_critic", "caspo", "flow_dppo", "dppo"])
+@pytest.mark.parametrize("method", ["grpo", "ppo_critic", "caspo", "flow_dppo", "dppo", "vineppo"])
 def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_folder):
     """Deterministic fp32, 3 steps: the same sampled tokens and, up to the order of the sums, the same weights
     of every trained model (the policy; the critic; CASPO's online value model, whole on every rank); flow_dppo
     reads its frozen old policy sharded as the policy is; dppo generates with the policy of one update ago, which
-    each rank keeps as its shards."""
+    each rank keeps as its shards; vineppo's ranks each value their block of prompts by Monte Carlo, and the
+    step's counters are the whole batch's."""
     extra = [f"method.name={method}"]
     if method == "caspo":
         extra += [f"method.caspo.value_model={value_model_folder}", "method.caspo.online=true",
@@ -133,10 +134,15 @@ def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_fol
         assert result.returncode == 0, result.stderr[-3000:]
     one, two = samples(runs[1]), samples(runs[2])
     assert len(one) == len(two) == 3 * 8
+    if method == "vineppo":
+        mc = [[json.loads(x)["mc_tokens"] for x in (run / "metrics.jsonl").read_text().splitlines()
+               if "mc_tokens" in x] for run in runs.values()]
+        assert len(mc[0]) == 3 and mc[0] == mc[1] and all(t > 0 for t in mc[0])
     assert [s["tokens_digest"] for s in one] == [s["tokens_digest"] for s in two]
     assert [s["reward"] for s in one] == [s["reward"] for s in two]
     w1, w2 = exported(runs[1]), exported(runs[2])
-    learners = {"caspo": {"value"}}.get(method, {"critic"} if method != "grpo" else set())
+    critic = {"critic"}
+    learners = {"caspo": {"value"}, "ppo_critic": critic, "flow_dppo": critic, "dppo": critic}.get(method, set())
     assert set(w1) == set(w2) == {"policy", *learners}
     for name in w1:
         assert set(w1[name]) == set(w2[name])

@@ -12,7 +12,7 @@ from caspo.batch import RolloutBatch
 from caspo.config import Config
 from caspo.models.critic import critic_values, load_critic
 from caspo.models.policy import compile_if_asked, recompute_if_asked
-from caspo.train import distributed
+from caspo.train import distributed, fsdp
 from caspo.train.advantages import token_rewards
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import learner
@@ -80,8 +80,10 @@ class Critic(MethodState):
         return cls(cfg, policy_path, device)
 
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
-        if not self.trains_in_value_phase:
-            batch.values = no_grad_pass(self.learners["critic"].model, batch, tr.cfg, critic_values)
+        if not self.trains_in_value_phase:  # with several processes each rank scores its block of rows
+            model = self.learners["critic"].model
+            batch.values = (fsdp.score_rows(model, batch, tr.cfg, critic_values) if distributed.active()
+                            else no_grad_pass(model, batch, tr.cfg, critic_values))
             return {}
         return self.train_on_own_values(tr, batch)
 

@@ -234,6 +234,16 @@ def gather_rows(local: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([part[:len(block(n, r))] for r, part in enumerate(parts)])
 
 
+def gather_ragged(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's [b_r, S_r] block stacked in rank order on the CPU, each padded with zeros to the widest S_r
+    (`local` itself in one process)."""
+    if not active():
+        return local
+    parts = gather_objects(local.cpu())
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+
 def my_rows(rows: torch.Tensor) -> torch.Tensor:
     """This rank's contiguous block of `rows` (all of them in one process)."""
     share = block(len(rows))

@@ -29,6 +29,7 @@ from caspo.models.tokenizer import batch_decoder
 from caspo.precision import autocast
 from caspo.runlog import console
 from caspo.segment import batch_step_splitter, pad_step_ids
+from caspo.train import distributed
 from caspo.train.method_state import MethodState
 from caspo.train.monte_carlo import continuation_seed, mc_step_values, step_start_indices
 from caspo.train.optim import Learner, learner
@@ -59,18 +60,24 @@ def step_stats(batch: RolloutBatch, values: torch.Tensor) -> dict:
 
 
 class MonteCarloValues(MethodState):
-    """VinePPO: K continuations per distinct prefix, sampled by the rollout engine."""
+    """VinePPO: K continuations per distinct prefix, sampled by the rollout engine. With several processes each
+    rank values its block of prompts (a prompt's samples share their first state; every continuation's seed is
+    its prefix's, so no value depends on the split), and the counters are the whole batch's."""
 
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         cfg = tr.cfg
         batch.step_ids = segment(tr, batch)
+        G = cfg.rollout.samples_per_prompt
+        share = distributed.block(batch.size // G)
+        rows = range(share.start * G, share.stop * G)
         lengths = batch.response_lengths.tolist()
-        responses = [batch.responses[b, :lengths[b]].tolist() for b in range(batch.size)]
-        starts = [step_start_indices(batch.step_ids[b, :lengths[b]].tolist()) for b in range(batch.size)]
+        responses = [batch.responses[b, :lengths[b]].tolist() for b in rows]
+        starts = [step_start_indices(batch.step_ids[b, :lengths[b]].tolist()) for b in rows]
         engine_stats = getattr(tr.engine, "stats", None)  # the native engine's prefill counters
         before = dataclasses.replace(engine_stats) if engine_stats else None
         mc = mc_step_values(
-            tr.engine, batch.prompt_ids, responses, starts, batch.labels, k=cfg.method.vineppo_k,
+            tr.engine, [batch.prompt_ids[b] for b in rows], responses, starts, [batch.labels[b] for b in rows],
+            k=cfg.method.vineppo_k,
             sampling=tr.sampling, max_new_tokens=cfg.rollout.max_new_tokens,
             context_tokens=cfg.method.vineppo_context_tokens,
             seed_fn=partial(continuation_seed, cfg.train.seed, tr.step),
@@ -79,25 +86,25 @@ class MonteCarloValues(MethodState):
             score_while_generating=tr.pool.workers > 0,  # inline scoring's timeouts need the main thread
         )
         device = batch.responses.device
-        batch.step_values, batch.step_mask = mc.values.to(device), mc.step_mask.to(device)
-        out = {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes,
-               "t_mc_generate": mc.generate_s, "t_mc_score": mc.score_s, **step_stats(batch, batch.step_values)}
+        batch.step_values = distributed.gather_ragged(mc.values).to(device)
+        batch.step_mask = distributed.gather_ragged(mc.step_mask).to(device)
+        counts = {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes}
+        times = {"t_mc_generate": mc.generate_s, "t_mc_score": mc.score_s}  # this rank's
         if before is not None:  # the engine's counters over the continuations' generation
             during = engine_stats.since(before)
-            # the share of the continuations' prompt positions copied from a resident slot
-            out["mc_prefill_shared_frac"] = during.shared_tokens / max(during.prefill_tokens + during.shared_tokens, 1)
-            out["mc_prefill_rounds"] = during.prefill_rounds
-            out["mc_prefill_forwards"] = during.prefill_forwards
-            out["mc_decode_steps"] = during.decode_steps
-            out["mc_grouped_steps"] = during.grouped_steps  # shared_prefix_attention
-            out["mc_decode_rows"] = during.decode_rows
-            out["mc_graph_captures"] = during.graph_captures
-            out["t_mc_capture"] = during.capture_s
+            counts |= {"mc_prefill_rounds": during.prefill_rounds, "mc_prefill_forwards": during.prefill_forwards,
+                       "mc_decode_steps": during.decode_steps, "mc_decode_rows": during.decode_rows,
+                       "mc_grouped_steps": during.grouped_steps,  # shared_prefix_attention
+                       "mc_graph_captures": during.graph_captures,
+                       "prefill_tokens": during.prefill_tokens, "shared_tokens": during.shared_tokens}
             # the engine's host time: admission rounds, blocked on the device, and the rest its own work
-            out["t_mc_prefill"] = during.prefill_s
-            out["t_mc_wait"] = during.wait_s
-            out["t_mc_host"] = during.generate_s - during.prefill_s - during.wait_s
-        return out
+            times |= {"t_mc_capture": during.capture_s, "t_mc_prefill": during.prefill_s, "t_mc_wait": during.wait_s,
+                      "t_mc_host": during.generate_s - during.prefill_s - during.wait_s}
+        counts = {k: int(v) for k, v in distributed.all_sum(counts).items()}  # every rank's
+        if before is not None:  # the share of the continuations' prompt positions copied from a resident slot
+            shared, prefilled = counts.pop("shared_tokens"), counts.pop("prefill_tokens")
+            counts["mc_prefill_shared_frac"] = shared / max(prefilled + shared, 1)
+        return {**counts, **times, **step_stats(batch, batch.step_values)}
 
 
 @dataclass(frozen=True)
@@ -175,18 +182,41 @@ class PrefixValues(MethodState):
         return values, mask, reference
 
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
+        """V(s_k) of the batch's states; with several processes each rank reads its block of rows (φ is whole on
+        every rank) and every rank receives them all."""
         c = tr.cfg.method.caspo
         batch.step_ids = segment(tr, batch)
-        shared = batch.ref_logprobs if self.shares_reference and batch.ref_logprobs is not None else None
         online = self.online is not None  # the reference is frozen: the online step reuses its scores
-        values, batch.step_mask, reference = self.read(batch, *score_micro_batching(tr.cfg), ref_logprobs=shared,
-                                                       keep_reference=online)
+        if distributed.active():
+            values, batch.step_mask, reference = self.read_rank_block(tr, batch, keep_reference=online)
+        else:
+            shared = batch.ref_logprobs if self.shares_reference and batch.ref_logprobs is not None else None
+            values, batch.step_mask, reference = self.read(batch, *score_micro_batching(tr.cfg), ref_logprobs=shared,
+                                                           keep_reference=online)
         if online:
             batch.value_ref_logprobs = reference
         if c.shuffle_values:
             values = shuffled_within_batch(values, batch.step_mask, seed=control_seed(tr.cfg, tr.step))
         batch.step_values = transform_values(values, c.transform, self.model.beta)
         return step_stats(batch, values)
+
+    def read_rank_block(self, tr: "Trainer", batch: RolloutBatch, keep_reference: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """`read` of this rank's contiguous block of rows, then every rank's, on every rank."""
+        rows = distributed.my_rows(torch.arange(batch.size))
+        values = mask = torch.zeros(0, 1)
+        reference = torch.zeros(0, 1) if keep_reference else None
+        if len(rows):
+            part = batch.select(rows)
+            shared = part.ref_logprobs if self.shares_reference and part.ref_logprobs is not None else None
+            values, mask, reference = self.read(part, *score_micro_batching(tr.cfg), ref_logprobs=shared,
+                                                keep_reference=keep_reference)
+        device, R = batch.responses.device, batch.responses.shape[1]
+        values, mask = distributed.gather_ragged(values).to(device), distributed.gather_ragged(mask).to(device)
+        if reference is not None:  # [B, R]: the blocks' frames are their own longest responses
+            reference = distributed.gather_ragged(reference).to(device)
+            reference = torch.nn.functional.pad(reference, (0, R - reference.shape[1]))
+        return values, mask, reference
 
     def after_advantages(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         t = tr.cfg.train
