@@ -187,12 +187,7 @@ class PrefixValues(MethodState):
         c = tr.cfg.method.caspo
         batch.step_ids = segment(tr, batch)
         online = self.online is not None  # the reference is frozen: the online step reuses its scores
-        if distributed.active():
-            values, batch.step_mask, reference = self.read_rank_block(tr, batch, keep_reference=online)
-        else:
-            shared = batch.ref_logprobs if self.shares_reference and batch.ref_logprobs is not None else None
-            values, batch.step_mask, reference = self.read(batch, *score_micro_batching(tr.cfg), ref_logprobs=shared,
-                                                           keep_reference=online)
+        values, batch.step_mask, reference = self.read_own_rows(tr, batch, keep_reference=online)
         if online:
             batch.value_ref_logprobs = reference
         if c.shuffle_values:
@@ -200,17 +195,21 @@ class PrefixValues(MethodState):
         batch.step_values = transform_values(values, c.transform, self.model.beta)
         return step_stats(batch, values)
 
-    def read_rank_block(self, tr: "Trainer", batch: RolloutBatch, keep_reference: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """`read` of this rank's contiguous block of rows, then every rank's, on every rank."""
+    def read_own_rows(self, tr: "Trainer", batch: RolloutBatch, keep_reference: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """`read` of the batch, sharing the run's reference scores where φ's reference is the run's; with several
+        processes of this rank's contiguous block of rows, then every rank's, on every rank."""
+        several = distributed.active()
         rows = distributed.my_rows(torch.arange(batch.size))
         values = mask = torch.zeros(0, 1)
         reference = torch.zeros(0, 1) if keep_reference else None
         if len(rows):
-            part = batch.select(rows)
+            part = batch.select(rows) if several else batch
             shared = part.ref_logprobs if self.shares_reference and part.ref_logprobs is not None else None
             values, mask, reference = self.read(part, *score_micro_batching(tr.cfg), ref_logprobs=shared,
                                                 keep_reference=keep_reference)
+        if not several:
+            return values, mask, reference
         device, R = batch.responses.device, batch.responses.shape[1]
         values, mask = distributed.gather_ragged(values).to(device), distributed.gather_ragged(mask).to(device)
         if reference is not None:  # [B, R]: the blocks' frames are their own longest responses

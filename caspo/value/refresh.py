@@ -223,7 +223,7 @@ def reusable(folder: Path, want: dict) -> str:
     return "labels" if reusable_labels(folder / "labels.jsonl", want) else "none"
 
 
-def collect_labels(cfg: Config, spec, out: Path, want: dict) -> None:
+def collect_labels(cfg: Config, spec: CollectSpec, out: Path, want: dict) -> None:
     """The refresh's label file; with several processes each rank collects its shard and rank 0 merges them
     (the seeds make the merged file the one process's). A rank's failure is raised on every rank."""
     n = distributed.size()
