@@ -118,7 +118,8 @@ def samples(run: Path) -> list[dict]:
 @pytest.mark.parametrize("method", ["grpo", "ppo_critic", "caspo", "flow_dppo", "dppo", "vineppo"])
 def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_folder):
     """Deterministic fp32, 3 steps: the same sampled tokens and, up to the order of the sums, the same weights
-    of every trained model (the policy; the critic; CASPO's online value model, whole on every rank); flow_dppo
+    of every trained model (the policy; the critic; CASPO's online value model, whole on every rank, each rank's
+    gradient of its rows summed over the ranks); flow_dppo
     reads its frozen old policy sharded as the policy is; dppo generates with the policy of one update ago, which
     each rank keeps as its shards; vineppo's ranks each value their block of prompts by Monte Carlo, and the
     step's counters are the whole batch's."""
@@ -134,10 +135,14 @@ def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_fol
         assert result.returncode == 0, result.stderr[-3000:]
     one, two = samples(runs[1]), samples(runs[2])
     assert len(one) == len(two) == 3 * 8
-    if method == "vineppo":
-        mc = [[json.loads(x)["mc_tokens"] for x in (run / "metrics.jsonl").read_text().splitlines()
-               if "mc_tokens" in x] for run in runs.values()]
+    logged = [[json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] for run in runs.values()]
+    if method == "vineppo":  # the counters are the whole batch's, not a rank's (nor every rank's sum of it)
+        mc = [[r["mc_tokens"] for r in rows if "mc_tokens" in r] for rows in logged]
         assert len(mc[0]) == 3 and mc[0] == mc[1] and all(t > 0 for t in mc[0])
+    if method == "caspo":  # φ's online step: the whole batch's loss and gradient, each row counted once
+        for key in ("value_bce", "value_grad_norm"):
+            one_two = [[r[key] for r in rows if key in r] for rows in logged]
+            assert len(one_two[0]) == 3 and one_two[1] == pytest.approx(one_two[0], rel=1e-5)
     assert [s["tokens_digest"] for s in one] == [s["tokens_digest"] for s in two]
     assert [s["reward"] for s in one] == [s["reward"] for s in two]
     w1, w2 = exported(runs[1]), exported(runs[2])
@@ -146,7 +151,10 @@ def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_fol
     assert set(w1) == set(w2) == {"policy", *learners}
     for name in w1:
         assert set(w1[name]) == set(w2[name])
-        assert max((w1[name][k] - w2[name][k]).abs().max().item() for k in w1[name]) <= 1e-6
+        # φ's step at lr 1e-3 from gradients summed over ranks: AdamW amplifies the order of the sums (as in
+        # value training on two ranks); it measured 2.6e-6, the policy 0
+        bound = 2e-5 if name == "value" else 1e-6
+        assert max((w1[name][k] - w2[name][k]).abs().max().item() for k in w1[name]) <= bound
     # the sharded checkpoint: DCP shards, each rank's RNG; rank 1's own log beside rank 0's
     ckpt = runs[2] / "checkpoints" / "step_000003"
     assert (ckpt / "shards").is_dir() and sorted(p.name for p in (ckpt / "ranks").iterdir()) == ["rank_0.pt",

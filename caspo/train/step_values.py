@@ -225,7 +225,9 @@ class PrefixValues(MethodState):
         """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
         step boundaries k >= 1 (V(s_0) = 0 whatever φ is); with method.caspo.use_adb / use_dlw, IPVRM's
         prompt-difficulty shift of the logits and outcome weights (caspo.algo.ipvrm). φ's reference runs only
-        where the value read left no scores of it (batch.value_ref_logprobs)."""
+        where the value read left no scores of it (batch.value_ref_logprobs). With several processes φ is whole
+        on every rank: each rank's gradient is of its block of rows, summed over the ranks before the step, so
+        every rank takes the same step."""
         c, beta = self.cfg.method.caspo, self.model.beta
         boundaries = float((batch.step_ids.max(-1).values.clamp(min=0)).sum())  # steps after the first, per row
         rewards = batch.rewards.float()
@@ -234,13 +236,16 @@ class PrefixValues(MethodState):
         weight = ipvrm.outcome_weights(rewards, batch.group_ids) if c.use_dlw else ones
         self.online.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
+        rows = distributed.my_rows(torch.arange(batch.size))
+        for idx, micro in batch.micro_batches(micro_batch_size, rows, max_tokens=max_tokens):
             with autocast(self.cfg.train.precision, micro.input_ids.device):
                 v, m = step_values(self.model.cumulative(micro, micro.value_ref_logprobs), micro.step_ids)
             bce = ipvrm.balanced_value_bce(v / beta, micro.rewards.float(), shift[idx], weight[idx])
             loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0)
             loss.backward()
             total += loss.detach().item()
+        distributed.sum_gradients(self.model.policy)
+        total = distributed.all_sum({"bce": total})["bce"]
         params = [p for p in self.model.policy.parameters() if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.online.grad_clip))
         self.online.optimizer.step()
