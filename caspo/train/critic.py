@@ -124,10 +124,10 @@ class CriticAndFrozenOld(Critic):
         return cls(cfg, policy_path, policy, device)
 
     def before_update(self, tr: "Trainer") -> None:
-        self.old_policy.load_state_dict(tr.policy.state_dict())  # sharded alike, each rank copies its shards
+        self.old_policy.load_state_dict(tr.policy.state_dict())
 
-    def sharded_frozen_models(self) -> list[torch.nn.Module]:
-        return [self.old_policy]
+    def shard(self, precision: str) -> None:
+        fsdp.shard_routed(self.old_policy, precision)  # as the policy: each rank copies its own shards into it
 
     def frozen_old_policy(self) -> torch.nn.Module:
         return self.old_policy

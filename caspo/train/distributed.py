@@ -195,22 +195,6 @@ def all_sum(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
-def sum_gradients(model: torch.nn.Module) -> None:
-    """The gradients of a model whole on every rank summed over the ranks, in place, so that every rank steps
-    alike. A parameter with a gradient on some rank gets one everywhere (zeros where it had none); one with
-    none anywhere keeps none, as the optimizer then skips it in one process too."""
-    if not active():
-        return
-    params = list(model.parameters())
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=collective_device())
-    dist.all_reduce(has, op=dist.ReduceOp.MAX)
-    for p, anywhere in zip(params, has.tolist()):
-        if anywhere:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-
-
 def all_max(value: int) -> int:
     if not active():
         return value

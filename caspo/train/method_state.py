@@ -54,10 +54,9 @@ class MethodState:
         """The update's loss for each learner of `learners` it trains with the policy, in that order."""
         return {}
 
-    def sharded_frozen_models(self) -> list[torch.nn.Module]:
-        """Frozen models the policy's loss reads beside it, sharded with several processes as the reference is
-        (called through `caspo.train.fsdp.call`)."""
-        return []
+    def shard(self, precision: str) -> None:
+        """With several processes: shard the models it owns beyond the update's learners (`learner_losses`, which
+        the trainer shards), so that they are called through `caspo.train.fsdp.call`."""
 
     def frozen_old_policy(self) -> torch.nn.Module:
         """The policy as it was before this update, for a loss that reads its full-vocabulary distributions."""

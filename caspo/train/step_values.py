@@ -29,11 +29,12 @@ from caspo.models.tokenizer import batch_decoder
 from caspo.precision import autocast
 from caspo.runlog import console
 from caspo.segment import batch_step_splitter, pad_step_ids
-from caspo.train import distributed
+from caspo.train import distributed, fsdp
 from caspo.train.method_state import MethodState
 from caspo.train.monte_carlo import continuation_seed, mc_step_values, step_start_indices
 from caspo.train.optim import Learner, learner
 from caspo.train.scoring import score_micro_batching
+from caspo.train.update import clip_gradients
 
 if TYPE_CHECKING:
     from caspo.train.trainer import Trainer
@@ -157,33 +158,48 @@ class PrefixValues(MethodState):
     def build(cls, cfg: Config, policy_path: str, policy: torch.nn.Module, tokenizer, device: torch.device):
         return cls(cfg, tokenizer, ValueSource(cfg.method.caspo.value_model, cfg.model.policy), policy, device)
 
+    def shard(self, precision: str) -> None:
+        """φ and its reference sharded as the policy is (every read a collective), the online learner's optimizer
+        built again over φ's shards."""
+        fsdp.shard_routed(self.model.policy, precision)
+        fsdp.shard_routed(self.model.reference, precision)
+        self.model.call = fsdp.call
+        if self.online is not None:
+            self.online = self.learners["value"] = fsdp.rebuild(self.online, self.model.policy)
+
     @torch.no_grad()
     def read(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0,
-             ref_logprobs: Optional[torch.Tensor] = None, keep_reference: bool = True
-             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+             ref_logprobs: Optional[torch.Tensor] = None, keep_reference: bool = True,
+             rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """V(s_k) [B, S], the step mask and the reference scores used [B, R] (None unless `keep_reference`),
         micro-batch by micro-batch, in the run's compute precision (φ and its reference in bf16 under
         train.precision=bf16, as the policy's own passes). `ref_logprobs` [B, R]: the reference's scores of
-        the batch at temperature 1, given in place of a forward of φ's reference."""
+        the batch at temperature 1, given in place of a forward of φ's reference. `rows`: the rows read (every
+        row by default; the others stay 0); with several processes every rank runs as many forwards."""
         S = max(int(batch.step_ids.max()) + 1, 1)
         values = torch.zeros(batch.size, S, device=batch.step_ids.device)
         mask = torch.zeros_like(values)
         reference = None
-        for idx, micro in batch.micro_batches(micro_batch_size, max_tokens=max_tokens):
+        rows = torch.arange(batch.size) if rows is None else rows
+        for idx, micro, real in fsdp.micro_batches(batch, rows, micro_batch_size, max_tokens):
             R = micro.responses.shape[1]
             with autocast(self.cfg.train.precision, micro.input_ids.device):
                 ref = self.model.reference_logprobs(micro) if ref_logprobs is None else ref_logprobs[idx, :R]
                 v, m = step_values(self.model.cumulative(micro, ref), micro.step_ids)
+            if not real:  # a stand-in: φ's forwards are collectives
+                continue
             values[idx, :v.shape[1]], mask[idx, :m.shape[1]] = v, m
             if keep_reference:
                 if reference is None:
                     reference = torch.zeros(batch.responses.shape, dtype=ref.dtype, device=ref.device)
                 reference[idx, :R] = ref
+        if keep_reference and reference is None:  # no rows here
+            reference = torch.zeros(batch.responses.shape, device=values.device)
         return values, mask, reference
 
     def values(self, tr: "Trainer", batch: RolloutBatch) -> dict:
-        """V(s_k) of the batch's states; with several processes each rank reads its block of rows (φ is whole on
-        every rank) and every rank receives them all."""
+        """V(s_k) of the batch's states; with several processes each rank reads its block of rows (φ sharded) and
+        every rank receives them all."""
         c = tr.cfg.method.caspo
         batch.step_ids = segment(tr, batch)
         online = self.online is not None  # the reference is frozen: the online step reuses its scores
@@ -199,23 +215,12 @@ class PrefixValues(MethodState):
                       ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """`read` of the batch, sharing the run's reference scores where φ's reference is the run's; with several
         processes of this rank's contiguous block of rows, then every rank's, on every rank."""
-        several = distributed.active()
         rows = distributed.my_rows(torch.arange(batch.size))
-        values = mask = torch.zeros(0, 1)
-        reference = torch.zeros(0, 1) if keep_reference else None
-        if len(rows):
-            part = batch.select(rows) if several else batch
-            shared = part.ref_logprobs if self.shares_reference and part.ref_logprobs is not None else None
-            values, mask, reference = self.read(part, *score_micro_batching(tr.cfg), ref_logprobs=shared,
-                                                keep_reference=keep_reference)
-        if not several:
-            return values, mask, reference
-        device, R = batch.responses.device, batch.responses.shape[1]
-        values, mask = distributed.gather_ragged(values).to(device), distributed.gather_ragged(mask).to(device)
-        if reference is not None:  # [B, R]: the blocks' frames are their own longest responses
-            reference = distributed.gather_ragged(reference).to(device)
-            reference = torch.nn.functional.pad(reference, (0, R - reference.shape[1]))
-        return values, mask, reference
+        shared = batch.ref_logprobs if self.shares_reference and batch.ref_logprobs is not None else None
+        out = self.read(batch, *score_micro_batching(tr.cfg), ref_logprobs=shared, keep_reference=keep_reference,
+                        rows=rows)
+        mine = torch.isin(torch.arange(batch.size), rows)
+        return tuple(None if x is None else distributed.share_rows(x, mine) for x in out)
 
     def after_advantages(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         t = tr.cfg.train
@@ -225,9 +230,9 @@ class PrefixValues(MethodState):
         """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
         step boundaries k >= 1 (V(s_0) = 0 whatever φ is); with method.caspo.use_adb / use_dlw, IPVRM's
         prompt-difficulty shift of the logits and outcome weights (caspo.algo.ipvrm). φ's reference runs only
-        where the value read left no scores of it (batch.value_ref_logprobs). With several processes φ is whole
-        on every rank: each rank's gradient is of its block of rows, summed over the ranks before the step, so
-        every rank takes the same step."""
+        where the value read left no scores of it (batch.value_ref_logprobs). With several processes φ is sharded:
+        each rank's loss is of its block of rows (normalised by the whole batch's boundaries), and FSDP sums the
+        gradients."""
         c, beta = self.cfg.method.caspo, self.model.beta
         boundaries = float((batch.step_ids.max(-1).values.clamp(min=0)).sum())  # steps after the first, per row
         rewards = batch.rewards.float()
@@ -237,17 +242,16 @@ class PrefixValues(MethodState):
         self.online.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         rows = distributed.my_rows(torch.arange(batch.size))
-        for idx, micro in batch.micro_batches(micro_batch_size, rows, max_tokens=max_tokens):
+        for idx, micro, real in fsdp.micro_batches(batch, rows, micro_batch_size, max_tokens):
             with autocast(self.cfg.train.precision, micro.input_ids.device):
                 v, m = step_values(self.model.cumulative(micro, micro.value_ref_logprobs), micro.step_ids)
             bce = ipvrm.balanced_value_bce(v / beta, micro.rewards.float(), shift[idx], weight[idx])
-            loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0)
+            loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0) * (1.0 if real else 0.0)  # a stand-in adds 0
             loss.backward()
             total += loss.detach().item()
-        distributed.sum_gradients(self.model.policy)
         total = distributed.all_sum({"bce": total})["bce"]
         params = [p for p in self.model.policy.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.online.grad_clip))
+        grad_norm = clip_gradients(params, self.online.grad_clip)
         self.online.optimizer.step()
         self.online.optimizer.zero_grad(set_to_none=True)  # φ's gradients are not held until its next step
         self.online.scheduler.step()
@@ -260,6 +264,8 @@ class PrefixValues(MethodState):
                              "online (method.caspo.online=true), and a refreshed model needs a frozen run")
         label_policy = load_policy(source.label_policy, self.device)
         self.model = load_value_model(self.cfg, self.tokenizer, source, label_policy, self.device)
+        if distributed.active():
+            self.shard(self.cfg.train.precision)
         self.source = source
         self.shares_reference = shares_reference(self.cfg, source, self.model)
 

@@ -118,16 +118,16 @@ def build_trainer(cfg: Config) -> Trainer:
 
 def shard(cfg: Config, actor: Learner, ref: torch.nn.Module | None,
           state: MethodState) -> tuple[Learner, torch.nn.Module | None]:
-    """FSDP2 over the policy, the reference, the frozen models the policy's loss reads (flow_dppo's old policy)
-    and the learners the update trains beside the policy (each with its optimizer built again after wrapping).
-    A learner trained elsewhere on the whole batch (CASPO's online value model) stays whole on every rank:
-    every rank takes the same step."""
+    """FSDP2 over the policy, the reference, the learners the update trains beside the policy (each with its
+    optimizer built again after wrapping) and the models the method state owns beyond them (flow_dppo's old
+    policy, CASPO's value model: `MethodState.shard`)."""
     actor = fsdp.rebuild(actor, fsdp.shard_routed(actor.model, cfg.train.precision))
-    for frozen in ([ref] if ref is not None else []) + state.sharded_frozen_models():
-        fsdp.shard_routed(frozen, cfg.train.precision)
+    if ref is not None:
+        fsdp.shard_routed(ref, cfg.train.precision)
     for name in state.learner_losses():
         lr = state.learners[name]
         state.learners[name] = fsdp.rebuild(lr, fsdp.shard_called(lr.model, cfg.train.precision))
+    state.shard(cfg.train.precision)
     return actor, ref
 
 

@@ -17,7 +17,7 @@ same collection and training and β = the phase-1 default (10).
 
 With several processes every rank collects its shard of the labels (prompts r, r + N, …) and
 rank 0 merges them into the unsharded collection's file; the value model trains sharded on
-every rank (as `caspo value train --nproc N`), and every rank loads it whole.
+every rank (as `caspo value train --nproc N`), and the run shards it as it shards its own models.
 
 Every checkpoint records its value model's source, so a run resumed after a refresh
 continues with the refreshed model. `refresh/step_n/refresh.json` is written last: a run
