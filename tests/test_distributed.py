@@ -249,7 +249,7 @@ def test_a_refreshed_caspo_run_on_two_processes_labels_and_trains_as_one(tmp_pat
         labels = [[json.loads(x) for x in (f / "labels.jsonl").read_text().splitlines()[1:]] for f in folders]
         assert labels[0] and labels[0] == labels[1]  # every row, in order: prefixes, seeds and p̂
         header = json.loads((folders[1] / "labels.jsonl").read_text().splitlines()[0])["header"]
-        assert header["merged_from"] == 2
+        assert header["merged_from"] == 2 and not list(folders[1].glob("labels.shard*"))  # merged, then removed
         w1, w2 = (load_file(f / "value" / "model.safetensors") for f in folders)
         assert set(w1) == set(w2) and max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 2e-5
     assert [s["tokens_digest"] for s in samples(runs[1])] == [s["tokens_digest"] for s in samples(runs[2])]
@@ -260,7 +260,7 @@ def test_a_refreshed_caspo_run_on_two_processes_labels_and_trains_as_one(tmp_pat
 @pytest.mark.slow
 def test_evaluations_split_by_ranks_give_the_one_process_numbers(tmp_path):
     """The held-out evaluation (greedy and avg@k) and eval.benchmarks with 2 processes, each rank generating and
-    scoring its block: the same metrics and the same per-problem records as one process."""
+    scoring its block: the same metrics and the same per-problem records as one process, written once."""
     evals = ["train.steps=2", "eval.before=true", "eval.after=true", "eval.samples=2", "eval.benchmarks=[heldout]",
              "reward.workers=0"]
     runs = {n: tmp_path / f"n{n}" for n in (1, 2)}
@@ -275,3 +275,5 @@ def test_evaluations_split_by_ranks_give_the_one_process_numbers(tmp_path):
     for checkpoint in ("base", "step_000002"):
         one, two = ((run / "eval" / checkpoint / "heldout.jsonl").read_text() for run in runs.values())
         assert one == two and len(one.splitlines()) == 16
+    rank1 = runs[2] / "ranks" / "rank1"  # its own metrics, but rank 0 alone writes the evaluations
+    assert (rank1 / "metrics.jsonl").is_file() and not (rank1 / "eval").exists()

@@ -88,11 +88,15 @@ def test_collect_train_probe_end_to_end(tmp_path):
     small = ["reward.workers=0", "model.threads=1", "--prompts", 12, "--k", 4, "--j", 2, "--boundaries", 2]
     invoke("collect", "tests", *small, "--out", tmp_path / "labels.jsonl")
     invoke("collect", "tests", *small, "--out", tmp_path / "merged.jsonl", "--nproc", 2)  # shards 0/2 and 1/2
-    invoke("merge", tmp_path / "again.jsonl", tmp_path / "merged.shard1of2.jsonl", tmp_path / "merged.shard0of2.jsonl")
+    shards = [tmp_path / f"s{i}.jsonl" for i in (0, 1)]
+    for i, shard in enumerate(shards):
+        invoke("collect", "tests", *small, "--shard", f"{i}/2", "--out", shard)
+    invoke("merge", tmp_path / "again.jsonl", *reversed(shards))
     whole, merged = read_label_file(tmp_path / "labels.jsonl"), read_label_file(tmp_path / "merged.jsonl")
     assert merged.rows == whole.rows and len(whole.rows) >= 8  # shards rebuild the unsharded collection
+    assert not list(tmp_path.glob("merged.shard*"))  # --nproc removes its shards once merged
     assert read_label_file(tmp_path / "again.jsonl").rows == whole.rows
-    assert [read_label_file(tmp_path / f"merged.shard{i}of2.jsonl").header["shard"] for i in (0, 1)] == ["0/2", "1/2"]
+    assert [read_label_file(shard).header["shard"] for shard in shards] == ["0/2", "1/2"]
     assert {r.j for r in whole.rows} == {2} and all(0 <= r.boundary < len(r.response_tokens) for r in whole.rows)
 
     out = tmp_path / "value"

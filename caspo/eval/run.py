@@ -44,12 +44,14 @@ def settings(cfg: Config, run_sampling: SamplingParams) -> dict:
 
 def evaluate_checkpoint(engine, tokenizer, pool: RewardPool, cfg: Config, suites: list[Suite],
                         run_sampling: SamplingParams, *, checkpoint: str, step: int | None, policy: str,
-                        out_dir: str | Path, progress=None) -> dict:
+                        out_dir: str | Path | None, progress=None) -> dict:
     """The engine's current policy on every suite; writes <out_dir>/<checkpoint>.json and the per-problem
-    records, then refreshes summary.md and accuracy.png. `run_sampling` is the run's sampler (its stop ids;
-    caspo.eval.suite.eval_samplers). Pass a live rich `progress` to add its bars there."""
-    out = Path(out_dir)
-    (out / checkpoint).mkdir(parents=True, exist_ok=True)
+    records, then refreshes summary.md and accuracy.png (out_dir None: writes nothing, as the ranks after the
+    first of a run do). `run_sampling` is the run's sampler (its stop ids; caspo.eval.suite.eval_samplers).
+    Pass a live rich `progress` to add its bars there."""
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        (out / checkpoint).mkdir(parents=True, exist_ok=True)
     result = {"format": FORMAT, "checkpoint": checkpoint, "step": step, "policy": policy,
               "settings": settings(cfg, run_sampling), "benchmarks": {}}
     with (nullcontext(progress) if progress is not None else progress_bar()) as bars:
@@ -61,9 +63,11 @@ def evaluate_checkpoint(engine, tokenizer, pool: RewardPool, cfg: Config, suites
             speed = bench["generation"]["tokens_per_s"] or 0.0
             bars.update(task, status=f"greedy {bench['metrics']['greedy']:.3f}, {speed:,.0f} tokens/s")
             result["benchmarks"][suite.name] = bench
-            write_jsonl(out / checkpoint / f"{suite.name}.jsonl", records)
-    write_json(out / f"{checkpoint}.json", result)
-    refresh(out)
+            if out is not None:
+                write_jsonl(out / checkpoint / f"{suite.name}.jsonl", records)
+    if out is not None:
+        write_json(out / f"{checkpoint}.json", result)
+        refresh(out)
     return result
 
 

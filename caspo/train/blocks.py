@@ -1,7 +1,7 @@
-"""The work that ranks split (`caspo.train.distributed`): the outer step's generation and rewards by
-contiguous prompt blocks, its no-grad log-probs by contiguous row blocks, and the evaluations' requests by
-contiguous blocks (`RankSplitEngine`, `RankSplitPool`); every rank then holds all of it. In a single process
-each is the plain call."""
+"""The work that ranks split (`caspo.train.distributed`): generation and rewards by contiguous blocks of
+requests (`RankSplitEngine`, `RankSplitPool`: the outer step's by whole prompts, the evaluations' by request),
+and the outer step's no-grad log-probs by contiguous row blocks; every rank then holds all of it. In a single
+process each is the plain call."""
 
 from __future__ import annotations
 
@@ -21,28 +21,10 @@ if TYPE_CHECKING:
     from caspo.train.trainer import Trainer
 
 
-def generate_blocks(tr: "Trainer", requests: list[Request], G: int) -> list[Completion]:
-    """The completions of `requests` (G per prompt), in order; with several ranks, each generates its block
-    of prompts and every rank receives all of them."""
-    if not distributed.active():
-        return tr.engine.generate(requests, tr.sampling)
-    share = distributed.block(len(requests) // G)
-    mine = requests[share.start * G:share.stop * G]
-    done = tr.engine.generate(mine, tr.sampling) if mine else []
-    return [c for part in distributed.gather_objects(done) for c in part]
-
-
-def score_blocks(tr: "Trainer", batch: RolloutBatch) -> RewardResult:
-    """The verifier's result on the batch; with several ranks, each scores its block of prompts' rows (the
-    rows it generated) and every rank receives the whole result."""
-    finished = batch.finished.tolist()
-    if not distributed.active():
-        return tr.pool.score(batch.texts, batch.labels, finished)
-    G = tr.cfg.rollout.samples_per_prompt
-    share = distributed.block(batch.size // G)
-    rows = slice(share.start * G, share.stop * G)
-    mine = tr.pool.score(batch.texts[rows], batch.labels[rows], finished[rows]) if share else RewardResult([])
-    return gathered_result(mine)
+def own_rows(n: int, group: int = 1) -> slice:
+    """This rank's contiguous block of n rows that come in groups of `group` (a prompt's G samples stay together)."""
+    share = distributed.block(n // group)
+    return slice(share.start * group, share.stop * group)
 
 
 def gathered_result(mine: RewardResult) -> RewardResult:
@@ -55,37 +37,39 @@ def gathered_result(mine: RewardResult) -> RewardResult:
 
 
 class RankSplitEngine:
-    """An engine for the evaluations of a run of several processes: each rank generates its contiguous block of
-    every call's requests, and every rank receives all the completions, in order. Every rank must make the same
-    calls (each gathers)."""
+    """An engine whose every call is split by ranks: each rank generates its contiguous block of the requests
+    (whole groups of `group`), and every rank receives all the completions, in order. Every rank must make the
+    same calls (each gathers). In a single process it is the engine's own call."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, group: int = 1):
+        self.engine, self.group = engine, group
 
     def generate(self, requests: list[Request], sampling: SamplingParams) -> list[Completion]:
-        share = distributed.block(len(requests))
-        done = self.engine.generate(requests[share.start:share.stop], sampling) if share else []
+        if not distributed.active():
+            return self.engine.generate(requests, sampling)
+        rows = own_rows(len(requests), self.group)
+        mine = requests[rows]
+        done = self.engine.generate(mine, sampling) if mine else []
         return [c for part in distributed.gather_objects(done) for c in part]
 
 
 class RankSplitPool:
-    """A reward pool for the evaluations of a run of several processes: each rank scores its contiguous block of
-    every call's responses, and every rank receives the whole result."""
+    """A reward pool whose every call is split by ranks as `RankSplitEngine` splits generation: each rank scores
+    its block of the responses (the ones it generated), and every rank receives the whole result."""
 
-    def __init__(self, pool: RewardPool):
-        self.pool = pool
+    def __init__(self, pool: RewardPool, group: int = 1):
+        self.pool, self.group = pool, group
 
     def score(self, texts: list[str], labels: list[str], finished: list[bool]) -> RewardResult:
-        share = distributed.block(len(texts))
-        rows = slice(share.start, share.stop)
-        return gathered_result(self.pool.score(texts[rows], labels[rows], finished[rows]) if share
+        if not distributed.active():
+            return self.pool.score(texts, labels, finished)
+        rows = own_rows(len(texts), self.group)
+        return gathered_result(self.pool.score(texts[rows], labels[rows], finished[rows]) if texts[rows]
                                else RewardResult([]))
 
 
-def evaluation_engine_and_pool(tr: "Trainer") -> tuple:
-    """The engine and the pool the run's evaluations call: split by ranks when there are several."""
-    if not distributed.active():
-        return tr.engine, tr.pool
+def evaluation_engine_and_pool(tr: "Trainer") -> tuple[RankSplitEngine, RankSplitPool]:
+    """The engine and the pool the run's evaluations call: each rank takes its block of every call's requests."""
     return RankSplitEngine(tr.engine), RankSplitPool(tr.pool)
 
 

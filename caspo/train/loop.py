@@ -47,7 +47,7 @@ from caspo.runlog import (
 )
 from caspo.train import distributed
 from caspo.train.advantages import compute_advantages
-from caspo.train.blocks import generate_blocks, logprobs, score_blocks
+from caspo.train.blocks import RankSplitEngine, RankSplitPool, logprobs
 from caspo.train.health import HealthWatch, step_health
 from caspo.train.health import check_config as check_health_config
 from caspo.train.run_eval import evaluate, evaluate_benchmarks, sampled_note
@@ -115,7 +115,7 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
     requests = [Request(p, s, cfg.rollout.max_new_tokens) for p, s in zip(prompts, seeds)]
     engine_stats = getattr(tr.engine, "stats", None)  # the native engine's counters
     before = dataclasses.replace(engine_stats) if engine_stats else None
-    completions = generate_blocks(tr, requests, G)
+    completions = RankSplitEngine(tr.engine, group=G).generate(requests, tr.sampling)  # by whole prompts
     texts = [tr.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     labels = [tr.data.train[item].label for item in indices for _ in range(G)]
     batch = RolloutBatch.from_completions(prompts, completions, group_ids=groups, example_ids=ids,
@@ -131,7 +131,8 @@ def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
     if tr.cfg.reward.synthetic:
         batch.stats["reward"] = {}
         return ((batch.responses * batch.response_mask.long()).sum(-1) % 2 == 0).float()
-    result = score_blocks(tr, batch)
+    result = RankSplitPool(tr.pool, group=tr.cfg.rollout.samples_per_prompt).score(
+        batch.texts, batch.labels, batch.finished.tolist())  # each rank its own generated rows
     rewards = torch.tensor(result.rewards, dtype=torch.float32, device=tr.device)
     # the pool's counters; the slowest call and the largest worker are measurements (t_, mem_ keys)
     batch.stats["reward"] = {"reward_timeouts": result.timeouts, "reward_crashes": result.crashes,

@@ -7,6 +7,7 @@ from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
 from caspo.eval.run import evaluate_checkpoint
 from caspo.eval.suite import eval_samplers
 from caspo.rollout.base import publish
+from caspo.train import distributed
 from caspo.train.blocks import evaluation_engine_and_pool
 from caspo.train.trainer import Trainer, publish_current
 
@@ -34,12 +35,13 @@ def sampled_note(metrics: dict) -> str:
 def evaluate_benchmarks(tr: Trainer, suites: list, checkpoint: str, policy: str, progress=None) -> dict:
     """eval.benchmarks on the policy the run holds now, written as `caspo eval` writes them
     (<run>/eval/<checkpoint>.json); returns each benchmark's greedy accuracy for the run log. With several
-    processes each rank generates and scores its block of every benchmark."""
+    processes each rank generates and scores its block of every benchmark, and rank 0 writes them."""
     if tr.cfg.rollout.staleness:  # the engine serves an older version: evaluate the one just saved
         publish(tr.engine, tr.policy, tr.version)
     engine, pool = evaluation_engine_and_pool(tr)
     result = evaluate_checkpoint(engine, tr.tokenizer, pool, tr.cfg, suites, tr.sampling,
-                                 checkpoint=checkpoint, step=tr.step, policy=policy, out_dir=tr.run_dir / "eval",
+                                 checkpoint=checkpoint, step=tr.step, policy=policy,
+                                 out_dir=tr.run_dir / "eval" if distributed.is_main() else None,
                                  progress=progress)
     if tr.cfg.rollout.staleness:
         publish_current(tr)

@@ -96,11 +96,14 @@ def build_trainer(cfg: Config) -> Trainer:
     compile_if_asked(cfg.train, policy, ref)
     method_state = method.state.build(cfg, path, policy, tokenizer, device)
     engine = None
-    if distributed.active():  # the engine copies the whole policy first; then the models are sharded
+    if distributed.active():  # the engine reads the whole policy, then sleeps while the models are sharded
         engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg))
+        engine.sleep(weights=True)
         actor, ref = shard(cfg, actor, ref, method_state)
     for lr in [actor, *method_state.learners.values()]:  # allocated before the engine reserves its KV cache
         allocate_state(lr.optimizer)
+    if engine is not None:
+        engine.wake()  # its weights come back with the publication below
     tr = Trainer(
         cfg=cfg, method=method, run_dir=distributed.log_dir(Path(cfg.train.output_dir)), device=device,
         tokenizer=tokenizer,
@@ -111,7 +114,7 @@ def build_trainer(cfg: Config) -> Trainer:
         pool=RewardPool.from_config(cfg.reward),
         scaler=LossScaler(cfg.train.precision, cfg.train.loss_scale),
     )
-    if cfg.rollout.staleness:  # record version 0; otherwise the engine already serves these weights
+    if cfg.rollout.staleness or distributed.active():  # version 0 recorded, or the woken engine's weights
         publish_current(tr)
     return tr
 

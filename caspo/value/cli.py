@@ -66,8 +66,8 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         options = {"--recipe": recipe, "--prompts": prompts, "--k": k, "--j": j, "--boundaries": boundaries,
                    "--splitter": splitter, "--pairing": pairing, "--state-temperature": state_temperature}
         argv = [preset, *(overrides or []), *option_argv(options)]
-        merged = collect_shards(argv, out, nproc, resolve_device(cfg.model.device).type == "cuda")
-        typer.echo(f"{len(merged.rows)} rows from {nproc} shards -> {out}")
+        rows = collect_shards(argv, out, nproc, resolve_device(cfg.model.device).type == "cuda")
+        typer.echo(f"{rows} rows from {nproc} shards -> {out}")
         return
     sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries, "state_temperature": state_temperature}
     spec = dataclasses.replace(RECIPES[recipe], pairing=pairing,

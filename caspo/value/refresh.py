@@ -44,8 +44,8 @@ from caspo.train.step_values import ValueSource
 from caspo.train.timers import PhaseTimer
 from caspo.train.trainer import Trainer, restore
 from caspo.value.collect import CollectSpec, collect, refresh_seed_step
-from caspo.value.labels import LabelFileError, merge_label_files, read_label_file
-from caspo.value.shards import shard_path
+from caspo.value.labels import LabelFileError, read_label_file
+from caspo.value.shards import merge_shards, shard_path
 from caspo.value.train import TrainSpec, train_value
 
 MARKER = "refresh.json"
@@ -225,7 +225,8 @@ def reusable(folder: Path, want: dict) -> str:
 
 def collect_labels(cfg: Config, spec: CollectSpec, out: Path, want: dict) -> None:
     """The refresh's label file; with several processes each rank collects its shard and rank 0 merges them
-    (the seeds make the merged file the one process's). A rank's failure is raised on every rank."""
+    (the seeds make the merged file the one process's) and removes the shards. A rank's failure is raised on
+    every rank."""
     n = distributed.size()
     if n == 1:
         collect(cfg, spec, out, splitter=want["splitter"], seed_step=want["seed_step"])
@@ -239,7 +240,7 @@ def collect_labels(cfg: Config, spec: CollectSpec, out: Path, want: dict) -> Non
     failed = [(rank, e) for rank, e in enumerate(distributed.gather_objects(error)) if e is not None]
     if failed:
         raise RuntimeError(f"rank {failed[0][0]}'s shard of the refresh's labels failed: {failed[0][1]}")
-    distributed.on_main(merge_label_files, [shard_path(out, rank, n) for rank in range(n)], out)
+    distributed.on_main(merge_shards, out, n)
 
 
 def reusable_labels(path: Path, want: dict) -> bool:

@@ -1,6 +1,7 @@
 """`caspo value collect --nproc N`: the shards of one collection as N processes at once, one per device, then
 merged. Each process runs the same command with `--shard r/N` (prompts r, r + N, ...) and its own output file;
-the merged file is the unsharded collection's (caspo.value.labels.merge_label_files)."""
+the merged file is the unsharded collection's (caspo.value.labels.merge_label_files), and the shards are removed
+once it is written."""
 
 from __future__ import annotations
 
@@ -12,11 +13,21 @@ from pathlib import Path
 from typing import Sequence
 
 from caspo.config import ConfigError
-from caspo.value.labels import LabelFile, merge_label_files
+from caspo.value.labels import merge_label_files
 
 
 def shard_path(out: Path, rank: int, n: int) -> Path:
     return out.with_name(f"{out.stem}.shard{rank}of{n}{out.suffix}")
+
+
+def merge_shards(out: Path, n: int) -> int:
+    """Merge the n shards of `out` into it, then remove them (the merged file holds all their rows); returns
+    the number of rows."""
+    paths = [shard_path(out, r, n) for r in range(n)]
+    rows = len(merge_label_files(paths, out).rows)
+    for path in paths:
+        path.unlink()
+    return rows
 
 
 def shard_env(rank: int, devices: Sequence[str] | None) -> dict:
@@ -37,9 +48,10 @@ def cuda_devices(nproc: int) -> list[str]:
     return devices[:nproc]
 
 
-def collect_shards(argv: Sequence[str], out: Path, nproc: int, on_cuda: bool) -> LabelFile:
+def collect_shards(argv: Sequence[str], out: Path, nproc: int, on_cuda: bool) -> int:
     """Run `caspo value collect <argv> --shard r/N --out <shard r>` for every r at once and merge the shards
-    into `out`. A failed shard stops the others; the shards that finished stay for a rerun to inspect."""
+    into `out` (`merge_shards`). A failed shard stops the others; the shards that finished stay for a rerun to
+    inspect."""
     devices = cuda_devices(nproc) if on_cuda else None
     paths = [shard_path(out, r, nproc) for r in range(nproc)]
     children = [subprocess.Popen([sys.executable, "-m", "caspo.cli", "value", "collect", *argv, "--shard",
@@ -59,4 +71,4 @@ def collect_shards(argv: Sequence[str], out: Path, nproc: int, on_cuda: bool) ->
             child.wait()
         raise ConfigError(f"shard {failed}/{nproc} of the collection failed (its error is above); the others "
                           "were stopped")
-    return merge_label_files(paths, out)
+    return merge_shards(out, nproc)
