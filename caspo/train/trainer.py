@@ -205,7 +205,7 @@ def save(tr: Trainer) -> Path:
     return ckpt.save_checkpoint(
         tr.run_dir, tr.step, models=models, tokenizer=tr.tokenizer,
         trainer_state=trainer_state(tr), config_yaml=to_yaml(tr.cfg),
-        counters={"step": tr.step, "version": tr.version, "skipped_steps": tr.scaler.skipped_steps},
+        counters=counters,
     )
 
 
@@ -218,11 +218,7 @@ def restore(tr: Trainer, checkpoint: Path) -> None:
         return
     ckpt.verify_checkpoint(checkpoint)
     state = ckpt.load_trainer_state(checkpoint)
-    method = state["config"]["method"]["name"]
-    if method != tr.cfg.method.name or set(state["optimizers"]) != set(learners(tr)):
-        raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(sorted(state['optimizers']))}), "
-                          f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
-                          "new run")
+    check_same_run(tr, checkpoint, state, state["optimizers"])
     tr.method_state.load_state_dict(tr, state)
     for name, lr in learners(tr).items():
         if "master_weights" in state:
@@ -231,12 +227,7 @@ def restore(tr: Trainer, checkpoint: Path) -> None:
             load_model(lr.model, str(checkpoint / name / "model.safetensors"), device=str(tr.device))
         lr.optimizer.load_state_dict(state["optimizers"][name])
         lr.scheduler.load_state_dict(state["schedulers"][name])
-    tr.scaler.load_state_dict(state["loss_scaler"])
-    tr.cursor.load_state_dict(state["cursor"])
-    tr.update_rng.set_state(state["update_rng"])
-    ckpt.set_rng_state(state["rng"])
-    tr.step, tr.version, tr.snapshots = state["step"], state["version"], state["snapshots"]
-    publish_current(tr)
+    restore_counters(tr, state, rng=state["rng"], snapshots=state["snapshots"])
 
 
 def restore_sharded(tr: Trainer, checkpoint: Path) -> None:
@@ -254,18 +245,28 @@ def restore_sharded(tr: Trainer, checkpoint: Path) -> None:
     if error:
         raise ckpt.CheckpointError(error)
     state = ckpt.load_trainer_state(checkpoint)
-    method = state["config"]["method"]["name"]
-    if method != tr.cfg.method.name or set(state.get("learners", ())) != set(learners(tr)):
-        raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(state.get('learners', ()))}), "
-                          f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
-                          "new run")
+    check_same_run(tr, checkpoint, state, state.get("learners", ()))
     tr.method_state.load_state_dict(tr, state)
     own = sharded.restore(checkpoint, learners(tr), state.get("world_size", 1))
     for name, lr in learners(tr).items():
         lr.scheduler.load_state_dict(state["schedulers"][name])
+    restore_counters(tr, state, rng=own["rng"], snapshots=own["snapshots"])
+
+
+def check_same_run(tr: Trainer, checkpoint: Path, state: dict, models) -> None:
+    """Refuse a checkpoint of another method, or of other trained models, than this run's."""
+    method = state["config"]["method"]["name"]
+    if method != tr.cfg.method.name or set(models) != set(learners(tr)):
+        raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(sorted(models))}), "
+                          f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
+                          "new run")
+
+
+def restore_counters(tr: Trainer, state: dict, *, rng: dict, snapshots: dict) -> None:
+    """The loss scaler, the prompt cursor, the RNGs, the step and the version; then the engine's publication."""
     tr.scaler.load_state_dict(state["loss_scaler"])
     tr.cursor.load_state_dict(state["cursor"])
     tr.update_rng.set_state(state["update_rng"])
-    ckpt.set_rng_state(own["rng"])
-    tr.step, tr.version, tr.snapshots = state["step"], state["version"], own["snapshots"]
+    ckpt.set_rng_state(rng)
+    tr.step, tr.version, tr.snapshots = state["step"], state["version"], snapshots
     publish_current(tr)
