@@ -107,9 +107,16 @@ def main(out: str) -> None:
     facts["split_generated"], facts["split_scored"] = engine.seen, pool.seen
     facts["split_completions"] = [c.tokens for c in completions]
     facts["split_rewards"], facts["split_timeouts"] = result.rewards, result.timeouts
+    # the outer step's: whole groups (3 prompts of G = 2 samples) stay on one rank
+    engine, pool = RecordingEngine(), RecordingPool()
+    grouped = RankSplitEngine(engine, group=2).generate([Request([i], seed=i, max_new_tokens=1) for i in range(6)],
+                                                        SamplingParams())
+    RankSplitPool(pool, group=2).score([str(i) for i in range(6)], ["0"] * 6, [True] * 6)
+    facts["grouped_generated"], facts["grouped_scored"] = engine.seen, pool.seen
+    facts["grouped_completions"] = [c.tokens for c in grouped]
     facts["per_rank"] = distributed.gather_objects({k: facts[k] for k in (
         "micro_batches", "grad_diff", "digest_equal", "export_keys_equal", "split_generated", "split_scored",
-        "split_completions", "split_rewards")})
+        "split_completions", "split_rewards", "grouped_generated", "grouped_scored", "grouped_completions")})
     if distributed.is_main():
         with open(out, "w") as f:
             json.dump(facts, f, indent=1)

@@ -76,8 +76,8 @@ def test_launch_command_runs_the_cli_under_torchrun():
 def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_path):
     """tests/distributed_checks.py on 2 gloo ranks: token-packed micro-batches of unequal number per rank
     (stand-ins keep the collectives matched), the gradient of the whole minibatch, the no-grad scores, the
-    engine's digest after a publication of the sharded policy, rank 0's HF export, the helpers, the evaluations'
-    engine and pool split by ranks."""
+    engine's digest after a publication of the sharded policy, rank 0's HF export, the helpers, and the engine and
+    pool split by ranks (by request, as the evaluations split, and by whole prompts, as the outer step does)."""
     out = tmp_path / "facts.json"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              str(HERE / "distributed_checks.py"), str(out)], capture_output=True, text=True,
@@ -101,6 +101,10 @@ def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_pat
     assert all(r["split_completions"] == [[i, i] for i in range(5)] for r in facts["per_rank"])
     assert all(r["split_rewards"] == [1.0, 2.0, 3.0, 4.0, 5.0] for r in facts["per_rank"])
     assert facts["split_timeouts"] == 2
+    # the outer step's split keeps a prompt's G = 2 samples together: groups 0-1 on rank 0, group 2 on rank 1
+    assert [r["grouped_generated"] for r in facts["per_rank"]] == [[0, 1, 2, 3], [4, 5]]
+    assert [r["grouped_scored"] for r in facts["per_rank"]] == [["0", "1", "2", "3"], ["4", "5"]]
+    assert all(r["grouped_completions"] == [[i, i] for i in range(6)] for r in facts["per_rank"])
 
 
 def exported(run: Path) -> dict[str, dict[str, torch.Tensor]]:
