@@ -119,15 +119,18 @@ def samples(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["grpo", "ppo_critic", "caspo", "flow_dppo", "dppo", "vineppo"])
+@pytest.mark.parametrize("method", ["grpo", "ppo_critic", "ppo_critic_in_value_phase", "caspo", "flow_dppo", "dppo",
+                                    "vineppo"])
 def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_folder):
     """Deterministic fp32, 3 steps: the same sampled tokens and, up to the order of the sums, the same weights
-    of every trained model (the policy; the critic; CASPO's online value model, sharded, each rank's gradient of
-    its rows summed by FSDP); flow_dppo
+    of every trained model (the policy; the critic, in the update or, with one minibatch a rollout, in the value
+    phase; CASPO's online value model, sharded, each rank's gradient of its rows summed by FSDP); flow_dppo
     reads its frozen old policy sharded as the policy is; dppo generates with the policy of one update ago, which
     each rank keeps as its shards; vineppo's ranks each value their block of prompts by Monte Carlo, and the
     step's counters are the whole batch's."""
     extra = [f"method.name={method}"]
+    if method == "ppo_critic_in_value_phase":  # one minibatch of the 8 responses: the critic's step comes first
+        extra = ["method.name=ppo_critic", "train.minibatch_size=8"]
     if method == "caspo":
         extra += [f"method.caspo.value_model={value_model_folder}", "method.caspo.online=true",
                   "method.caspo.online_value_lr=1e-3"]
@@ -143,15 +146,17 @@ def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_fol
     if method == "vineppo":  # the counters are the whole batch's, not a rank's (nor every rank's sum of it)
         mc = [[r["mc_tokens"] for r in rows if "mc_tokens" in r] for rows in logged]
         assert len(mc[0]) == 3 and mc[0] == mc[1] and all(t > 0 for t in mc[0])
-    if method == "caspo":  # φ's online step: the whole batch's loss and gradient, each row counted once
-        for key in ("value_bce", "value_grad_norm"):
-            one_two = [[r[key] for r in rows if key in r] for rows in logged]
-            assert len(one_two[0]) == 3 and one_two[1] == pytest.approx(one_two[0], rel=1e-5)
+    # a learner's loss and gradient norm are the whole batch's, each row counted once, not one rank's part
+    for key in {"caspo": ("value_bce", "value_grad_norm"), "ppo_critic": ("critic_grad_norm",),
+                "ppo_critic_in_value_phase": ("critic_grad_norm",)}.get(method, ()):
+        one_two = [[r[key] for r in rows if key in r] for rows in logged]
+        assert len(one_two[0]) == 3 and one_two[1] == pytest.approx(one_two[0], rel=1e-5)
     assert [s["tokens_digest"] for s in one] == [s["tokens_digest"] for s in two]
     assert [s["reward"] for s in one] == [s["reward"] for s in two]
     w1, w2 = exported(runs[1]), exported(runs[2])
     critic = {"critic"}
-    learners = {"caspo": {"value"}, "ppo_critic": critic, "flow_dppo": critic, "dppo": critic}.get(method, set())
+    learners = {"caspo": {"value"}, "ppo_critic": critic, "ppo_critic_in_value_phase": critic, "flow_dppo": critic,
+                "dppo": critic}.get(method, set())
     assert set(w1) == set(w2) == {"policy", *learners}
     for name in w1:
         assert set(w1[name]) == set(w2[name])

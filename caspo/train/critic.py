@@ -110,6 +110,13 @@ class Critic(MethodState):
     def learner_losses(self) -> dict[str, LearnerLoss]:
         return {} if self.trains_in_value_phase else {"critic": critic_loss}
 
+    def shard(self, precision: str) -> None:
+        """A critic that trains in the value phase is none of the update's learners, which the trainer shards:
+        it is sharded here (its optimizer built again), so that FSDP sums the ranks' gradients of their rows."""
+        if self.trains_in_value_phase:
+            lr = self.learners["critic"]
+            self.learners["critic"] = fsdp.rebuild(lr, fsdp.shard_called(lr.model, precision))
+
 
 class CriticAndFrozenOld(Critic):
     """flow_dppo: the critic, and a frozen copy of the policy taken before each update, whose
@@ -127,6 +134,7 @@ class CriticAndFrozenOld(Critic):
         self.old_policy.load_state_dict(tr.policy.state_dict())
 
     def shard(self, precision: str) -> None:
+        super().shard(precision)
         fsdp.shard_routed(self.old_policy, precision)  # as the policy: each rank copies its own shards into it
 
     def frozen_old_policy(self) -> torch.nn.Module:
