@@ -99,9 +99,7 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     if (nproc > 1 or ray_address) and not distributed.launched():  # start the ranks, each running this command
         distributed.check_config(cfg, nproc)
         if cfg.train.deterministic:  # in place before any rank starts (Ray passes it on to each)
-            from caspo.train.trainer import DETERMINISTIC_ENV
-
-            os.environ.update(DETERMINISTIC_ENV)
+            os.environ.update(distributed.DETERMINISTIC_ENV)
         argv = ["--debug"] if ctx.parent and ctx.parent.params.get("debug") else []
         # without --nproc: torchrun's parser would take it for its own --nproc-per-node
         argv += ["train", preset, *(overrides or []), *option_argv({"--resume": resume, "--overwrite": overwrite})]

@@ -66,6 +66,44 @@ def test_several_processes_refuse_what_they_cannot_honour(override, named):
         distributed.check_config(cfg, 2)
 
 
+def test_a_cpu_run_shards_on_the_cpu_where_the_host_has_an_accelerator(tmp_path, monkeypatch):
+    """FSDP2's default mesh is on the host's accelerator: a CPU run's models would move onto a visible GPU
+    (here a pretended one, which this torch cannot reach) and its batches would not follow."""
+    from caspo.models.policy import load_policy
+    from caspo.train import fsdp
+
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = fsdp.shard_routed(load_policy("embedded:tiny-arith"), "fp32")
+        assert {(type(p).__name__, p.device.type) for p in model.parameters()} == {("DTensor", "cpu")}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_value_training_refuses_one_card_for_several_ranks(tmp_path):
+    from typer.testing import CliRunner
+
+    from caspo.value.cli import value_app
+
+    result = CliRunner().invoke(value_app, ["train", str(tmp_path / "labels.jsonl"), "--policy", "embedded:tiny-arith",
+                                            "--out", str(tmp_path / "v"), "--device", "cuda:0", "--nproc", "2"])
+    assert result.exit_code != 0 and "--device cuda:0 with --nproc 2" in str(result.exception)
+
+
+def test_a_deterministic_rank_sets_nccl_ring_before_it_joins(monkeypatch):
+    """A rank that another launcher started (plain torchrun, a cluster's) must have NCCL_ALGO and the cuBLAS
+    workspace in its environment before the group's communicator is made, not when the trainer starts."""
+    for name in distributed.DETERMINISTIC_ENV:
+        monkeypatch.setenv(name, "unset")  # restored after the test
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    seen = {}
+    monkeypatch.setattr(distributed, "join", lambda device: seen.update({k: os.environ[k] for k in
+                                                                        distributed.DETERMINISTIC_ENV}))
+    distributed.start(load_config("tests", ["train.deterministic=true"]))
+    assert seen == distributed.DETERMINISTIC_ENV and seen["NCCL_ALGO"] == "Ring"
+
+
 def test_launch_command_runs_the_cli_under_torchrun():
     cmd = distributed.launch_command(4, ["train", "tests", "train.steps=2"])
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]

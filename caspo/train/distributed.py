@@ -40,6 +40,10 @@ import torch.distributed as dist
 from caspo.config import Config, ConfigError
 from caspo.runlog import console
 
+# what deterministic cuBLAS and NCCL reductions need in the environment, before the group's communicator exists
+# (a launcher passes it to every rank)
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+
 # ---------------------------------------------------------------- the process group
 
 
@@ -78,6 +82,8 @@ def start(cfg: Config) -> Config:
     if not launched():
         return cfg
     check_config(cfg, int(os.environ["WORLD_SIZE"]))
+    if cfg.train.deterministic:  # ranks started by another launcher than `caspo train --nproc` need it too
+        os.environ.update(DETERMINISTIC_ENV)
     join(cfg.model.device)
     if not is_main():  # rank 0 prints and reports to the trackers; the others keep their own metrics.jsonl
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loggers=["jsonl"]))

@@ -26,6 +26,7 @@ import weakref
 from typing import Callable, Iterator
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -59,8 +60,14 @@ def mixed_precision(precision: str, cast_inputs: bool = True) -> MixedPrecisionP
     raise ValueError(f"train.precision={precision!r}; use fp32, bf16 or fp16")
 
 
-def _group(module, precision: str, cast_inputs: bool = True) -> None:
-    fully_shard(module, reshard_after_forward=True, mp_policy=mixed_precision(precision, cast_inputs))
+def _mesh(model: torch.nn.Module) -> DeviceMesh:
+    """Every rank, on the device type of the model's parameters. FSDP2's default mesh is on the host's
+    accelerator, which would move the models of a CPU run onto a GPU that the host happens to have."""
+    return init_device_mesh(next(model.parameters()).device.type, (distributed.size(),))
+
+
+def _group(module, precision: str, mesh: DeviceMesh, cast_inputs: bool = True) -> None:
+    fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=mixed_precision(precision, cast_inputs))
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)  # SUM on every backend (gloo has no PREMUL_SUM)
 
@@ -75,25 +82,26 @@ def _layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard_routed(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """Shard a causal LM (the policy, the reference) in place; its calls then go through `call`."""
+    mesh = _mesh(model)
     if not isinstance(model, LoopedPreTrainedModel):
         for layer in _layers(model.get_decoder()):
-            _group(layer, precision)
+            _group(layer, precision, mesh)
     root = Root(model)
-    _group(root, precision, cast_inputs=False)  # the arguments are batches: their float tensors stay fp32
+    _group(root, precision, mesh, cast_inputs=False)  # the arguments are batches: their float tensors stay fp32
     _ROOTS[model] = root
     return model
 
 
 def shard_called(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """Shard a model called as modules (a critic: `base_model`, then its head) in place."""
-    backbone = model.base_model
+    backbone, mesh = model.base_model, _mesh(model)
     if not isinstance(model, LoopedPreTrainedModel):
         for layer in _layers(backbone):
-            _group(layer, precision)
-    _group(backbone, precision)
+            _group(layer, precision, mesh)
+    _group(backbone, precision, mesh)
     for child in model.children():
         if child is not backbone and any(True for _ in child.parameters()):
-            _group(child, precision)
+            _group(child, precision, mesh)
     return model
 
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Optional
@@ -262,10 +263,11 @@ class PrefixValues(MethodState):
         if self.online is not None:
             raise ValueError(f"cannot replace the value model by {source.path}: this run trains its value model "
                              "online (method.caspo.online=true), and a refreshed model needs a frozen run")
-        label_policy = load_policy(source.label_policy, self.device)
+        label_policy = load_policy(source.label_policy)  # on the CPU: only its weights' identity is read
         self.model = load_value_model(self.cfg, self.tokenizer, source, label_policy, self.device)
         if distributed.active():
             self.shard(self.cfg.train.precision)
+        gc.collect()  # the model replaced, and a sharded one's whole weights, sit in reference cycles
         self.source = source
         self.shares_reference = shares_reference(self.cfg, source, self.model)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import random
 from dataclasses import dataclass, field
@@ -65,13 +66,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# what deterministic cuBLAS and NCCL reductions need in the environment (a launcher passes it to every rank)
-DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
-
-
 def set_deterministic() -> None:
     """Deterministic kernels; the environment is inherited by every worker process started later."""
-    os.environ.update(DETERMINISTIC_ENV)
+    os.environ.update(distributed.DETERMINISTIC_ENV)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
 
@@ -100,6 +97,7 @@ def build_trainer(cfg: Config) -> Trainer:
         engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg))
         engine.sleep(weights=True)
         actor, ref = shard(cfg, actor, ref, method_state)
+        gc.collect()  # the optimizers replaced by `shard` sit in cycles with their schedulers, holding whole weights
     for lr in [actor, *method_state.learners.values()]:  # allocated before the engine reserves its KV cache
         allocate_state(lr.optimizer)
     if engine is not None:

@@ -116,6 +116,9 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
     from caspo.train import distributed
     from caspo.value.train import TrainSpec, train_value
 
+    if nproc > 1 and device.startswith("cuda:"):
+        raise ConfigError(f"--device {device} with --nproc {nproc} would put every rank on one card; pass --device "
+                          "cuda: rank r then takes cuda:LOCAL_RANK")
     if nproc > 1 and not distributed.launched():  # start the ranks, each running this command without --nproc
         options = {"--policy": policy, "--out": out, "--val-split": val_split, "--val-fraction": val_fraction,
                    "--beta": beta, "--lr": lr, "--epochs": epochs, "--batch-size": batch_size,

@@ -27,6 +27,7 @@ training was cut short), provided they were made under this run's conditions.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -161,8 +162,12 @@ def refresh(tr: Trainer, checkpoint: Path) -> dict:
     with timer("t_refresh"):
         provenance = label_provenance(tr.cfg, tr.tokenizer, load_policy(policy)).to_dict()
         want = conditions(tr.cfg, tr.method_state.model.beta, step, provenance)
+        if not tr.engine.asleep:  # its cache and weights: the labelling engine's and φ's training's memory
+            tr.engine.sleep(weights=True)
         summary, reused = artifacts(tr.cfg, tr.method_state.model.beta, str(tr.device), step, policy, folder, want)
-        restore(tr, checkpoint)  # optimizer, scheduler, step, cursor, RNG and weights as saved
+        gc.collect()  # φ's training left its models in reference cycles
+        tr.engine.wake()
+        restore(tr, checkpoint)  # optimizer, scheduler, step, cursor, RNG and weights as saved; publishes them
         tr.method_state.install(ValueSource(str(folder / "value"), policy))
     console.print(f"refresh after step {step}: {summary['label_rows']} labelled prefixes, value model "
                   f"val ρ {summary['val_spearman']:.3f} -> {folder / 'value'}"

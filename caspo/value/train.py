@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from caspo.config import ConfigError
-from caspo.models.policy import load_policy, resolve_model_path
+from caspo.models.policy import load_policy, resolve_device, resolve_model_path
 from caspo.models.prefix_value import DEFAULT_BETA, PrefixValueModel
 from caspo.models.provenance import ProvenanceError, check_provenance, model_identity, tokenizer_hash
 from caspo.models.tokenizer import load_tokenizer
@@ -112,10 +112,11 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
     if tokenizer_hash(tokenizer) != provenance.tokenizer_hash:
         raise ProvenanceError(f"{policy} has tokenizer {tokenizer_hash(tokenizer)}, the labels were tokenized by "
                               f"{provenance.tokenizer_hash}: their token ids mean other text to this model")
+    device = str(resolve_device(device))  # `auto` becomes cuda or cpu
     if distributed.launched():  # one of `caspo value train --nproc N`'s ranks
         distributed.join(device)
-        if device.startswith("cuda"):
-            device = f"cuda:{torch.cuda.current_device()}"
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"  # this rank's card
     reference = load_policy(path, device)
     model = PrefixValueModel.from_reference(reference, spec.beta, provenance.with_reference(model_identity(reference)),
                                             reference_source=policy)
@@ -141,7 +142,8 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
         record = {"step": step, "epoch": round(epoch, 3), "seconds": round(time.monotonic() - t0, 1), **metrics}
         history.append(record)
         rho = metrics["spearman"]
-        if not math.isnan(rho) and (best is None or rho > best["spearman"]):
+        # rank 0 decides: saving is a collective, and another rank's ρ could differ in its last bits on a GPU
+        if distributed.from_main(not math.isnan(rho) and (best is None or rho > best["spearman"])):
             best, best_values = record, values
             save_model(model, out_dir, tokenizer)
         console.print(f"step {step}: val ρ {rho:.3f}  within-response ρ {metrics['within_response_spearman']:.3f}  "
