@@ -91,17 +91,18 @@ def test_value_training_refuses_one_card_for_several_ranks(tmp_path):
     assert result.exit_code != 0 and "--device cuda:0 with --nproc 2" in str(result.exception)
 
 
-def test_a_deterministic_rank_sets_nccl_ring_before_it_joins(monkeypatch):
+def test_a_rank_joins_with_the_runs_timeout_and_nccl_ring_set_before(monkeypatch):
     """A rank that another launcher started (plain torchrun, a cluster's) must have NCCL_ALGO and the cuBLAS
-    workspace in its environment before the group's communicator is made, not when the trainer starts."""
+    workspace in its environment before the group's communicator is made, not when the trainer starts; it
+    joins with train.collective_timeout_minutes."""
     for name in distributed.DETERMINISTIC_ENV:
         monkeypatch.setenv(name, "unset")  # restored after the test
     monkeypatch.setenv("WORLD_SIZE", "2")
     seen = {}
-    monkeypatch.setattr(distributed, "join", lambda device: seen.update({k: os.environ[k] for k in
-                                                                        distributed.DETERMINISTIC_ENV}))
-    distributed.start(load_config("tests", ["train.deterministic=true"]))
-    assert seen == distributed.DETERMINISTIC_ENV and seen["NCCL_ALGO"] == "Ring"
+    monkeypatch.setattr(distributed, "join", lambda device, minutes: seen.update(
+        {"minutes": minutes, **{k: os.environ[k] for k in distributed.DETERMINISTIC_ENV}}))
+    distributed.start(load_config("tests", ["train.deterministic=true", "train.collective_timeout_minutes=240"]))
+    assert seen == {"minutes": 240, **distributed.DETERMINISTIC_ENV} and seen["NCCL_ALGO"] == "Ring"
 
 
 def test_launch_command_runs_the_cli_under_torchrun():

@@ -87,6 +87,9 @@ class TrainConfig:
     stop_after: int = 0
     # Deterministic kernels (and the environment they need), for bit-exact resume checks.
     deterministic: bool = False
+    # With several processes: how long a rank waits in a collective for the others before the run is ended
+    # (NCCL's watchdog). Raise it where ranks can drift apart for longer, e.g. a refresh's label shards.
+    collective_timeout_minutes: int = 30
     # Stop the run (the last good checkpoint kept) after this many consecutive outer steps with an update
     # skipped for non-finite gradients; 0 = never stop.
     max_bad_steps: int = 3

@@ -141,6 +141,7 @@ RANGES: dict[str, Range] = {
     "train.save_every": at_least(0, "0 = at the end only"),
     "train.stop_after": at_least(0, "0 = run to train.steps"),
     "train.max_bad_steps": at_least(0, "0 = never stop"),
+    "train.collective_timeout_minutes": at_least(1),
     "train.log_samples": at_least(0),
     "train.health.no_reward_steps": COUNT,
     "train.health.rise_steps": COUNT,

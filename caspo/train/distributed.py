@@ -84,13 +84,13 @@ def start(cfg: Config) -> Config:
     check_config(cfg, int(os.environ["WORLD_SIZE"]))
     if cfg.train.deterministic:  # ranks started by another launcher than `caspo train --nproc` need it too
         os.environ.update(DETERMINISTIC_ENV)
-    join(cfg.model.device)
+    join(cfg.model.device, cfg.train.collective_timeout_minutes)
     if not is_main():  # rank 0 prints and reports to the trackers; the others keep their own metrics.jsonl
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loggers=["jsonl"]))
     return cfg
 
 
-def join(device: str) -> None:
+def join(device: str, timeout_minutes: int = 30) -> None:
     """Join the launcher's process group (gloo on the CPU; nccl on CUDA, the current device cuda:LOCAL_RANK
     for `device` cuda, or auto with a GPU); ranks other than 0 print nothing."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -102,7 +102,7 @@ def join(device: str) -> None:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         # one timeout for both backends (NCCL's default is 10 minutes): rank 0 alone writes exports and logs
-        dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(minutes=30),
+        dist.init_process_group("nccl" if on_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes),
                                 device_id=torch.device("cuda", local) if on_cuda else None)
         atexit.register(stop)
     if not is_main():
