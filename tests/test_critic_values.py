@@ -53,7 +53,8 @@ def two_steps(tmp_path, *overrides):
     return tr, batch, stats
 
 
-@pytest.mark.parametrize("micro", [[], ["train.micro_batch_tokens=40"], ["method.lam=0.95", "method.gamma=0.9"]])
+@pytest.mark.parametrize("micro", [[], ["train.micro_batch_tokens=40"], ["method.lam=0.95", "method.gamma=0.9"],
+                                   ["method.loss_agg=seq-mean-token-sum-norm"]])  # normalised by the budget in both
 def test_the_value_phase_step_equals_the_update_step(tmp_path, micro):  # λ < 1: returns from each micro-batch
     fused, batch, stats = two_steps(tmp_path / "auto", *micro)
     kept, batch_kept, stats_kept = two_steps(tmp_path / "recompute", "train.critic_values=recompute", *micro)

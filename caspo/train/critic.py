@@ -17,7 +17,7 @@ from caspo.train.advantages import token_rewards
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import learner
 from caspo.train.scoring import no_grad_pass
-from caspo.train.update import UpdateStats, has_dropout, sleep_engine, train_minibatch
+from caspo.train.update import UpdateStats, has_dropout, loss_norm_len, sleep_engine, train_minibatch
 
 if TYPE_CHECKING:
     from caspo.methods import Method
@@ -100,7 +100,7 @@ class Critic(MethodState):
             batch.returns = tr.method.advantages(batch, token_rewards(batch, cfg), cfg.method)[1]
         rows = torch.arange(batch.size)
         critic.model.train()
-        train_minibatch("critic_grad_norm", critic, batch, rows, cfg, tr.scaler, batch.responses.shape[1],
+        train_minibatch("critic_grad_norm", critic, batch, rows, cfg, tr.scaler, loss_norm_len(cfg),
                         loss_on_own_values(tr.method, returns_known), stats, written=("values",))
         critic.model.eval()
         stats.minibatches = 1

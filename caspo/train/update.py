@@ -225,12 +225,16 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
     return float(norm)
 
 
+def loss_norm_len(cfg: Config) -> int:
+    """seq-mean-token-sum-norm's constant length (Dr. GRPO's; verl pads responses to it): the generation budget,
+    not this batch's longest response, so that the loss's scale does not move from step to step."""
+    return cfg.rollout.max_new_tokens
+
+
 def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", state: MethodState,
            generator: torch.Generator, scaler: LossScaler) -> dict:
     t = cfg.train
-    # seq-mean-token-sum-norm's constant length (Dr. GRPO's; verl pads responses to it): the generation budget,
-    # not this batch's longest response, so that the loss's scale does not move from step to step
-    norm_len = cfg.rollout.max_new_tokens
+    norm_len = loss_norm_len(cfg)
     stats = UpdateStats()
     # (grad-norm key, learner, loss): the policy first, then the method's own learners
     learners = [("grad_norm", actor, actor_loss(method, state, norm_len))] + [
