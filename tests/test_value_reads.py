@@ -93,3 +93,27 @@ def test_the_reference_is_shared_only_when_it_is_the_same_quantity(value_model_f
     cfg = load_config("tests", ["method.name=caspo", f"method.caspo.value_model={value_model_folder}",
                                 *([override] if override else [])])
     assert not shares_reference(cfg, ValueSource(base.path, source_policy or cfg.model.policy), state.model)
+
+
+def test_the_online_step_scales_its_loss_and_skips_non_finite_gradients(value_model_folder):
+    """As the update's steps: the loss times the fp16 scale, gradients divided back (the same step as fp32's
+    scale of 1), and a step whose gradients are not finite is skipped and counted, φ left as it was."""
+    from caspo.precision import LossScaler
+
+    batch = batch_of(REWARDS, GROUPS)
+    plain, scaled = online_values(value_model_folder), online_values(value_model_folder)
+    scaler = LossScaler("fp16", 128.0)
+    raw = {"plain": [], "scaled": []}  # the largest gradient entry of each backward, before unscaling
+    for name, state in (("plain", plain), ("scaled", scaled)):
+        for p in state.model.policy.parameters():
+            p.register_hook(lambda g, name=name: raw[name].append(float(g.abs().max())))
+    want, got = plain.online_step(batch, micro_batch_size=4), scaled.online_step(batch, 4, scaler=scaler)
+    assert max(raw["plain"]) > 0 and max(raw["scaled"]) == pytest.approx(128.0 * max(raw["plain"]), rel=1e-5)
+    assert got["value_grad_norm"] == pytest.approx(want["value_grad_norm"], rel=1e-5) and scaler.skipped_steps == 0
+    for a, b in zip(plain.model.policy.parameters(), scaled.model.policy.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    before = [p.detach().clone() for p in scaled.model.policy.parameters()]
+    broken = batch_of(torch.full_like(REWARDS, float("nan")), GROUPS)  # a NaN outcome: NaN gradients
+    out = scaled.online_step(broken, micro_batch_size=4, scaler=scaler)
+    assert "value_grad_norm" not in out and scaler.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, scaled.model.policy.parameters()))

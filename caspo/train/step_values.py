@@ -27,7 +27,7 @@ from caspo.models.policy import compile_if_asked, load_policy
 from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_values, transform_values
 from caspo.models.provenance import label_provenance
 from caspo.models.tokenizer import batch_decoder
-from caspo.precision import autocast
+from caspo.precision import LossScaler, autocast
 from caspo.runlog import console
 from caspo.segment import batch_step_splitter, pad_step_ids
 from caspo.train import distributed, fsdp
@@ -35,7 +35,7 @@ from caspo.train.method_state import MethodState
 from caspo.train.monte_carlo import continuation_seed, mc_step_values, step_start_indices
 from caspo.train.optim import Learner, learner
 from caspo.train.scoring import score_micro_batching
-from caspo.train.update import clip_gradients
+from caspo.train.update import optimizer_step
 
 if TYPE_CHECKING:
     from caspo.train.trainer import Trainer
@@ -225,15 +225,20 @@ class PrefixValues(MethodState):
 
     def after_advantages(self, tr: "Trainer", batch: RolloutBatch) -> dict:
         t = tr.cfg.train
-        return self.online_step(batch, t.micro_batch_size, t.micro_batch_tokens) if self.online is not None else {}
+        if self.online is None:
+            return {}
+        return self.online_step(batch, t.micro_batch_size, t.micro_batch_tokens, tr.scaler)
 
-    def online_step(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0) -> dict:
+    def online_step(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0,
+                    scaler: LossScaler | None = None) -> dict:
         """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
         step boundaries k >= 1 (V(s_0) = 0 whatever φ is); with method.caspo.use_adb / use_dlw, IPVRM's
         prompt-difficulty shift of the logits and outcome weights (caspo.algo.ipvrm). φ's reference runs only
         where the value read left no scores of it (batch.value_ref_logprobs). With several processes φ is sharded:
         each rank's loss is of its block of rows (normalised by the whole batch's boundaries), and FSDP sums the
-        gradients."""
+        gradients. The loss is scaled, and the step skipped on non-finite gradients, as the update's
+        (`scaler`, the run's; a fresh one of train.precision by default)."""
+        scaler = scaler or LossScaler(self.cfg.train.precision, self.cfg.train.loss_scale)
         c, beta = self.cfg.method.caspo, self.model.beta
         boundaries = float((batch.step_ids.max(-1).values.clamp(min=0)).sum())  # steps after the first, per row
         rewards = batch.rewards.float()
@@ -248,15 +253,13 @@ class PrefixValues(MethodState):
                 v, m = step_values(self.model.cumulative(micro, micro.value_ref_logprobs), micro.step_ids)
             bce = ipvrm.balanced_value_bce(v / beta, micro.rewards.float(), shift[idx], weight[idx])
             loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0) * (1.0 if real else 0.0)  # a stand-in adds 0
-            loss.backward()
+            scaler.scale_loss(loss).backward()
             total += loss.detach().item()
         total = distributed.all_sum({"bce": total})["bce"]
-        params = [p for p in self.model.policy.parameters() if p.grad is not None]
-        grad_norm = clip_gradients(params, self.online.grad_clip)
-        self.online.optimizer.step()
+        grad_norm = optimizer_step(self.online, scaler)  # None: skipped for non-finite gradients
         self.online.optimizer.zero_grad(set_to_none=True)  # φ's gradients are not held until its next step
-        self.online.scheduler.step()
-        return {"value_bce": total, "value_boundaries": boundaries, "value_grad_norm": grad_norm}
+        return {"value_bce": total, "value_boundaries": boundaries,
+                **({"value_grad_norm": grad_norm} if grad_norm is not None else {})}
 
     def install(self, source: ValueSource) -> None:
         """Replace the frozen value model by the one at `source` (a refreshed one), checking its provenance."""
