@@ -148,8 +148,8 @@ class CaspoConfig:
     # the prefix value model folder (from `caspo value train`)
     value_model: str = ""
     transform: Literal["value", "prob", "logprob"] = "prob"
-    # online: one AdamW step of the value model per batch on BCE(σ(V(s_k)/β), R), with the critic's
-    # weight decay and gradient clip (method.critic_weight_decay, method.critic_grad_clip)
+    # online: one optimizer step of the value model per batch on BCE(σ(V(s_k)/β), R): optim.name's optimizer
+    # (AdamW by default), with the critic's weight decay and gradient clip (method.critic_weight_decay, _grad_clip)
     online: bool = False
     online_value_lr: float = 1e-6
     # IPVRM's balancing of the online update (arXiv 2604.13197 Eq. 15, caspo.algo.ipvrm), over each prompt's
@@ -210,7 +210,8 @@ class MethodConfig:
     # GAE and the critic
     gamma: float = 1.0
     lam: float = 1.0
-    # the critic's own AdamW settings (optim.* holds the policy's); the seed's PPO+critic recipe:
+    # the critic's own settings for optim.name's optimizer (AdamW by default; SGD in the looped recipe, as
+    # upstream's one optimizer over actor and critic); optim.* holds the policy's. The seed's PPO+critic recipe:
     # critic_lr=1e-6 (= policy lr, matches VinePPO), critic_weight_decay=0.0, critic_grad_clip=1.0
     critic_lr: float = 1e-6
     critic_weight_decay: float = 0.0

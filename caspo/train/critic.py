@@ -63,7 +63,8 @@ def values_are_current(cfg: Config, critic: torch.nn.Module) -> bool:
 
 class Critic(MethodState):
     """A scalar critic (the policy's backbone + a zero-initialised head), trained beside the policy with
-    its own AdamW settings (method.critic_lr, critic_weight_decay, critic_grad_clip; the schedule is optim's)."""
+    its own settings of optim.name's optimizer (method.critic_lr, critic_weight_decay, critic_grad_clip; the schedule
+    is optim's)."""
 
     def __init__(self, cfg: Config, policy_path: str, device: torch.device):
         super().__init__()

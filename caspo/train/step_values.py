@@ -231,7 +231,7 @@ class PrefixValues(MethodState):
 
     def online_step(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0,
                     scaler: LossScaler | None = None) -> dict:
-        """One AdamW step of φ on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
+        """One step of φ (optim.name's optimizer) on the mean BCE of σ(V(s_k)/β) against the outcome R over the batch's
         step boundaries k >= 1 (V(s_0) = 0 whatever φ is); with method.caspo.use_adb / use_dlw, IPVRM's
         prompt-difficulty shift of the logits and outcome weights (caspo.algo.ipvrm). φ's reference runs only
         where the value read left no scores of it (batch.value_ref_logprobs). With several processes φ is sharded:
