@@ -258,3 +258,9 @@ def test_admit_batch_is_the_native_engines_and_fits_its_slots():
     with pytest.raises(ConfigError, match="rollout.admit_batch=8 exceeds rollout.max_batch=4"):
         load_config("tests", ["rollout.backend=native", "rollout.max_batch=4", "rollout.admit_batch=8"])
     assert load_config("tests", ["rollout.backend=native", "rollout.admit_batch=8"]).rollout.admit_batch == 8
+
+
+def test_capacity_tokens_is_the_native_engines():
+    with pytest.raises(ConfigError, match="rollout.capacity_tokens=4096 sizes the native engine's KV cache"):
+        load_config("tests", ["rollout.backend=hf", "rollout.capacity_tokens=4096"])
+    assert load_config("tests", ["rollout.backend=native", "rollout.capacity_tokens=4096"]).rollout.capacity_tokens

@@ -250,6 +250,9 @@ def validate(cfg: Config) -> None:
     if r.admit_batch and r.backend != "native":
         raise ConfigError(f"rollout.admit_batch={r.admit_batch} sets the native engine's admissions; it needs "
                           "rollout.backend=native")
+    if r.capacity_tokens and r.backend != "native":  # the hf engine's cache lives only inside a generate call
+        raise ConfigError(f"rollout.capacity_tokens={r.capacity_tokens} sizes the native engine's KV cache; it needs "
+                          "rollout.backend=native")
     if r.admit_batch and r.max_batch and r.admit_batch > r.max_batch:
         raise ConfigError(f"rollout.admit_batch={r.admit_batch} exceeds rollout.max_batch={r.max_batch}, the "
                           "slots there are: lower it, or raise max_batch")
