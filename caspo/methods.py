@@ -102,6 +102,9 @@ def resolve_method(cfg: Config) -> Method:
     if m.step_adv_scope == "minibatch" and method.step_whiten != "tokens":
         raise ConfigError(f"method.step_adv_scope=minibatch whitens VinePPO's token advantages in the update, one "
                           f"optimizer minibatch at a time; {m.name} takes batch, group or off")
+    if m.dual_clip is not None and method.loss not in (losses.PPO_CLIP, losses.DECOUPLED):
+        raise ConfigError(f"method.dual_clip={m.dual_clip} bounds PPO's clipped ratio loss; {m.name}'s loss has no "
+                          "such clip: leave it null")
     groups = (method.group_baseline or (method.advantages is adv.terminal and m.terminal_scope == "group")
               or (method.step_whiten != "none" and m.step_adv_scope == "group"))
     if groups and r.samples_per_prompt < 2:

@@ -88,6 +88,14 @@ def test_flow_dppo_needs_two_half_batches():
     assert checked_config("tests", ["method.name=flow-dppo"]).method.name == "flow_dppo"
 
 
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl", "flow_dppo"])
+def test_dual_clip_is_refused_where_the_loss_has_no_ratio_clip(name):
+    with pytest.raises(ConfigError, match=f"method.dual_clip=3.0 bounds PPO's clipped ratio loss; {name}'s loss"):
+        checked_config("tests", [f"method.name={name}", "method.dual_clip=3", "train.minibatch_size=4"])
+    for kept in ("grpo", "dppo"):  # PPO's clipped loss, and the decoupled one
+        assert checked_config("tests", [f"method.name={kept}", "method.dual_clip=3"]).method.dual_clip == 3.0
+
+
 def test_the_synthetic_reward_is_refused_where_monte_carlo_uses_the_verifier(tmp_path):
     with pytest.raises(ConfigError, match="vineppo's Monte Carlo values use the verifier"):
         checked_config("tests", ["method.name=vineppo", "reward.synthetic=true"])
