@@ -164,3 +164,21 @@ def test_resuming_with_another_method_is_a_config_error(one_step_checkpoint):
     other = dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, name="ppo_critic"))
     with pytest.raises(ConfigError, match="holds a grpo run .*not ppo_critic; resume with the run's own config"):
         loop.restore(loop.build_trainer(other), folder)
+
+
+def test_resuming_with_other_optimizer_settings_is_a_config_error(one_step_checkpoint):
+    """The optimizer and scheduler states would bring back the checkpoint's learning rate and betas whatever the
+    config says; a setting the run's learners do not read (SGD's momentum for AdamW) may change."""
+    import dataclasses
+
+    from caspo.config import ConfigError
+
+    cfg, folder = one_step_checkpoint
+    other = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr * 10, betas=[0.9, 0.95]))
+    with pytest.raises(ConfigError, match=r"other optimizer settings \(optim.lr 0.0001 -> 0.001; optim.betas "
+                                          r"\[0.9, 0.999\] -> \[0.9, 0.95\]\)"):
+        loop.restore(loop.build_trainer(other), folder)
+    unread = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, momentum=0.9, grad_clip=0.5))
+    tr = loop.build_trainer(unread)
+    loop.restore(tr, folder)  # the clip is read at every step: it may change
+    assert tr.step == 1 and tr.actor.grad_clip == 0.5

@@ -251,13 +251,36 @@ def restore_sharded(tr: Trainer, checkpoint: Path) -> None:
     restore_counters(tr, state, rng=own["rng"], snapshots=own["snapshots"])
 
 
+def kept_by_the_optimizer_state(tr: Trainer) -> list[str]:
+    """The settings of this run that a checkpoint's optimizer and scheduler states (and its loss scaler) restore
+    whatever the config says now."""
+    o, names = tr.cfg.optim, set(learners(tr))
+    keys = ["optim.name", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.schedule"]
+    keys += ["optim.betas", "optim.eps"] if o.name == "adamw" else ["optim.momentum"]
+    keys += ["method.critic_lr", "method.critic_weight_decay"] if "critic" in names else []
+    keys += ["method.caspo.online_value_lr", "method.critic_weight_decay"] if "value" in names else []
+    return keys + (["train.loss_scale"] if tr.cfg.train.precision == "fp16" else [])
+
+
 def check_same_run(tr: Trainer, checkpoint: Path, state: dict, models) -> None:
-    """Refuse a checkpoint of another method, or of other trained models, than this run's."""
+    """Refuse a checkpoint of another method, or of other trained models, than this run's, or one whose
+    optimizer settings differ from this config's: its optimizer state would bring back its own."""
     method = state["config"]["method"]["name"]
     if method != tr.cfg.method.name or set(models) != set(learners(tr)):
         raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(sorted(models))}), "
                           f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
                           "new run")
+    changed = []
+    for key in dict.fromkeys(kept_by_the_optimizer_state(tr)):
+        saved, now = state["config"], to_dict(tr.cfg)
+        for part in key.split("."):
+            saved, now = (saved or {}).get(part), now[part]
+        if saved is not None and saved != now:  # a key the checkpoint's config lacks cannot be compared
+            changed.append(f"{key} {saved} -> {now}")
+    if changed:
+        raise ConfigError(f"{checkpoint} was trained with other optimizer settings ({'; '.join(changed)}), which "
+                          "its optimizer state would keep; resume with the run's own values (its config.yaml) or "
+                          "start a new run")
 
 
 def restore_counters(tr: Trainer, state: dict, *, rng: dict, snapshots: dict) -> None:
