@@ -179,6 +179,20 @@ def test_a_value_model_named_anew_on_resume_wins_over_the_recorded_one(tmp_path,
     assert tr.method_state.source.path == str(other)
 
 
+def test_an_online_value_model_cannot_continue_as_another(tmp_path, value_model_folder):
+    """Online, the checkpoint holds φ's trained weights: loading them into another model (its reference, β and
+    provenance) would run neither; a frozen run may name a new model (above)."""
+    cfg = caspo_config(tmp_path / "run", value_model_folder, "method.caspo.online=true")
+    tr = loop.build_trainer(cfg)
+    with tr.pool:
+        loop.outer_step(tr)
+        folder = loop.save(tr)
+    other = tmp_path / "v_other"
+    shutil.copytree(value_model_folder, other)
+    with pytest.raises(ConfigError, match=f"trained its value model online from {value_model_folder}"):
+        loop.restore(loop.build_trainer(caspo_config(tmp_path / "run", other, "method.caspo.online=true")), folder)
+
+
 def test_state_continues_across_a_refresh_as_without_one(refreshed_run, plain_run):
     cfg = plain_run[0]
     a = ckpt.load_trainer_state(refreshed_run[1] / "checkpoints" / "step_000003")

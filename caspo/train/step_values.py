@@ -22,7 +22,7 @@ import torch
 from caspo import algo
 from caspo.algo import ipvrm
 from caspo.batch import RolloutBatch
-from caspo.config import Config
+from caspo.config import Config, ConfigError
 from caspo.models.policy import compile_if_asked, load_policy
 from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_values, transform_values
 from caspo.models.provenance import label_provenance
@@ -287,6 +287,10 @@ class PrefixValues(MethodState):
         if recorded == self.source:
             return
         if state["config"]["method"]["caspo"]["value_model"] != self.cfg.method.caspo.value_model:
+            if self.online is not None:  # the checkpoint's φ weights would load into another model's reference
+                raise ConfigError(f"the checkpoint trained its value model online from {recorded.path}; "
+                                  f"method.caspo.value_model={self.source.path} cannot continue it: resume with "
+                                  "the run's own value_model, or start a new run")
             console.print(f"value model: {self.source.path}, as configured (the checkpoint trained with "
                           f"{recorded.path})")
             return
