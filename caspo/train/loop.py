@@ -122,8 +122,9 @@ def generate(tr: Trainer, indices: list[int]) -> RolloutBatch:
                                           sample_seeds=seeds, texts=texts, pad_token_id=tr.tokenizer.pad_token_id,
                                           labels=labels)
     if before is not None:  # each wake drops the decode graphs: a rollout captures its shapes again
-        during = engine_stats.since(before)
-        batch.stats["rollout"] = {"roll_graph_captures": during.graph_captures, "t_roll_capture": during.capture_s}
+        during = engine_stats.since(before)  # the count every rank's, as the step's other counters; the time its own
+        captures = int(distributed.all_sum({"captures": during.graph_captures})["captures"])
+        batch.stats["rollout"] = {"roll_graph_captures": captures, "t_roll_capture": during.capture_s}
     return batch.to(tr.device)
 
 
