@@ -190,3 +190,11 @@ def test_a_planted_non_finite_run_stops_before_saving_non_finite_weights(tmp_pat
     saved = ckpt.resolve_checkpoint(tmp_path)  # the update was skipped: the weights are finite and saved
     assert saved.name == "step_000001"
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "stopped"
+
+
+@pytest.mark.parametrize("counts, streak", [([], 0), ([0, 0, 1, 2], 2), ([1], 1), ([0, 1, 1], 0), ([2, 3, 5], 3)])
+def test_a_resumed_run_continues_the_streak_of_skipped_updates(counts, streak):
+    """train.max_bad_steps counts outer steps in a row whose update was skipped; `skipped_steps` is the running
+    count of skipped optimizer steps (several in one outer step count once), records without it are others'."""
+    history = [{"step": i + 1, "skipped_steps": c} for i, c in enumerate(counts)] + [{"step": 0, "eval_n": 5}]
+    assert health.trailing_bad_steps(history) == streak

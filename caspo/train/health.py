@@ -230,6 +230,16 @@ def detect(history: list[dict], cfg: Config) -> list[Alarm]:
     return alarms
 
 
+def trailing_bad_steps(history: list[dict]) -> int:
+    """How many of the last step records in a row skipped an update for non-finite gradients (`skipped_steps` is
+    the run's running count): the streak that train.max_bad_steps counts, continued by a resumed run."""
+    counts = [0] + [r["skipped_steps"] for r in history if "skipped_steps" in r]
+    streak = 0
+    while streak < len(counts) - 1 and counts[-1 - streak] > counts[-2 - streak]:
+        streak += 1
+    return streak
+
+
 class HealthWatch:
     """The detectors step after step: a warning is given when its detector starts firing (not again while
     it keeps firing); a stop is returned whenever it fires."""

@@ -48,7 +48,7 @@ from caspo.runlog import (
 from caspo.train import distributed
 from caspo.train.advantages import compute_advantages
 from caspo.train.blocks import RankSplitEngine, RankSplitPool, logprobs
-from caspo.train.health import HealthWatch, step_health
+from caspo.train.health import HealthWatch, step_health, trailing_bad_steps
 from caspo.train.health import check_config as check_health_config
 from caspo.train.run_eval import evaluate, evaluate_benchmarks, sampled_note
 from caspo.train.run_files import RunStopped, load_during, prepare_run_dir
@@ -299,7 +299,7 @@ def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords
               watch: HealthWatch, status: StatusFile, loads: list[float]) -> dict:
     summary: dict = {"run_dir": str(tr.run_dir)}
     last = min(cfg.train.steps, tr.step + cfg.train.stop_after) if cfg.train.stop_after else cfg.train.steps
-    bad_steps = 0  # consecutive outer steps with an update skipped for non-finite gradients
+    bad_steps = trailing_bad_steps(watch.history)  # outer steps in a row with an update skipped (non-finite)
     with tr.pool, StopRequest() as stop, Watchdog(status, cfg.train.health.watchdog_s) as watchdog:
         suites = load_suites(cfg, tr.tokenizer, cfg.eval.benchmarks) if cfg.eval.benchmarks else []
         if cfg.eval.before and tr.step == 0:
