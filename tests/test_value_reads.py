@@ -117,3 +117,21 @@ def test_the_online_step_scales_its_loss_and_skips_non_finite_gradients(value_mo
     out = scaled.online_step(broken, micro_batch_size=4, scaler=scaler)
     assert "value_grad_norm" not in out and scaler.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, scaled.model.policy.parameters()))
+
+
+def test_activation_checkpointing_recomputes_phis_blocks_in_its_online_step(value_model_folder):
+    """train.activation_checkpointing reaches φ as it reaches the policy and the critic: its step runs each block
+    again in the backward (training mode, as the critic's step), and takes the same step."""
+    batch = batch_of(REWARDS, GROUPS)
+    plain, recomputed = online_values(value_model_folder), online_values(value_model_folder,
+                                                                         "train.activation_checkpointing=true")
+    runs = {}
+    for name, state in (("plain", plain), ("recomputed", recomputed)):
+        runs[name] = [0]
+        for layer in state.model.policy.model.layers:
+            layer.mlp.register_forward_pre_hook(lambda *_, n=runs[name]: n.__setitem__(0, n[0] + 1))
+    want, got = plain.online_step(batch, micro_batch_size=4), recomputed.online_step(batch, micro_batch_size=4)
+    assert runs["recomputed"][0] == 2 * runs["plain"][0] > 0 and not recomputed.model.policy.training
+    assert got["value_bce"] == want["value_bce"] and got["value_grad_norm"] == pytest.approx(want["value_grad_norm"])
+    for a, b in zip(plain.model.policy.parameters(), recomputed.model.policy.parameters()):
+        assert torch.equal(a, b)

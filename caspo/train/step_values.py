@@ -23,7 +23,7 @@ from caspo import algo
 from caspo.algo import ipvrm
 from caspo.batch import RolloutBatch
 from caspo.config import Config, ConfigError
-from caspo.models.policy import compile_if_asked, load_policy
+from caspo.models.policy import compile_if_asked, load_policy, recompute_if_asked
 from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_values, transform_values
 from caspo.models.provenance import label_provenance
 from caspo.models.tokenizer import batch_decoder
@@ -125,6 +125,8 @@ def load_value_model(cfg: Config, tokenizer, source: ValueSource, label_policy: 
     model = load_prefix_value(source.path, label_provenance(cfg, tokenizer, label_policy),
                               allow_mismatch=c.allow_provenance_mismatch, device=device)
     model.policy.requires_grad_(c.online).train(False)
+    if c.online:  # φ trains as the critic does: its blocks recomputed in the backward when asked
+        recompute_if_asked(cfg.train, model.policy)
     compile_if_asked(cfg.train, model.policy, model.reference)
     return model
 
@@ -246,6 +248,7 @@ class PrefixValues(MethodState):
         shift = ipvrm.difficulty_boundary(rewards, batch.group_ids) if c.use_adb else torch.zeros_like(rewards)
         weight = ipvrm.outcome_weights(rewards, batch.group_ids) if c.use_dlw else ones
         self.online.optimizer.zero_grad(set_to_none=True)
+        self.model.policy.train()  # as the critic's step (activation checkpointing runs in training mode only)
         total = 0.0
         rows = distributed.my_rows(torch.arange(batch.size))
         for idx, micro, real in fsdp.micro_batches(batch, rows, micro_batch_size, max_tokens):
@@ -255,6 +258,7 @@ class PrefixValues(MethodState):
             loss = (bce * m)[:, 1:].sum() / max(boundaries, 1.0) * (1.0 if real else 0.0)  # a stand-in adds 0
             scaler.scale_loss(loss).backward()
             total += loss.detach().item()
+        self.model.policy.eval()
         total = distributed.all_sum({"bce": total})["bce"]
         grad_norm = optimizer_step(self.online, scaler)  # None: skipped for non-finite gradients
         self.online.optimizer.zero_grad(set_to_none=True)  # φ's gradients are not held until its next step
