@@ -270,9 +270,9 @@ def check_same_run(tr: Trainer, checkpoint: Path, state: dict, models) -> None:
         raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(sorted(models))}), "
                           f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
                           "new run")
-    changed = []
+    changed, config = [], to_dict(tr.cfg)
     for key in dict.fromkeys(kept_by_the_optimizer_state(tr)):
-        saved, now = state["config"], to_dict(tr.cfg)
+        saved, now = state["config"], config
         for part in key.split("."):
             saved, now = (saved or {}).get(part), now[part]
         if saved is not None and saved != now:  # a key the checkpoint's config lacks cannot be compared
