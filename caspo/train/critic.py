@@ -112,11 +112,10 @@ class Critic(MethodState):
         return {} if self.trains_in_value_phase else {"critic": critic_loss}
 
     def shard(self, precision: str) -> None:
-        """A critic that trains in the value phase is none of the update's learners, which the trainer shards:
-        it is sharded here (its optimizer built again), so that FSDP sums the ranks' gradients of their rows."""
-        if self.trains_in_value_phase:
-            lr = self.learners["critic"]
-            self.learners["critic"] = fsdp.rebuild(lr, fsdp.shard_called(lr.model, precision))
+        """The critic sharded (its optimizer built again), wherever it trains: in the update, or in the value
+        phase; FSDP sums the ranks' gradients of their rows."""
+        lr = self.learners["critic"]
+        self.learners["critic"] = fsdp.rebuild(lr, fsdp.shard_called(lr.model, precision))
 
 
 class CriticAndFrozenOld(Critic):

@@ -55,8 +55,8 @@ class MethodState:
         return {}
 
     def shard(self, precision: str) -> None:
-        """With several processes: shard the models it owns beyond the update's learners (`learner_losses`, which
-        the trainer shards), so that they are called through `caspo.train.fsdp.call`."""
+        """With several processes: shard the models it owns (its learners, each optimizer built again after
+        wrapping, and frozen models, called through `caspo.train.fsdp.call`)."""
 
     def frozen_old_policy(self) -> torch.nn.Module:
         """The policy as it was before this update, for a loss that reads its full-vocabulary distributions."""

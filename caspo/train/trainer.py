@@ -119,15 +119,11 @@ def build_trainer(cfg: Config) -> Trainer:
 
 def shard(cfg: Config, actor: Learner, ref: torch.nn.Module | None,
           state: MethodState) -> tuple[Learner, torch.nn.Module | None]:
-    """FSDP2 over the policy, the reference, the learners the update trains beside the policy (each with its
-    optimizer built again after wrapping) and the models the method state owns beyond them (flow_dppo's old
-    policy, CASPO's value model: `MethodState.shard`)."""
+    """FSDP2 over the policy and the reference (the policy's optimizer built again after wrapping), and over the
+    models the method state owns (the critic, flow_dppo's old policy, CASPO's value model: `MethodState.shard`)."""
     actor = fsdp.rebuild(actor, fsdp.shard_routed(actor.model, cfg.train.precision))
     if ref is not None:
         fsdp.shard_routed(ref, cfg.train.precision)
-    for name in state.learner_losses():
-        lr = state.learners[name]
-        state.learners[name] = fsdp.rebuild(lr, fsdp.shard_called(lr.model, cfg.train.precision))
     state.shard(cfg.train.precision)
     return actor, ref
 
