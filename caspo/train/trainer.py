@@ -253,8 +253,9 @@ def kept_by_the_optimizer_state(tr: Trainer) -> list[str]:
     o, names = tr.cfg.optim, set(learners(tr))
     keys = ["optim.name", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.schedule"]
     keys += ["optim.betas", "optim.eps"] if o.name == "adamw" else ["optim.momentum"]
-    keys += ["method.critic_lr", "method.critic_weight_decay"] if "critic" in names else []
-    keys += ["method.caspo.online_value_lr", "method.critic_weight_decay"] if "value" in names else []
+    keys += ["method.critic_lr"] if "critic" in names else []
+    keys += ["method.caspo.online_value_lr"] if "value" in names else []
+    keys += ["method.critic_weight_decay"] if names & {"critic", "value"} else []  # φ's too
     return keys + (["train.loss_scale"] if tr.cfg.train.precision == "fp16" else [])
 
 
@@ -267,7 +268,7 @@ def check_same_run(tr: Trainer, checkpoint: Path, state: dict, models) -> None:
                           f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
                           "new run")
     changed, config = [], to_dict(tr.cfg)
-    for key in dict.fromkeys(kept_by_the_optimizer_state(tr)):
+    for key in kept_by_the_optimizer_state(tr):
         saved, now = state["config"], config
         for part in key.split("."):
             saved, now = (saved or {}).get(part), now[part]
