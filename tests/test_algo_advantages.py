@@ -184,6 +184,24 @@ def test_scoped_whiten_flat_and_single_entry_groups_are_exactly_zero():
     torch.testing.assert_close(out[3, :2], torch.tensor([-0.5, 0.5]) / math.sqrt(0.5 + 1e-8))
 
 
+def test_scoped_whiten_flat_or_single_entry_batch_is_exactly_zero():
+    flat = torch.tensor([[0.1, 0.1, 0.1], [0.1, 0.1, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    groups = torch.tensor([0, 1])
+    assert (scoped_whiten(flat, mask, groups, "batch") == 0).all()  # not the rounding residue over sqrt(eps)
+    one = torch.tensor([[0.0, 0.0], [4.0, 0.0]])
+    assert (scoped_whiten(one, torch.tensor([[0, 0], [1, 0]]), groups, "batch") == 0).all()  # σ² = 0, as a group
+
+
+def test_clip_sigmas_and_minibatch_whitening_of_one_entry():
+    from caspo.train.advantages import clip_sigmas, minibatch_advantages
+
+    adv, mask = torch.tensor([[5.0, 0.0]]), torch.tensor([[1.0, 0.0]])
+    assert torch.equal(clip_sigmas(adv, mask, 1.0, whitened=False), adv)  # no spread to clip against
+    out = minibatch_advantages(torch.tensor([[5.0], [2.0]]), torch.tensor([[1.0], [1.0]]), torch.tensor([0]), 3.0)
+    assert out.tolist() == [[0.0], [2.0]]  # a minibatch of one token has no signal; the other row is untouched
+
+
 def test_scoped_whiten_one_group_is_the_batch():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 7, generator=g, dtype=torch.float64)

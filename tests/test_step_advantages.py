@@ -1,6 +1,7 @@
 """From rewards and values to token advantages, by hand: step_adv_scope (vineppo, caspo), the ±k σ clips
 (method.caspo.step_adv_clip, method.adv_clip) and the KL folded into the reward (method.kl_reward_coef)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -118,6 +119,28 @@ def test_caspo_default_clip_is_three_sigma_after_whitening():
     batch = make_batch([[1.0]] * n, list(range(n // 2)) * 2, [10.0] + [0.0] * (n - 1), [[0]] * n, [[0.0]] * n)
     advantages(batch, "caspo", "method.caspo.step_adv_clip=0")
     assert batch.step_advantages[0, 0].item() == pytest.approx(9.375 / 2.5)  # off: the outlier keeps 3.75
+
+
+def test_caspo_adv_clip_is_in_the_units_of_its_whitened_steps():
+    # two responses of 101 tokens: one short step of ±2.5 (after the step whitening) and 100 tokens of 0. The token
+    # σ of such advantages is about .25, so a clip at ±3 token σ would cut ±2.5 to ±.75; in the units the steps were
+    # whitened in, ±2.5 is inside ±3 and stays.
+    step_ids = [[0] + [1] * 100, [0] + [1] * 100]
+    batch = make_batch([[1] * 101] * 2, [0, 0], [0.0, 0.0], step_ids, [[0.0, 0.0], [0.0, 0.0]])
+    raw = torch.tensor([[2.5, 0.0], [-2.5, 0.0]])
+    cfg = load_config("tests", ["method.name=caspo", "method.caspo.value_model=unused", "method.adv_clip=3.0"])
+    resolve_method(cfg)
+    # the row with its step advantages already whitened, as prefix_step_td leaves them
+    method = dataclasses.replace(get_method("caspo"), advantages=lambda b, r, m: (tokens_from(step_ids, raw), None))
+    adv = compute_advantages(batch, cfg, method)[0]
+    torch.testing.assert_close(adv[:, 0], torch.tensor([2.5, -2.5]))
+    cfg.method.adv_clip = 2.0  # a tighter clip still acts, at ±2
+    adv = compute_advantages(batch, cfg, method)[0]
+    torch.testing.assert_close(adv[:, 0], torch.tensor([2.0, -2.0]))
+
+
+def tokens_from(step_ids, step_adv):
+    return step_adv.gather(1, torch.tensor(step_ids))
 
 
 # ---------------------------------------------------------------- vineppo: each response token once

@@ -190,6 +190,17 @@ def step_td(
 
 
 @torch.no_grad()
+def batch_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``masked_whiten`` of the masked entries of ``x`` pooled, except that fewer than two entries, or entries all
+    equal, give exactly 0, as a group does in ``scoped_whiten``."""
+    keep = mask.bool()
+    values = x[keep]
+    if values.numel() < 2 or bool(values.amin() == values.amax()):
+        return torch.zeros_like(x)
+    return masked_whiten(x, keep, eps=eps)
+
+
+@torch.no_grad()
 def scoped_whiten(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -199,12 +210,12 @@ def scoped_whiten(
 ) -> torch.Tensor:
     """Standardise the masked entries of ``x`` ``[B, N]`` (tokens or steps) over a scope.
 
-        batch:  out = (x − μ) / sqrt(σ² + eps)          μ, σ² over every masked entry (``masked_whiten``)
+        batch:  out = (x − μ) / sqrt(σ² + eps)          μ, σ² over every masked entry (``batch_whiten``)
         group:  out = (x − μ_g) / sqrt(σ²_g + eps)      μ_g, σ²_g over the masked entries of the rows of
                                                         group g (``group_ids`` [B], one label per row)
         off:    out = x
 
-    Variances are unbiased, Σ(x − μ)² / (n − 1); a group with a single entry has σ²_g = 0. A group
+    Variances are unbiased, Σ(x − μ)² / (n − 1); a group (or batch) with a single entry has σ² = 0. One
     whose entries are all equal gets exactly 0 (no signal, and no rounding residue divided by √eps).
     ``out`` is 0 where ``mask`` is 0.
     """
@@ -212,7 +223,7 @@ def scoped_whiten(
     if scope == "off":
         return masked_fill_zero(x, keep)
     if scope == "batch":
-        return masked_whiten(x, keep, eps=eps)
+        return batch_whiten(x, keep, eps)
     if scope != "group":
         raise ValueError(f"unknown whitening scope {scope!r}; valid scopes: {', '.join(WHITEN_SCOPES)}")
     if group_ids.shape != x.shape[:1]:

@@ -15,7 +15,8 @@ Token rewards carry the verifier's score on the last response token, minus
 β·k1(π_old, π_ref) on every token when the KL is folded into the reward; a sequence
 score is their sum. Token whitening and the ±method.adv_clip σ clip follow, in
 `compute_advantages`: over method.step_adv_scope for a row whose step advantages are
-whitened per token (vineppo), else by method.adv_whiten (or the row's rule when "auto"). A
+whitened per token (vineppo), else by method.adv_whiten (or the row's rule when "auto").
+The clip's σ is 1 for whitened advantages, caspo's whitened steps among them. A
 step_adv_scope of "minibatch" leaves both to the update, each optimizer minibatch taking
 `minibatch_advantages` of its rows.
 """
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from caspo import algo
-from caspo.algo.advantages import scoped_whiten
+from caspo.algo.advantages import batch_whiten, scoped_whiten
 from caspo.batch import RolloutBatch
 from caspo.config import Config, MethodConfig
 
@@ -57,7 +58,9 @@ def compute_advantages(batch: RolloutBatch, cfg: Config, method: "Method") -> Ad
     if scope == "minibatch":  # whitened and clipped in the update, minibatch by minibatch (minibatch_advantages)
         return adv * mask, returns
     adv = scoped_whiten(adv, mask, batch.group_ids, scope) if scope != "off" else adv
-    adv = clip_sigmas(adv, mask, m.adv_clip, whitened=scope != "off")
+    # caspo's step advantages come whitened over their steps: ±adv_clip is then in those units
+    whitened = scope != "off" or (method.step_whiten == "steps" and m.step_adv_scope != "off")
+    adv = clip_sigmas(adv, mask, m.adv_clip, whitened=whitened)
     return adv * mask, returns
 
 
@@ -77,14 +80,14 @@ def minibatch_advantages(advantages: torch.Tensor, mask: torch.Tensor, rows: tor
     ±k σ (method.step_adv_scope=minibatch): upstream VinePPO's trainer whitens the advantages of the episodes each
     training step reads (64, across its GPUs), every epoch anew. The other rows are left as they are."""
     out = advantages.clone()
-    out[rows] = clip_sigmas(algo.masked_whiten(advantages[rows], mask[rows].bool()), mask[rows], k, whitened=True)
+    out[rows] = clip_sigmas(batch_whiten(advantages[rows], mask[rows]), mask[rows], k, whitened=True)
     return out
 
 
 def clip_sigmas(adv: torch.Tensor, mask: torch.Tensor, k: float, whitened: bool) -> torch.Tensor:
-    """adv clamped at ±k·σ (k = 0: unchanged); σ = 1 for whitened advantages (each scope has unit
-    variance), else the masked std of `adv`."""
-    if k <= 0:
+    """adv clamped at ±k·σ (k = 0, or fewer than two entries: unchanged); σ = 1 for whitened advantages (each
+    scope has unit variance), else the masked std of `adv`."""
+    if k <= 0 or (not whitened and int(mask.bool().sum()) < 2):
         return adv
     sigma = 1.0 if whitened else float(algo.masked_var(adv, mask).sqrt())
     return adv.clamp(-k * sigma, k * sigma)
