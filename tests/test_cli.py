@@ -151,3 +151,26 @@ def test_resuming_with_another_seed_is_a_user_error(tmp_path):
     assert invoke("train", "tests", *run).exit_code == 0
     result = invoke("train", "tests", *run, "train.steps=2", "train.seed=5", "--resume", "latest")
     assert_user_error(result, "train", "the checkpoint's prompt stream has seed=0, this run's has 5")
+
+
+def test_a_branch_refuses_a_folder_holding_a_run_and_a_resume_names_what_changed(tmp_path, files):
+    run = tmp_path / "run"
+    assert invoke("train", "tests", f"train.output_dir={run}", *QUICK).exit_code == 0
+    checkpoint = run / "checkpoints" / "step_000001"
+    # a branch from another run's checkpoint into a folder that holds a run would cut its logs back to step 1
+    result = invoke("train", "tests", f"train.output_dir={files['used']}", *QUICK, "--resume", checkpoint)
+    assert_user_error(result, "train", f"resuming {checkpoint} into it would mix two runs")
+    branch = tmp_path / "branch"
+    result = invoke("train", "tests", f"train.output_dir={branch}", *QUICK[:-2], "train.steps=2", "model.threads=1",
+                    "--resume", checkpoint)
+    assert result.exit_code == 0, result.output
+    changes = [f"train.output_dir: {run} -> {branch}", "train.steps: 1 -> 2"]
+    assert "settings changed from the checkpoint's:" in result.stderr.replace("\n", "")
+    start = json.loads((branch / "run.json").read_text())["starts"][-1]
+    assert start["config_changes"] == changes and start["step"] == 1
+    assert [json.loads(x)["step"] for x in (branch / "metrics.jsonl").read_text().splitlines()] == [2]
+    # --overwrite removes every file of the old run, its evaluations among them
+    (run / "eval").mkdir()
+    (run / "eval" / "step_000600.json").write_text("{}")
+    assert invoke("train", "tests", f"train.output_dir={run}", *QUICK, "--overwrite").exit_code == 0
+    assert not (run / "eval").exists()

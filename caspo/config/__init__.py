@@ -16,6 +16,7 @@ from caspo.config.load import (
     PRESET_DIR,
     build,
     coerce,
+    config_changes,
     load_config,
     parse_override,
     resolve_preset,
@@ -45,6 +46,6 @@ __all__ = [
     "ArithConfig", "CaspoConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LossAgg", "MethodConfig",
     "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "SftConfig", "TrainConfig", "HealthConfig",
     "WandbConfig",
-    "FLOAT_RE", "PRESET_DIR", "build", "coerce", "load_config", "parse_override", "resolve_preset", "set_dotted",
-    "to_dict", "to_yaml", "validate", "validate_refresh",
+    "FLOAT_RE", "PRESET_DIR", "build", "coerce", "config_changes", "load_config", "parse_override", "resolve_preset",
+    "set_dotted", "to_dict", "to_yaml", "validate", "validate_refresh",
 ]

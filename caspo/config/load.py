@@ -150,5 +150,17 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """Every setting whose value differs between two config dicts, as "key: saved -> now" (sorted)."""
+    changes = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key, "(absent)"), now.get(key, "(absent)")
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append(f"{prefix}{key}: {a} -> {b}")
+    return changes
+
+
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -75,7 +75,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_folder(tmp, models, tokenizer, trainer_state, counters, config_yaml)
-    except OSError as err:
+    except Exception as err:  # OSError, and the writers' own (torch's RuntimeError, SafetensorError) on a full disk
         raise write_error(err, root, final, tmp) from err
     publish_folder(root, final, tmp)
     return final
@@ -88,21 +88,49 @@ def checkpoint_paths(run_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
     return root, root / f"step_{step:06d}", root / f".tmp_step_{step:06d}"
 
 
-def write_error(err: OSError, root: Path, final: Path, tmp: Path) -> CheckpointError:
+def write_error(err: Exception, root: Path, final: Path, tmp: Path) -> CheckpointError:
     shutil.rmtree(tmp, ignore_errors=True)
     previous = (root / LATEST).read_text().strip() if (root / LATEST).exists() else "none"
-    return CheckpointError(f"writing checkpoint {final.name} to {root} failed ({err.strerror or err}); the "
-                           f"previous checkpoint ({previous}) is intact: free space and resume from it")
+    why = getattr(err, "strerror", None) or err
+    return CheckpointError(f"writing checkpoint {final.name} to {root} failed ({why}); the previous checkpoint "
+                           f"({previous}) is intact: free space and resume from it")
 
 
 def publish_folder(root: Path, final: Path, tmp: Path) -> None:
-    """Rename the finished folder into place, then point `latest` at it."""
+    """Rename the finished (and synced) folder into place, then point `latest` at it; each rename is synced
+    before the next, so after a power loss `latest` never names a folder whose files did not reach the disk."""
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    sync_dir(root)
     pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
+    with open(pointer, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)
+    sync_dir(root)
+
+
+def sync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every folder (the entries naming them)."""
+    folders = [folder]
+    for path in sorted(folder.rglob("*")):
+        if path.is_dir():
+            folders.append(path)
+        elif path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for path in folders:
+        sync_dir(path)
 
 
 def write_folder(folder: Path, models: dict, tokenizer, trainer_state: dict, counters: dict,
@@ -118,6 +146,7 @@ def write_folder(folder: Path, models: dict, tokenizer, trainer_state: dict, cou
     if config_yaml is not None:
         (folder / "config.yaml").write_text(config_yaml)
     (folder / MANIFEST).write_text(json.dumps(file_manifest(folder), indent=1, sort_keys=True) + "\n")
+    sync_tree(folder)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -146,12 +175,14 @@ def file_manifest(folder: Path) -> dict[str, dict]:
 
 
 def verify_checkpoint(ckpt: Path) -> None:
-    """Every file of the manifest present with its size and checksum; a checkpoint written before
-    manifests existed has none to check."""
+    """The manifest readable, and every file of it present with its size and checksum."""
     manifest_path = ckpt / MANIFEST
-    if not manifest_path.exists():
-        return
-    for name, want in json.loads(manifest_path.read_text()).items():
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {ckpt} has no readable {MANIFEST} ({type(err).__name__}): it is "
+                              "incomplete or not a checkpoint; resume from an earlier checkpoint") from err
+    for name, want in manifest.items():
         path = ckpt / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {ckpt} is incomplete: {name} is missing; resume from an earlier "
@@ -163,8 +194,12 @@ def verify_checkpoint(ckpt: Path) -> None:
 
 def load_trainer_state(ckpt: Path) -> dict:
     """The trainer state, unpickled with weights_only=True (tensors, containers, numpy's RNG state)."""
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
-        return torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    except Exception as err:  # a truncated file, or a pickle that is more than tensors and containers
+        raise CheckpointError(f"{ckpt / 'trainer_state.pt'} cannot be loaded ({err}); resume from an earlier "
+                              "checkpoint") from err
 
 
 def is_sharded(ckpt: Path) -> bool:

@@ -224,14 +224,17 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     tr = build_trainer(cfg)
     tr.run_dir.mkdir(parents=True, exist_ok=True)
     (tr.run_dir / "config.yaml").write_text(to_yaml(cfg))
+    changes = []  # settings this config changes from the checkpoint's: said, and kept in run.json
     if checkpoint is not None:
-        restore(tr, checkpoint)
+        changes = restore(tr, checkpoint)
         console.print(f"resumed from {checkpoint} at step {tr.step}, policy version {tr.version}")
+        if changes:
+            console.print(f"[yellow]settings changed from the checkpoint's:[/] {'; '.join(changes)}")
     engine_dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else cfg.train.precision  # auto: its compute dtype
-    run_record = record_start(tr.run_dir, run_start(step=tr.step, device=str(tr.device),
-                                                    device_name=device_name(tr.device),
-                                                    precision=cfg.train.precision, engine_dtype=engine_dtype,
-                                                    load=load), resumed=resume is not None)
+    start = run_start(step=tr.step, device=str(tr.device), device_name=device_name(tr.device),
+                      precision=cfg.train.precision, engine_dtype=engine_dtype, load=load)
+    run_record = record_start(tr.run_dir, {**start, "config_changes": changes} if changes else start,
+                              resumed=resume is not None)
     status = StatusFile(tr.run_dir / "status.json", cfg.train.steps)
     status.update(step=tr.step)
     truncate = tr.step if resume else -1

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from caspo.config import Config
+from caspo.runlog import console
 from caspo.train import checkpoint as ckpt
 
 
@@ -15,23 +16,31 @@ class RunStopped(RuntimeError):
 
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "samples.jsonl", "refresh", "curves.png", "run.json", "status.json",
-             "timing.json", "timing.md", "tensorboard", "wandb", "ranks")
+             "timing.json", "timing.md", "tensorboard", "wandb", "ranks", "eval", "config.yaml")
 
 
 def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | None:
-    """The checkpoint to resume from, if any, checked before anything is written; a fresh run refuses a
-    folder that holds another run unless `overwrite` (which removes that run's files)."""
+    """The checkpoint to resume from, if any, checked before anything is written. A fresh run, or one resumed
+    from another run's checkpoint (a branch), refuses a folder that holds a run unless `overwrite` (which
+    removes that run's files)."""
     run_dir = Path(cfg.train.output_dir)
-    if resume:
-        return ckpt.resolve_checkpoint(run_dir if resume == "latest" else resume)
+    checkpoint = ckpt.resolve_checkpoint(run_dir if resume == "latest" else resume) if resume else None
+    own = checkpoint is not None and checkpoint.resolve().parent == (run_dir / "checkpoints").resolve()
+    if own:
+        later = sorted(p.name for p in checkpoint.parent.glob("step_*") if p.name > checkpoint.name)
+        if later:
+            console.print(f"[yellow]resuming from {checkpoint.name}: the later {', '.join(later)} will be "
+                          "replaced as the run reaches their steps[/]")
+        return checkpoint
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(existing)}); resume it with --resume "
-                              f"latest, start over with --overwrite, or set train.output_dir to a new folder")
+        branch = f"resuming {checkpoint} into it would mix two runs; " if checkpoint else ""
+        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(existing)}); {branch}resume it with "
+                              f"--resume latest, start over with --overwrite, or set train.output_dir to a new folder")
     for name in existing:
         path = run_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-    return None
+    return checkpoint
 
 
 def load_during(loads: list[float]) -> dict:

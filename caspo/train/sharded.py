@@ -63,7 +63,7 @@ def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: s
             ckpt.write_folder(tmp, {name: lr.model for name, lr in learners.items()}, tokenizer, trainer_state,
                               counters, config_yaml, state_dicts=exports)
             ckpt.publish_folder(root, final, tmp)
-        except OSError as err:
+        except Exception as err:  # as in ckpt.save_checkpoint
             error = str(ckpt.write_error(err, root, final, tmp))
     error = distributed.from_main(error)
     if error:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from caspo.config import Config, ConfigError, to_dict, to_yaml
+from caspo.config import Config, ConfigError, config_changes, to_dict, to_yaml
 from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
 from caspo.device_memory import limit_device_memory
@@ -203,13 +203,13 @@ def save(tr: Trainer) -> Path:
     )
 
 
-def restore(tr: Trainer, checkpoint: Path) -> None:
-    """Load weights and state, then publish the restored weights before anything generates."""
+def restore(tr: Trainer, checkpoint: Path) -> list[str]:
+    """Load weights and state, then publish the restored weights before anything generates. Returns the
+    settings this config changes from the checkpoint's ("key: saved -> now")."""
     from safetensors.torch import load_model
 
     if distributed.active() or ckpt.is_sharded(checkpoint):
-        restore_sharded(tr, checkpoint)
-        return
+        return restore_sharded(tr, checkpoint)
     ckpt.verify_checkpoint(checkpoint)
     state = ckpt.load_trainer_state(checkpoint)
     check_same_run(tr, checkpoint, state, state["optimizers"])
@@ -222,9 +222,10 @@ def restore(tr: Trainer, checkpoint: Path) -> None:
         lr.optimizer.load_state_dict(state["optimizers"][name])
         lr.scheduler.load_state_dict(state["schedulers"][name])
     restore_counters(tr, state, rng=state["rng"], snapshots=state["snapshots"])
+    return config_changes(state["config"], to_dict(tr.cfg))
 
 
-def restore_sharded(tr: Trainer, checkpoint: Path) -> None:
+def restore_sharded(tr: Trainer, checkpoint: Path) -> list[str]:
     """`restore` of a checkpoint written by several processes, in as many."""
     if not distributed.active():
         raise ckpt.CheckpointError(f"{checkpoint} was written by several processes; resume it with --nproc as "
@@ -245,6 +246,7 @@ def restore_sharded(tr: Trainer, checkpoint: Path) -> None:
     for name, lr in learners(tr).items():
         lr.scheduler.load_state_dict(state["schedulers"][name])
     restore_counters(tr, state, rng=own["rng"], snapshots=own["snapshots"])
+    return config_changes(state["config"], to_dict(tr.cfg))
 
 
 def kept_by_the_optimizer_state(tr: Trainer) -> list[str]:

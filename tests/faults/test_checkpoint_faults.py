@@ -83,3 +83,59 @@ def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_is_intact(tmp_
     assert ckpt.resolve_checkpoint(tmp_path) == first
     ckpt.verify_checkpoint(first)
     assert not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())  # no partial folder
+
+
+def test_a_writer_that_fails_with_its_own_error_is_the_same_clear_error(tmp_path, monkeypatch):
+    # on a full disk torch.save raises RuntimeError and safetensors SafetensorError, not OSError
+    model = torch.nn.Linear(2, 2)
+    model.save_pretrained = lambda path, **kw: (path.mkdir(), torch.save(model.state_dict(), path / "w.pt"))
+    save = dict(models={"policy": model}, tokenizer=None, counters={})
+    first = ckpt.save_checkpoint(tmp_path, 1, trainer_state={"step": 1}, **save)
+
+    def fails(obj, path, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", fails)
+    with pytest.raises(ckpt.CheckpointError, match="unexpected pos.*previous checkpoint \\(step_000001\\) is intact"):
+        ckpt.save_checkpoint(tmp_path, 2, trainer_state={"step": 2}, **save)
+    monkeypatch.undo()
+    assert ckpt.resolve_checkpoint(tmp_path) == first
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_files_and_renames_reach_the_disk_before_latest_names_them(tmp_path, monkeypatch):
+    import os
+
+    model = torch.nn.Linear(2, 2)
+    model.save_pretrained = lambda path, **kw: (path.mkdir(), torch.save(model.state_dict(), path / "w.pt"))
+    synced, replaced = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((len(synced), str(b))), real_replace(a, b)))
+    final = ckpt.save_checkpoint(tmp_path, 1, models={"policy": model}, tokenizer=None, trainer_state={"step": 1},
+                                 counters={})
+    root = str(tmp_path / "checkpoints")
+    (to_folder, folder_name), (to_latest, latest_name) = replaced
+    assert (folder_name, latest_name) == (str(final), f"{root}/latest")
+    before_rename = synced[:to_folder]
+    for name in ("policy/w.pt", "trainer_state.pt", "trainer_state.json", "manifest.json", "policy"):
+        assert any(p.endswith(f".tmp_step_000001/{name}") for p in before_rename), name
+    assert synced[to_folder] == root  # the folder's rename, before `latest` is written
+    assert synced[to_latest - 1].endswith(".latest.tmp") and synced[-1] == root
+
+
+def test_a_missing_or_garbled_manifest_or_trainer_state_is_a_checkpoint_error(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    model.save_pretrained = lambda path, **kw: (path.mkdir(), torch.save(model.state_dict(), path / "w.pt"))
+    folder = ckpt.save_checkpoint(tmp_path, 1, models={"policy": model}, tokenizer=None, trainer_state={"step": 1},
+                                  counters={})
+    state = (folder / "trainer_state.pt").read_bytes()
+    (folder / "trainer_state.pt").write_bytes(state[: len(state) // 2])
+    with pytest.raises(ckpt.CheckpointError, match="trainer_state.pt cannot be loaded"):
+        ckpt.load_trainer_state(folder)
+    (folder / ckpt.MANIFEST).write_text("")
+    with pytest.raises(ckpt.CheckpointError, match="no readable manifest.json \\(JSONDecodeError\\)"):
+        ckpt.verify_checkpoint(folder)
+    (folder / ckpt.MANIFEST).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="no readable manifest.json \\(FileNotFoundError\\)"):
+        ckpt.verify_checkpoint(folder)
