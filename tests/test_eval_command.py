@@ -162,3 +162,33 @@ def test_checkpoint_selection(tmp_path):
 def test_eval_errors_are_one_line(tmp_path):
     result = invoke("embedded:tiny-arith", "--benchmarks", "math5000", "--out", tmp_path)
     assert result.exit_code == 2 and "eval error: unknown data source 'math5000'" in result.output
+
+
+def test_eval_adds_its_benchmarks_to_a_result_of_the_same_settings(tmp_path, bench, scripted):
+    out = tmp_path / "out"
+    other = tmp_path / "other.jsonl"
+    shutil.copy(bench, other)
+    common = ["embedded:tiny-arith", "data.id_field=id", "reward.workers=0", "--out", out]
+    assert invoke(*common, "--benchmarks", bench).exit_code == 0
+    assert invoke(*common, "--benchmarks", other).exit_code == 0
+    data = json.loads((out / "tiny-arith.json").read_text())
+    assert set(data["benchmarks"]) == {"planted", "other"}  # the first evaluation's benchmark is kept
+    assert "| planted | tiny-arith |" in (out / "summary.md").read_text()
+    result = invoke(*common, "--benchmarks", other, "--samples", 2)
+    assert result.exit_code == 2 and "holds results made with other settings (samples: 0 -> 2" in result.output
+    assert set(json.loads((out / "tiny-arith.json").read_text())["benchmarks"]) == {"planted", "other"}
+
+
+def test_the_summary_shows_every_column_and_names_settings_that_differ(tmp_path):
+    from caspo.eval.report import write_markdown
+
+    def result(checkpoint, step, metrics, samples):
+        return {"checkpoint": checkpoint, "step": step, "settings": {"samples": samples, "template": "qwen"},
+                "benchmarks": {"b": {"n": 5, "metrics": metrics}}}
+
+    greedy_only = result("step_10", 10, {"greedy": 0.2}, 0)
+    sampled = result("step_20", 20, {"greedy": 0.4, "avg@4": 0.3, "pass@1": 0.3, "pass@4": 0.6, "maj@4": 0.35}, 4)
+    text = write_markdown([greedy_only, sampled], tmp_path / "summary.md").read_text()
+    assert "| benchmark | checkpoint | n | greedy | avg@4 | pass@1 | pass@4 | maj@4 |" in text
+    assert "| b | step_10 | 5 | 0.200 |  |  |  |  |" in text and "| b | step_20 | 5 | 0.400 | 0.300 |" in text
+    assert "- samples: step_10 0; step_20 4" in text and "template" not in text

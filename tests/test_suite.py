@@ -53,16 +53,23 @@ def test_each_run_folder_is_skipped_resumed_or_started_over(tmp_path):
 
 
 def test_evaluation_on_finish_asks_for_what_eval_lacks(tmp_path):
-    for name in ("step_000001", "step_000002"):
+    for name in ("step_000001", "step_000002", "step_000003"):
         (tmp_path / "checkpoints" / name / "policy").mkdir(parents=True)
         (tmp_path / "checkpoints" / name / "policy" / "config.json").write_text("{}")
     (tmp_path / "eval").mkdir()
-    for name in ("base", "step_000001"):
-        (tmp_path / "eval" / f"{name}.json").write_text("{}")
+
+    def result(name, *benchmarks):
+        (tmp_path / "eval" / f"{name}.json").write_text(json.dumps({"benchmarks": dict.fromkeys(benchmarks, {})}))
+
+    result("base", "arith", "math500")
+    result("step_000001", "arith", "math500")
+    result("step_000003", "arith")  # training evaluated arith only: math500 is still to do
     cmd = suite.eval_command(tmp_path, "arith,math500", "cuda:0")
     assert cmd[1:] == ["-m", "caspo.cli", "eval", str(tmp_path), "model.device=cuda:0", "--benchmarks", "arith,math500",
-                       "--checkpoints", "step_000002", "--out", str(tmp_path / "eval")]
-    (tmp_path / "eval" / "step_000002.json").write_text("{}")
+                       "--checkpoints", "step_000002,step_000003", "--out", str(tmp_path / "eval")]
+    result("step_000002", "arith")
+    cmd = suite.eval_command(tmp_path, "arith,math500", "cuda:0")
+    assert cmd[cmd.index("--benchmarks") + 1] == "math500"  # what one of them lacks, and only that
     assert suite.eval_command(tmp_path, "arith", None) is None
 
 

@@ -35,6 +35,13 @@ def headline(metrics: dict) -> list[str]:
     return keys
 
 
+def columns(metrics: list[dict]) -> list[str]:
+    """The headline columns of every result, in order of first appearance (a greedy-only result and a sampled
+    one show the sampled columns too)."""
+    keys = {key: None for m in metrics for key in headline(m)}
+    return list(keys) or ["greedy"]
+
+
 def summary_rows(results: list[dict]) -> list[tuple[str, str, int, dict]]:
     """(benchmark, checkpoint, n, metrics) for every benchmark of every result."""
     return [(name, r["checkpoint"], b["n"], b["metrics"])
@@ -44,7 +51,7 @@ def summary_rows(results: list[dict]) -> list[tuple[str, str, int, dict]]:
 def summary_table(results: list[dict], title: str = "accuracy") -> Table:
     table = Table(title=title)
     rows = summary_rows(results)
-    keys = headline(rows[0][3]) if rows else ["greedy"]
+    keys = columns([row[3] for row in rows])
     for col in ["benchmark", "checkpoint", "n", *keys]:
         table.add_column(col, justify="left" if col in ("benchmark", "checkpoint") else "right")
     for name, ckpt, n, m in sorted(rows, key=lambda row: row[0]):
@@ -66,12 +73,24 @@ def group_table(benchmark: str, checkpoint: str, key: str, groups: dict) -> Tabl
 
 def write_markdown(results: list[dict], path: Path) -> Path:
     rows = summary_rows(results)
-    keys = headline(rows[0][3]) if rows else ["greedy"]
+    keys = columns([row[3] for row in rows])
     lines = ["| benchmark | checkpoint | n | " + " | ".join(keys) + " |", "|---|---|---:|" + "---:|" * len(keys)]
     for name, ckpt, n, m in sorted(rows, key=lambda row: row[0]):
         lines.append(f"| {name} | {ckpt} | {n} | " + " | ".join(f"{m[k]:.3f}" if k in m else "" for k in keys) + " |")
+    differ = differing_settings(results)
+    if differ:
+        lines += ["", "The results were made with different settings:", ""]
+        lines += [f"- {key}: " + "; ".join(f"{c} {v}" for c, v in by_checkpoint.items())
+                  for key, by_checkpoint in differ.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def differing_settings(results: list[dict]) -> dict[str, dict[str, object]]:
+    """setting -> {checkpoint: value} for every setting whose value is not the same in all results."""
+    keys = {key: None for r in results for key in r.get("settings", {})}
+    values = {key: {r["checkpoint"]: r.get("settings", {}).get(key) for r in results} for key in keys}
+    return {key: v for key, v in values.items() if len({json.dumps(x, sort_keys=True) for x in v.values()}) > 1}
 
 
 def plot_results(results: list[dict], path: Path) -> Path:
@@ -88,7 +107,7 @@ def plot_results(results: list[dict], path: Path) -> Path:
         if not by_step:
             ax.set_xticks(range(len(results)), [r["checkpoint"] for r in results], rotation=30, fontsize=8)
             ax.set_xlim(-0.5, len(results) - 0.5)
-        for key, style in zip(headline(points[0][1]), ["o-", "s--", "^:", "v-.", "d--"]):
+        for key, style in zip(columns([m for _, m in points]), ["o-", "s--", "^:", "v-.", "d--", "x-", "p:"]):
             if key == "pass@1":
                 continue
             ax.plot(xs, [m.get(key, float("nan")) for _, m in points], style, label=key)

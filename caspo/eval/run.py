@@ -5,7 +5,8 @@
     <out>/summary.md, <out>/accuracy.png every checkpoint result in the folder
 
 `evaluate_checkpoint` judges whatever policy an engine serves now, so the trainer can call it at
-its save points with its own engine; `evaluate_targets` loads checkpoints for `caspo eval`.
+its save points with its own engine; `evaluate_targets` loads checkpoints for `caspo eval`, which adds
+its benchmarks to a checkpoint's JSON already in the folder when that was made with the same settings.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from caspo.config import Config
+from caspo.config import Config, ConfigError, config_changes
 from caspo.device_memory import limit_device_memory
 from caspo.eval.benchmarks import HELDOUT, Suite, load_suites
 from caspo.eval.report import FORMAT, group_table, plot_results, read_results, summary_table, write_markdown
@@ -44,16 +45,19 @@ def settings(cfg: Config, run_sampling: SamplingParams) -> dict:
 
 def evaluate_checkpoint(engine, tokenizer, pool: RewardPool, cfg: Config, suites: list[Suite],
                         run_sampling: SamplingParams, *, checkpoint: str, step: int | None, policy: str,
-                        out_dir: str | Path | None, progress=None) -> dict:
+                        out_dir: str | Path | None, progress=None, merge: bool = False) -> dict:
     """The engine's current policy on every suite; writes <out_dir>/<checkpoint>.json and the per-problem
     records, then refreshes summary.md and accuracy.png (out_dir None: writes nothing, as the ranks after the
     first of a run do). `run_sampling` is the run's sampler (its stop ids; caspo.eval.suite.eval_samplers).
-    Pass a live rich `progress` to add its bars there."""
+    Pass a live rich `progress` to add its bars there. `merge`: an existing <checkpoint>.json keeps its other
+    benchmarks, and one made with other settings is refused (without, it is replaced: a redone step's)."""
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
-        (out / checkpoint).mkdir(parents=True, exist_ok=True)
     result = {"format": FORMAT, "checkpoint": checkpoint, "step": step, "policy": policy,
               "settings": settings(cfg, run_sampling), "benchmarks": {}}
+    if out is not None:
+        if merge:
+            result["benchmarks"] = earlier_benchmarks(out / f"{checkpoint}.json", result["settings"])
+        (out / checkpoint).mkdir(parents=True, exist_ok=True)
     with (nullcontext(progress) if progress is not None else progress_bar()) as bars:
         for suite in suites:
             total = len(suite.examples) * (1 + cfg.eval.samples)
@@ -69,6 +73,18 @@ def evaluate_checkpoint(engine, tokenizer, pool: RewardPool, cfg: Config, suites
         write_json(out / f"{checkpoint}.json", result)
         refresh(out)
     return result
+
+
+def earlier_benchmarks(path: Path, now: dict) -> dict:
+    """The benchmarks of an earlier result at `path` (none if absent), refused if made with other settings."""
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    changes = config_changes(earlier.get("settings", {}), now)
+    if changes:
+        raise ConfigError(f"{path} holds results made with other settings ({'; '.join(changes)}); evaluate into "
+                          "another --out, or remove it to replace it")
+    return earlier.get("benchmarks", {})
 
 
 def refresh(out_dir: str | Path) -> list[dict]:
@@ -101,7 +117,7 @@ def evaluate_targets(cfg: Config, targets: list[Target], out_dir: str | Path) ->
             del policy
             results.append(evaluate_checkpoint(engine, tokenizer, pool, cfg, suites, sampling, checkpoint=target.name,
                                                step=target.step, policy=target.policy, out_dir=out_dir,
-                                               progress=bars))
+                                               progress=bars, merge=True))
     print_tables(results, read_results(out_dir))
     return results
 

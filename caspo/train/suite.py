@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from caspo.config import ConfigError, load_config
+from caspo.eval.benchmarks import suite_name
 from caspo.eval.targets import checkpoint_dirs
 from caspo.methods import resolve_method
 from caspo.report.compare import expand, report
@@ -118,14 +119,26 @@ def kv_share(device: str | None, sharing: int, config) -> list[str]:
 
 
 def eval_command(run_dir: Path, benchmarks: str, device: str | None, sharing: int = 1) -> list[str] | None:
-    """`caspo eval` of the run's checkpoints (and base) that <run>/eval/ lacks; None when it has them all."""
-    done = {p.stem for p in (run_dir / "eval").glob("*.json")}
-    todo = [name for name in ["base"] + [p.name for p in checkpoint_dirs(run_dir)] if name not in done]
+    """`caspo eval` of the run's checkpoints (and base) whose <run>/eval/ result lacks one of `benchmarks`, on
+    the benchmarks one of them lacks (`caspo eval` adds them to the results there); None when none lacks any."""
+    wanted = {suite_name(b): b for b in benchmarks.split(",") if b}
+    missing = {name: [b for n, b in wanted.items() if n not in evaluated(run_dir / "eval" / f"{name}.json")]
+               for name in ["base"] + [p.name for p in checkpoint_dirs(run_dir)]}
+    todo = [name for name, lacks in missing.items() if lacks]
     if not todo:
         return None
+    lacking = [b for b in wanted.values() if any(b in missing[name] for name in todo)]
     share = kv_share(device, sharing, lambda: load_config(run_dir / "config.yaml"))
     return [sys.executable, "-m", "caspo.cli", "eval", str(run_dir), *([f"model.device={device}"] if device else []),
-            *share, "--benchmarks", benchmarks, "--checkpoints", ",".join(todo), "--out", str(run_dir / "eval")]
+            *share, "--benchmarks", ",".join(lacking), "--checkpoints", ",".join(todo), "--out", str(run_dir / "eval")]
+
+
+def evaluated(path: Path) -> set[str]:
+    """The benchmarks a checkpoint's result holds (none when it has no readable result)."""
+    try:
+        return set(json.loads(path.read_text()).get("benchmarks", {}))
+    except (OSError, ValueError, AttributeError):
+        return set()
 
 
 def record_suite(out: Path, preset: str, shared: list[str], runs: list[SuiteRun]) -> list[SuiteRun]:
