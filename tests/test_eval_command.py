@@ -192,3 +192,19 @@ def test_the_summary_shows_every_column_and_names_settings_that_differ(tmp_path)
     assert "| benchmark | checkpoint | n | greedy | avg@4 | pass@1 | pass@4 | maj@4 |" in text
     assert "| b | step_10 | 5 | 0.200 |  |  |  |  |" in text and "| b | step_20 | 5 | 0.400 | 0.300 |" in text
     assert "- samples: step_10 0; step_20 4" in text and "template" not in text
+
+
+def test_long_prompts_skip_leaves_long_problems_out_of_a_benchmark_and_counts_them(tmp_path, scripted):
+    bench = tmp_path / "planted.jsonl"
+    problems = [f"Q{i}: what is {i + 1}?" + (" Think about it." * 40 if i == 1 else "") for i in range(3)]
+    bench.write_text("".join(json.dumps({"id": f"p{i}", "problem": p, "answer": str(i + 1)}) + "\n"
+                             for i, p in enumerate(problems)))
+    out = tmp_path / "out"
+    common = ["embedded:tiny-arith", "data.id_field=id", "reward.workers=0", "data.max_prompt_tokens=100"]
+    result = invoke(*common, "data.long_prompts=skip", "--benchmarks", bench, "--out", out)
+    assert result.exit_code == 0, result.output
+    planted = json.loads((out / "tiny-arith.json").read_text())["benchmarks"]["planted"]
+    assert planted["n"] == 2 and planted["data"]["skipped_long"] == 1 and planted["data"]["skipped_long_ids"] == ["p1"]
+    assert planted["metrics"]["greedy"] == 1.0  # SCRIPT's greedy answers p0 and p2 right, p1 (left out) wrong
+    result = invoke(*common, "--benchmarks", bench, "--out", tmp_path / "again")
+    assert result.exit_code == 2 and "over data.max_prompt_tokens=100" in result.output

@@ -77,7 +77,8 @@ class DataConfig:
     # Prefix BOS to prompts: "auto" = as the tokenizer does (Llama's add one, Qwen's none); never twice.
     add_bos: Literal["auto", True, False] = "auto"
     max_prompt_tokens: int = 256
-    # A prompt over max_prompt_tokens: "error", "skip" (left out, counted and named), or "truncate_left"
+    # A prompt over max_prompt_tokens: "error", "skip" (left out, counted and named), or "truncate_left"; the same
+    # for a benchmark's problems (a skipped one is not in its n, and its JSON's data.skipped_long counts it)
     long_prompts: Literal["error", "skip", "truncate_left"] = "error"
     arith: ArithConfig = field(default_factory=ArithConfig)
 

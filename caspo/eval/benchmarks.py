@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from caspo.config import Config
-from caspo.data.build import encode, load_examples
+from caspo.data.build import fitting, load_examples
 from caspo.data.examples import DataError, Example
 from caspo.data.registry import ARITH, SHIPPED
 from caspo.data.task import task_examples
@@ -52,16 +52,23 @@ def load_suites(cfg: Config, tokenizer, sources: list[str]) -> list[Suite]:
 
 
 def load_suite(cfg: Config, tokenizer, source: str, name: str) -> Suite:
-    limit = cfg.eval.limit
+    """The benchmark's first eval.limit problems; with data.long_prompts=skip, those over data.max_prompt_tokens
+    are then left out and counted (`load`: skipped_long), as the training prompts are."""
+    limit, bench = cfg.eval.limit, SHIPPED.get(source)
     if source == HELDOUT:
         examples = task_examples(cfg).eval[:limit or None]
         if not examples:
             raise DataError("the heldout benchmark is empty: set data.eval_source or data.heldout_fraction")
-        return Suite(name, source, examples, encode(cfg, tokenizer, examples), load={"examples": len(examples)})
-    result = load_examples(cfg, source, "heldout", limit)
-    if not result.examples:
-        raise DataError(f"benchmark {source!r} has no problems; check the source and eval.limit")
-    bench = SHIPPED.get(source)
-    return Suite(name, source, result.examples, encode(cfg, tokenizer, result.examples),
-                 subject_field=bench.subject_field if bench else None, level_field=bench.level_field if bench else None,
-                 load=result.summary())
+        load = {"examples": len(examples)}
+    else:
+        result = load_examples(cfg, source, "heldout", limit)
+        if not result.examples:
+            raise DataError(f"benchmark {source!r} has no problems; check the source and eval.limit")
+        examples, load = result.examples, result.summary()
+    examples, prompts = fitting(cfg, tokenizer, examples, load)
+    if not examples:
+        raise DataError(f"every problem of benchmark {source!r} is over data.max_prompt_tokens="
+                        f"{cfg.data.max_prompt_tokens} (data.long_prompts=skip); raise the limit")
+    load["examples"] = len(examples)
+    return Suite(name, source, examples, prompts, subject_field=bench.subject_field if bench else None,
+                 level_field=bench.level_field if bench else None, load=load)
