@@ -22,13 +22,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from caspo.models.provenance import ProvenanceError
     from caspo.rollout.native.kv_cache import CacheDoesNotFit
     from caspo.rollout.native.spec import UnsupportedModelError
+    from caspo.runlog import DamagedRunFile
     from caspo.train.checkpoint import CheckpointError
     from caspo.train.loop import RunStopped
     from caspo.value.labels import LabelFileError
 
     # OSError: a missing file or folder, a model that is neither a folder nor on the hub, a run folder in use
     return (ConfigError, DataError, ProvenanceError, UnsupportedModelError, CheckpointError, RunStopped,
-            LabelFileError, CacheDoesNotFit, OSError)
+            LabelFileError, CacheDoesNotFit, DamagedRunFile, OSError)
 
 
 class Commands(TyperGroup):

@@ -29,18 +29,33 @@ SHARED_LOAD_FRACTION = 0.5
 SHARED_GPU_MB = 1024
 
 
+class DamagedRunFile(ValueError):
+    """A run's own file (metrics.jsonl, samples.jsonl, run.json) that cannot be read back."""
+
+
 class JsonlWriter:
     def __init__(self, path: Path, truncate_after_step: int | None = None,
                  drop: Callable[[dict], bool] | None = None):
         """Append to `path`; on resume, first drop lines of steps after `truncate_after_step`
-        and lines for which `drop(record)` holds (records the resumed run writes again)."""
+        and lines for which `drop(record)` holds (records the resumed run writes again). The kept lines
+        are streamed, as they were, into a new file that then replaces the old: a crash meanwhile loses nothing."""
         self.path = path
         if truncate_after_step is not None and path.exists():
             def kept(record: dict) -> bool:
                 return record.get("step", -1) <= truncate_after_step and not (drop and drop(record))
 
-            keep = [json.dumps(r) for r in read_jsonl(path) if kept(r)]
-            path.write_text("".join(line + "\n" for line in keep))
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                with tmp.open("w") as out:
+                    for record, line in iter_jsonl(path):
+                        if kept(record):
+                            out.write(line if line.endswith("\n") else line + "\n")
+                    out.flush()
+                    os.fsync(out.fileno())
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            os.replace(tmp, path)
         self.file = path.open("a")
 
     def write(self, record: dict) -> None:
@@ -51,21 +66,26 @@ class JsonlWriter:
         self.file.close()
 
 
+def iter_jsonl(path: str | Path):
+    """(record, line) of each line of a JSONL file, read as it streams, as a running or crashed run left it: a
+    last line cut short by a crash is left out; a bad line anywhere else is an error naming the file and line."""
+    bad = None  # (line number, error) of a line that is not JSON: an error unless nothing follows it
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if bad is not None:
+                raise DamagedRunFile(f"{path}, line {bad[0]}: not JSON ({bad[1]}); the file is damaged before its "
+                                     "end: mend or remove that line")
+            try:
+                yield json.loads(line), line
+            except json.JSONDecodeError as err:
+                bad = (i, err)
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
-    """The records of a JSONL file, as a running or crashed run left it: a last line cut short by a
-    crash is left out; a bad line anywhere else is an error naming the file and line."""
-    lines = Path(path).read_text().splitlines()
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:  # being written, or cut by a crash
-                break
-            raise ValueError(f"{path}, line {i + 1}: not JSON ({err}); the file is damaged before its end") from err
-    return records
+    """The records of a JSONL file (`iter_jsonl`)."""
+    return [record for record, _ in iter_jsonl(path)]
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -173,7 +193,13 @@ def run_start(*, step: int, device: str, device_name: str, precision: str, engin
 def record_start(run_dir: Path, start: dict, resumed: bool) -> dict:
     """Append `start` to <run>/run.json (a fresh run begins a new file); returns the whole record."""
     path = run_dir / "run.json"
-    record = json.loads(path.read_text()) if resumed and path.is_file() else {"format": "caspo-run-1", "starts": []}
+    record = {"format": "caspo-run-1", "starts": []}
+    if resumed and path.is_file():
+        try:
+            record = json.loads(path.read_text())
+        except ValueError as err:
+            raise DamagedRunFile(f"{path} is not JSON ({err}); mend it, or move it away to start a new record") \
+                from err
     record["starts"].append(start)
     write_json(path, record)
     return record

@@ -113,6 +113,24 @@ def test_read_jsonl_names_a_damaged_line_before_the_end(tmp_path):
     assert read_jsonl(path) == [{"step": 1}]
 
 
+def test_a_resume_cuts_a_jsonl_back_keeping_its_lines_as_they_were(tmp_path):
+    from caspo.runlog import DamagedRunFile, JsonlWriter
+
+    path = tmp_path / "samples.jsonl"
+    lines = ['{"step": 1, "x": 1.50}\n', '{"step":2}\n', '{"step": 3}\n', '{"step": 2, "redo": true}\n', '{"st']
+    path.write_text("".join(lines))
+    writer = JsonlWriter(path, truncate_after_step=2, drop=lambda r: r.get("redo", False))
+    writer.write({"step": 3})
+    writer.close()
+    assert path.read_text() == lines[0] + lines[1] + '{"step": 3}\n'  # "1.50" and "step":2 kept verbatim
+    assert [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"]
+    damaged = '{"step": 1}\n{"step": 2\n{"step": 3}\n'
+    path.write_text(damaged)
+    with pytest.raises(DamagedRunFile, match="samples.jsonl, line 2: not JSON.*mend or remove that line"):
+        JsonlWriter(path, truncate_after_step=2)
+    assert path.read_text() == damaged and [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"]
+
+
 def test_mean_std_and_its_interval():
     assert mean_std([2.0]) == {"mean": 2.0, "std": 0.0, "n": 1, "ci95": 0.0}
     stats = mean_std([1.0, 2.0, 3.0])
