@@ -75,6 +75,34 @@ def test_two_configs_by_two_seeds_compared_against_their_metrics(tmp_path):
         assert (tmp_path / "report" / png).stat().st_size > 5000
 
 
+def test_a_report_names_what_its_means_mix_and_what_each_rests_on(tmp_path):
+    a, _ = make_run(tmp_path / "a", "grpo", 0)
+    b, records = make_run(tmp_path / "b", "grpo", 1)
+    with (a / "metrics.jsonl").open("a") as f:  # a benchmark only run a was evaluated on
+        f.write(json.dumps({"step": 6, "bench_gsm8k_greedy": 0.5}) + "\n")
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:4]))  # b stopped at step 3
+    text = report(expand([str(a), str(b)]), tmp_path / "out").read_text()
+    assert "- grpo: its runs stopped at different steps (a 6, b 3); their means mix progress" in text
+    def cells(start):
+        return [c.strip() for c in next(x for x in text.splitlines() if x.startswith(start)).strip("|").split("|")]
+    header, row = cells("| group | runs |"), cells("| grpo | 2 |")
+    assert row[header.index("bench_gsm8k_greedy")] == "0.500 (n=1)"  # one of the group's two runs has it
+    c, _ = make_run(tmp_path / "c", "grpo", 0)  # a second run of seed 0
+    summary = report(expand([str(a), str(c)]), tmp_path / "out2").read_text()
+    assert "- grpo: 2 runs of seed 0 count as that many seeds" in summary
+    (tmp_path / "link").symlink_to(a)
+    with pytest.raises(ValueError, match="given more than once"):  # the same folder by another name
+        report(expand([str(a), str(tmp_path / "link")]), tmp_path / "out3")
+
+
+def test_the_t_quantile_past_the_table():
+    from caspo.report.runs import t_975
+
+    exact = {11: 2.200985, 12: 2.178813, 20: 2.085963, 30: 2.042272, 120: 1.979930}  # Student t, 0.975
+    assert all(abs(t_975(df) - t) < 1e-3 for df, t in exact.items())
+    assert t_975(10) == 2.228
+
+
 def test_grouping_by_config_names_what_differs_and_by_method_pools(tmp_path):
     runs = [read_run(make_run(tmp_path / f"e{e}-s{s}", "grpo", s, [f"train.epochs_per_rollout={e}"])[0])
             for e in (1, 2) for s in (0, 1)]

@@ -183,13 +183,35 @@ def state_note(run: Run) -> str:
 # ---------------------------------------------------------------- writing it
 
 
-def fmt(stat: dict, integer: bool = False) -> str:
-    """mean ± 95% interval half-width (n) of a group; the mean alone for one run."""
+def fmt(stat: dict, integer: bool = False, runs: int = 1) -> str:
+    """mean ± 95% interval half-width (n) of a group of `runs` runs; the mean alone for one run, with (n=...)
+    when fewer than the group's runs have the metric."""
     if not stat or stat["n"] == 0 or math.isnan(stat["mean"]):
         return ""
     one = (lambda v: f"{v:,.0f}") if integer or abs(stat["mean"]) >= 1000 else (lambda v: f"{v:.3f}")
-    spread = stat["n"] > 1 and not (integer and stat["std"] == 0)  # counts all equal: the count alone
-    return one(stat["mean"]) + (f" ± {one(stat['ci95'])} (n={stat['n']})" if spread else "")
+    if stat["n"] == 1 or (integer and stat["std"] == 0):  # counts all equal: the count alone
+        return one(stat["mean"]) + (f" (n={stat['n']})" if stat["n"] < runs else "")
+    return one(stat["mean"]) + f" ± {one(stat['ci95'])} (n={stat['n']})"
+
+
+def caveats(groups: dict[str, list[Run]]) -> list[str]:
+    """What makes a group's mean less than a mean over seeds: runs at different progress (steps, or their last
+    evaluation), or several runs of one seed."""
+    out = []
+    for label, members in groups.items():
+        if len(members) < 2:
+            continue
+        if len({len(r.steps) for r in members}) > 1:
+            out.append(f"{label}: its runs stopped at different steps ("
+                       + ", ".join(f"{r.name} {len(r.steps)}" for r in members) + "); their means mix progress")
+        evals = {r.name: (r.last_eval() or {}).get("step") for r in members}
+        if len(set(evals.values())) > 1:
+            out.append(f"{label}: the runs' last evaluations are of different steps ("
+                       + ", ".join(f"{n} {s if s is not None else 'none'}" for n, s in evals.items()) + ")")
+        seeds = [r.seed for r in members]
+        for seed in dict.fromkeys(x for x in seeds if seeds.count(x) > 1):
+            out.append(f"{label}: {seeds.count(seed)} runs of seed {seed} count as that many seeds")
+    return out
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -200,6 +222,10 @@ def report(runs: list[Run], out: str | Path, group_by: str = "config", allow_mis
     """Write <out>/report.md, summary.json, curves.png, phases.png and <metric>_vs_compute.png."""
     if not runs:
         raise ValueError("no runs to report on")
+    paths = [r.path.resolve() for r in runs]
+    twice = sorted({str(p) for p in paths if paths.count(p) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given more than once; name each run once")
     mismatch = check_conditions(runs)
     if mismatch and not allow_mismatch:
         raise ValueError("these runs were not made under the same conditions, so their numbers do not compare:\n  "
@@ -218,16 +244,20 @@ def report(runs: list[Run], out: str | Path, group_by: str = "config", allow_mis
                                      if k not in ("steps", *COMPUTE)))
     lines += ["## Results", "", "Mean over each group's runs ± the half-width of its 95% t interval (n); training "
               f"metrics averaged over each run's last {LAST} steps, evaluations at each run's last one.", ""]
+    size = {label: len(members) for label, members in groups.items()}
     lines += table(["group", "runs", "steps", *metric_cols],
-                   [[label, str(len(groups[label])), fmt(g.get("steps", {}), integer=True)]
-                    + [fmt(g.get(k, {})) for k in metric_cols] for label, g in numbers.items()])
+                   [[label, str(size[label]), fmt(g.get("steps", {}), integer=True, runs=size[label])]
+                    + [fmt(g.get(k, {}), runs=size[label]) for k in metric_cols] for label, g in numbers.items()])
+    warnings = caveats(groups)
+    if warnings:
+        lines += ["", "**Caveats:**", ""] + [f"- {w}" for w in warnings]
     lines += per_seed_table(groups, [k for k in metric_cols if "(last" not in k])
     lines += ["", "## Compute", ""]
     lines += ["Tokens generated or read per run: the policy's responses, Monte Carlo continuations (VinePPO), "
               "value-model reads (CASPO), and a refresh's labelling (its rollouts and their continuations).", ""]
     lines += table(["group", "policy tokens", "Monte Carlo tokens", "value-model tokens", "refresh tokens",
                     "wall-clock (s)"],
-                   [[label] + [fmt(g.get(k, {}), integer=True) or "not recorded" for k in COMPUTE]
+                   [[label] + [fmt(g.get(k, {}), integer=True, runs=size[label]) or "not recorded" for k in COMPUTE]
                     for label, g in numbers.items()])
     lines += ["", "## Runs", ""]
     pin_rows = []
@@ -252,7 +282,7 @@ def report(runs: list[Run], out: str | Path, group_by: str = "config", allow_mis
                           for label in groups},
                "runs": {str(r.path): {"state": r.state, "numbers": run_numbers(r), "timing": timing(r), "pins": pins(r)}
                         for r in runs},
-               "mismatch": mismatch}
+               "mismatch": mismatch, "caveats": warnings}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return out / "report.md"
 
