@@ -52,6 +52,13 @@ app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True, help
 app.add_typer(value_app, name="value", help="phase 1: Monte Carlo step labels, prefix-value training, probes")
 
 
+def integer(flag: str, item: str, takes: str = "a comma list of integers") -> int:
+    try:
+        return int(item)
+    except ValueError:
+        raise ValueError(f"{flag}: {item.strip()!r} is not an integer ({flag} takes {takes})") from None
+
+
 def print_version(value: bool) -> None:
     if not value:
         return
@@ -269,9 +276,9 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     from caspo.train.suite import run_suite
 
     try:
-        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
-        device_list = [d.strip() if d.strip() == "cpu" else f"cuda:{int(d)}" for d in devices.split(",")] \
-            if devices else None
+        seed_list = [integer("--seeds", s) for s in seeds.split(",") if s.strip()]
+        device_list = [d.strip() if d.strip() == "cpu" else f"cuda:{integer('--devices', d, 'CUDA indices or cpu')}"
+                       for d in devices.split(",")] if devices else None
         slots = None
         if ray_address:
             from caspo.train.ray_launch import RaySlots

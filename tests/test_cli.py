@@ -59,7 +59,8 @@ CASES = [  # (command line, the command, part of the message); {name} is a path 
     ("train tests train.output_dir={used}", "train", "already holds a run (metrics.jsonl); resume it with --resume"),
     ("train tests train.output_dir={tmp}/run data.source={rows} data.eval_source=math500", "train",
      "rows.jsonl: 1 invalid row of 2 (rows-2); first: "),
-    ("train tests train.output_dir={tmp}/run data.max_prompt_tokens=3", "train", "over data.max_prompt_tokens=3"),
+    ("train tests train.output_dir={tmp}/run data.max_prompt_tokens=3", "train",
+     "prompt of row 'arith-train-0' is 100 tokens, over data.max_prompt_tokens=3"),
     ("train tests train.output_dir={tmp}/run model.device=cpu rollout.backend=native "
      "rollout.shared_prefix_attention=true rollout.cuda_graphs=true", "train",
      "rollout.cuda_graphs and rollout.shared_prefix_attention=true need a CUDA device; the policy is on cpu"),
@@ -70,6 +71,8 @@ CASES = [  # (command line, the command, part of the message); {name} is a path 
     ("verify-resume tests reward.workers=-3", "verify-resume", "reward.workers must be >= 0"),
     ("value collect tests --out {tmp}/l.jsonl --shard 4", "value", "shard must look like i/n (e.g. 0/4), got '4'"),
     ("value probe {tmp} {tmp}/none.jsonl", "value", "none.jsonl: no such label file; `caspo value collect`"),
+    ("suite tests --methods grpo --seeds 0,a --out {tmp}/s", "suite",
+     "--seeds: 'a' is not an integer (--seeds takes a comma list of integers)"),
 ]
 
 
@@ -168,6 +171,7 @@ def test_a_branch_refuses_a_folder_holding_a_run_and_a_resume_names_what_changed
     assert "settings changed from the checkpoint's:" in result.stderr.replace("\n", "")
     start = json.loads((branch / "run.json").read_text())["starts"][-1]
     assert start["config_changes"] == changes and start["step"] == 1
+    assert start["data"]["train"]["examples"] > 0  # the data summary the run printed, kept
     assert [json.loads(x)["step"] for x in (branch / "metrics.jsonl").read_text().splitlines()] == [2]
     (branch / "run.json").write_text('{"starts": [')  # a damaged record of the run is named, not a traceback
     result = invoke("train", "tests", f"train.output_dir={branch}", *QUICK[:-2], "train.steps=3", "model.threads=1",

@@ -104,6 +104,13 @@ def test_load_math_rows(tmp_path):
     assert ex[0].query == "What is 1+2?" and ex[0].meta == {"solution": "1+2=3"}
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"problem": "One?", "answer": "1"}\n{"problem": "Two?", "answer": "2"}\n')
+    result = load_jsonl(path)
+    assert result.skipped == 0 and [e.query for e in result.examples] == ["One?", "Two?"]
+
+
 def test_load_prompt_label_rows(tmp_path):
     path = write_jsonl(tmp_path / "loop.jsonl", [{"prompt": "p1", "label": "3"}, {"prompt": "p2", "label": "-1"}])
     result = load_jsonl(path, query_field="prompt", label_field="label")

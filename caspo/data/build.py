@@ -33,7 +33,7 @@ def encode(cfg: Config, tokenizer, examples: list[Example]) -> list[list[int]]:
     overflow = "truncate_left" if d.long_prompts == "truncate_left" else "error"
     limit = d.max_prompt_tokens if d.long_prompts != "skip" else LIMITLESS
     return encode_prompts(tokenizer, texts, add_bos=prompt_bos(d.add_bos, tokenizer, texts),
-                          max_prompt_tokens=limit, on_overflow=overflow)
+                          max_prompt_tokens=limit, on_overflow=overflow, ids=[e.id for e in examples])
 
 
 def fitting(cfg: Config, tokenizer, examples: list[Example], summary: dict) -> tuple[list[Example], list]:

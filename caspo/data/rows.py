@@ -82,7 +82,7 @@ def _label(src: Source) -> str:
 
 def _jsonl(path: Path) -> list[RawRow]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is not part of row 1
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e}); re-save the file as UTF-8") from None
     out = []

@@ -233,6 +233,7 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
     engine_dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else cfg.train.precision  # auto: its compute dtype
     start = run_start(step=tr.step, device=str(tr.device), device_name=device_name(tr.device),
                       precision=cfg.train.precision, engine_dtype=engine_dtype, load=load)
+    start["data"] = tr.data.summary  # what was loaded: sources, counts, rows left out and why
     run_record = record_start(tr.run_dir, {**start, "config_changes": changes} if changes else start,
                               resumed=resume is not None)
     status = StatusFile(tr.run_dir / "status.json", cfg.train.steps)
