@@ -102,6 +102,10 @@ def resolve_method(cfg: Config) -> Method:
     if m.step_adv_scope == "minibatch" and method.step_whiten != "tokens":
         raise ConfigError(f"method.step_adv_scope=minibatch whitens VinePPO's token advantages in the update, one "
                           f"optimizer minibatch at a time; {m.name} takes batch, group or off")
+    if not m.std_normalize and not (method.group_baseline or (method.advantages is adv.terminal
+                                                              and m.terminal_scope != "off")):
+        raise ConfigError(f"method.std_normalize=false centres group-relative scores (grpo, dppo_tv, dppo_kl) and "
+                          f"ppo's batch or group scores; {m.name} with these settings has none: leave it true")
     if m.dual_clip is not None and method.loss not in (losses.PPO_CLIP, losses.DECOUPLED):
         raise ConfigError(f"method.dual_clip={m.dual_clip} bounds PPO's clipped ratio loss; {m.name}'s loss has no "
                           "such clip: leave it null")

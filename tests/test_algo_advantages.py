@@ -138,6 +138,12 @@ def test_terminal_advantages_scopes():
     assert (terminal_advantages(torch.ones(4), None, "batch") == 0).all()
     with pytest.raises(ValueError, match="batch"):
         terminal_advantages(scores, ids, "prompt")
+    # std_normalize=False (Dr. GRPO's centring): s − mean, of the batch and of each group
+    uneven = torch.tensor([3.0, 0.0, 0.0, 1.0])
+    torch.testing.assert_close(terminal_advantages(uneven, ids, "batch", std_normalize=False),
+                               torch.tensor([2.0, -1.0, -1.0, 0.0]))
+    torch.testing.assert_close(terminal_advantages(uneven, ids, "group", std_normalize=False),
+                               torch.tensor([1.5, -1.5, -0.5, 0.5]))
 
 
 def test_step_td_by_hand():

@@ -262,3 +262,13 @@ def test_step_adv_scope_is_checked_against_the_method():
     with pytest.raises(ConfigError, match=r"expected one of \['batch', 'group', 'off', 'minibatch'\]"):
         load_config("tests", ["method.step_adv_scope=prompt"])
     assert load_config("tests", ["method.step_adv_scope=off"]).method.step_adv_scope == "off"  # YAML's off
+
+
+def test_std_normalize_is_honoured_by_ppo_and_refused_where_nothing_reads_it():
+    batch = make_batch([[1, 1], [1, 0], [1, 1], [1, 0]], [0, 0, 1, 1], [3.0, 0.0, 0.0, 1.0])
+    adv = advantages(batch, "ppo", "method.terminal_scope=group", "method.std_normalize=false")
+    torch.testing.assert_close(adv, torch.tensor([[1.5, 1.5], [-1.5, 0.0], [-0.5, -0.5], [0.5, 0.0]]))
+    for method, extra in [("ppo_critic", []), ("vineppo", []), ("ppo", ["method.terminal_scope=off"])]:
+        with pytest.raises(ConfigError, match="method.std_normalize=false centres group-relative scores"):
+            resolve_method(load_config("tests", [f"method.name={method}", "method.std_normalize=false", *extra]))
+    resolve_method(load_config("tests", ["method.name=dppo_tv", "method.std_normalize=false"]))  # read: accepted

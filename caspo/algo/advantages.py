@@ -142,12 +142,15 @@ def terminal_advantages(
     group_ids: torch.Tensor | None,
     scope: str,
     eps: float = 1e-6,
+    std_normalize: bool = True,
 ) -> torch.Tensor:
     """"PPO with terminal reward" (method ``ppo``): the sequence score, standardised.
 
         batch:  A_i = (s_i − mean) / (std + eps)   over the whole batch, std unbiased
         group:  A_i = group_advantages(s, group_ids)
         off:    A_i = s_i
+
+    ``std_normalize`` False keeps the centring alone (A_i = s_i − mean), as ``group_advantages`` does.
 
     Returns ``[B]``; every response token of sequence i takes A_i, which is GAE
     with γ = λ = 1, V = 0 and the score as the last token's reward, then
@@ -161,11 +164,12 @@ def terminal_advantages(
     if scope == "batch":
         if scores.numel() < 2:
             raise ValueError("terminal_advantages: scope 'batch' needs at least 2 scores")
-        return group_advantages(scores, torch.zeros_like(scores, dtype=torch.long), eps=eps)
+        return group_advantages(scores, torch.zeros_like(scores, dtype=torch.long), eps=eps,
+                                std_normalize=std_normalize)
     if scope == "group":
         if group_ids is None:
             raise ValueError("terminal_advantages: scope 'group' needs group_ids")
-        return group_advantages(scores, group_ids, eps=eps)
+        return group_advantages(scores, group_ids, eps=eps, std_normalize=std_normalize)
     raise ValueError(f"unknown terminal advantage scope {scope!r}; valid scopes: {', '.join(TERMINAL_SCOPES)}")
 
 

@@ -194,7 +194,8 @@ class MethodConfig:
     # how token losses are summed (caspo.algo.aggregate); seq-mean-token-sum-norm (Dr. GRPO) divides by
     # rows × rollout.max_new_tokens
     loss_agg: LossAgg = "token-mean"
-    # group advantages: divide by the group's std (false = Dr. GRPO's s - mean)
+    # group advantages (grpo, dppo_tv, dppo_kl; ppo's batch or group scope): divide by the std (false = Dr. GRPO's
+    # s - mean); refused where nothing reads it
     std_normalize: bool = True
     # ppo (terminal reward): standardise over "batch", "group", or "off"
     terminal_scope: Literal["batch", "group", "off"] = "batch"

@@ -99,7 +99,7 @@ def group_relative(batch: RolloutBatch, rewards: torch.Tensor, m: MethodConfig) 
 
 
 def terminal(batch: RolloutBatch, rewards: torch.Tensor, m: MethodConfig) -> Advantages:
-    seq = algo.terminal_advantages(rewards.sum(-1), batch.group_ids, m.terminal_scope)
+    seq = algo.terminal_advantages(rewards.sum(-1), batch.group_ids, m.terminal_scope, std_normalize=m.std_normalize)
     return seq[:, None] * batch.response_mask, None
 
 
