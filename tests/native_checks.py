@@ -26,17 +26,6 @@ def with_and_without(model, kernel: str, reqs, sp):
     return on.generate(reqs, sp), engine(model, **{kernel: False}).generate(reqs, sp)
 
 
-def cast_weights(model, dtype):
-    """The model with its parameters in `dtype`, as `from_pretrained(..., dtype=dtype)` loads it.
-
-    `model.to(dtype)` would round RoPE's `inv_freq` buffer too, which `from_pretrained` keeps in
-    float32 (as the engine does): the bf16 transformers model would then be a worse oracle.
-    """
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    return model
-
-
 def hf_logits(model, sequence):
     device = next(model.parameters()).device
     with torch.no_grad():

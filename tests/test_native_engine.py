@@ -6,10 +6,11 @@ import weakref
 
 import pytest
 import torch
-from native_checks import assert_equal_up_to_near_tie, cast_weights, engine, hf_logits, requests, with_and_without
+from native_checks import assert_equal_up_to_near_tie, engine, hf_logits, requests, with_and_without
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from caspo.models.policy import cast_parameters
 from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeCompletion, NativeEngine, UnsupportedModelError, decoder_spec
@@ -52,7 +53,7 @@ def test_teacher_forced_logprobs_match_transformers_fp32(model):
 
 
 def test_teacher_forced_logprobs_match_transformers_bf16(model):
-    model = cast_weights(model, torch.bfloat16)
+    model = cast_parameters(model, torch.bfloat16)
     native = engine(model)
     assert native.dtype == torch.bfloat16
     for sequence, logits in zip(SEQUENCES, native.teacher_forced_logits(SEQUENCES)):

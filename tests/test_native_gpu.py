@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
-from native_checks import cast_weights
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from caspo.models.policy import cast_parameters
 from caspo.rollout.base import Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
@@ -24,7 +24,7 @@ def build(family, dtype=torch.bfloat16):
     config = Qwen2Config(**SHAPE, tie_word_embeddings=False) if family == "qwen2" else LlamaConfig(
         **SHAPE, tie_word_embeddings=True)
     torch.manual_seed(0)
-    return cast_weights(AutoModelForCausalLM.from_config(config), dtype).to(CUDA).eval()
+    return cast_parameters(AutoModelForCausalLM.from_config(config), dtype).to(CUDA).eval()
 
 
 @pytest.fixture(params=["qwen2", "llama"])

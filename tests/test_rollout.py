@@ -169,3 +169,13 @@ def test_nucleus_keeps_ties_at_the_cut():
     assert kept.tolist() == [[True, False, False, False, False]]
     kept = truncate_logits(logits, top_k=1, top_p=1.0) > float("-inf")
     assert kept.tolist() == [[True, False, False, False, False]]
+
+
+def test_the_hf_engine_in_bf16_keeps_rope_in_float32(tiny_model):
+    # model.to(bf16) would round inv_freq too and sample from another policy than the one trained
+    inv_freq = dict(tiny_model.named_buffers())["model.rotary_emb.inv_freq"]
+    assert inv_freq.dtype == torch.float32 and not torch.equal(inv_freq, inv_freq.bfloat16().float())
+    engine = HFEngine(tiny_model, pad_token_id=0, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
+    kept = dict(engine.model.named_buffers())["model.rotary_emb.inv_freq"]
+    assert kept.dtype == torch.float32 and torch.equal(kept, inv_freq)

@@ -112,13 +112,14 @@ def test_one_kernel_at_the_rollout_shape_on_the_gpu():
 def test_an_fp16_engine_samples_the_same_tokens_with_the_fused_decode():
     """An fp16 engine with both kernels on (prefill through rope_store, decode steps through the fused kernel)
     samples the tokens and log-probs of the same engine with RoPE and the writes eager."""
-    from native_checks import cast_weights, engine, requests
+    from native_checks import engine, requests
     from test_native_engine import build, qwen2_untied
 
+    from caspo.models.policy import cast_parameters
     from caspo.rollout.base import SamplingParams
 
     device_for_triton()
-    model = cast_weights(build(qwen2_untied()), torch.float16)
+    model = cast_parameters(build(qwen2_untied()), torch.float16)
     sp = SamplingParams(temperature=1.0, stop_token_ids=[1])
     reqs = requests(5, max_new=8)
     fused = engine(model, decode_kernel=True, rope_kernel=True)

@@ -65,6 +65,15 @@ def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     return model.to(device)
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model with its parameters, not its buffers, in `dtype`, as `from_pretrained(..., dtype=dtype)` loads
+    it: `model.to(dtype)` would also round RoPE's float32 `inv_freq` (0.56234 -> 0.5625), moving every position's
+    rotation away from the policy the trainer computes."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
 def attention_without_cudnn() -> None:
     """Leave cuDNN out of the backends of PyTorch's scaled_dot_product_attention, for the whole process: padded
     batches then take the memory-efficient kernel, unpadded ones (the trainer's, `forward.response_states`) flash.

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from caspo.models.policy import cast_parameters
 from caspo.rollout.base import Completion, OnFinish, Request, SamplingParams, asleep_error
 from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
@@ -29,8 +30,8 @@ class HFEngine(PublishedWeights):
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch: int = 0, decode=None,
                  dtype: torch.dtype | None = None):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        if dtype is not None:
-            self.model.to(dtype)  # the engine computes in its own dtype; publications are cast to it
+        if dtype is not None:  # the engine computes in its own dtype; publications are cast to it
+            cast_parameters(self.model, dtype)
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.decode = decode  # token ids -> text, needed only for stop strings
