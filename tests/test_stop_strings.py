@@ -5,7 +5,7 @@ import random
 import pytest
 
 from caspo.models.bpe import build_qwen_tokenizer
-from caspo.rollout.stop_strings import WINDOW, StopStrings
+from caspo.rollout.stop_strings import StopStrings
 
 
 @pytest.fixture(scope="module")
@@ -14,10 +14,9 @@ def tokenizer():
 
 
 def first_stop(tokens, strings, decode):
-    """The step at which the full check (every step, no filter) first finds a stop string, or None."""
+    """The step at which the whole decoded text first contains a stop string (vLLM's rule), or None."""
     for t in range(1, len(tokens) + 1):
-        tail = decode(tokens[:t][-WINDOW:])
-        if any(tail.endswith(s) for s in strings):
+        if any(s in decode(tokens[:t]) for s in strings):
             return t
     return None
 
@@ -60,3 +59,26 @@ def test_steps_that_cannot_end_a_stop_string_decode_one_token_once(tokenizer):
     assert StopStrings(["\n\n"], decode).every_step and StopStrings(["é"], decode).every_step
     with pytest.raises(ValueError, match="non-empty"):
         StopStrings(["ok", ""], decode)
+
+
+@pytest.mark.parametrize("text, stop", [("so 3.\n\n\nProblem:\nWhat", "\n\n\nProblem:"),
+                                        ("<answer>3</answer>\nmore", "</answer>"),
+                                        ("done \\end{document}\n\nmore", "\\end{document}")])
+def test_a_stop_string_ending_inside_a_token_stops_there(tokenizer, text, stop):
+    tokens = tokenizer.encode(text)
+    t = first_stop(tokens, [stop], tokenizer.decode)
+    assert not tokenizer.decode(tokens[:t]).endswith(stop)  # the token that completes it carries more text
+    stops = StopStrings([stop], tokenizer.decode)
+    assert next(u for u in range(1, len(tokens) + 1) if stops.ended(tokens[:u])) == t
+
+
+def test_a_stop_string_longer_than_the_window_in_single_characters():
+    def decode(ids):  # one character per token
+        return "".join(chr(i) for i in ids)
+
+    stop = "Problem " * 6  # 48 characters, 48 tokens
+    tokens = [ord(c) for c in "x" * 10 + stop + "y"]
+    stops = StopStrings([stop], decode)
+    assert next(u for u in range(1, len(tokens) + 1) if stops.ended(tokens[:u])) == 10 + len(stop)
+    # a stop string already in the text before the last token is not found again (it stopped the sequence then)
+    assert not stops.ended(tokens)

@@ -101,6 +101,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # Stop strings: a response ends on the token whose text completes one (vLLM's rule; the token is kept whole)
     stop: list[str] = field(default_factory=list)
     # Sequences decoded together; 0 = all requests of a step at once.
     max_batch: int = 0
