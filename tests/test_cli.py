@@ -64,6 +64,8 @@ CASES = [  # (command line, the command, part of the message); {name} is a path 
     ("train tests train.output_dir={tmp}/run model.device=cpu rollout.backend=native "
      "rollout.shared_prefix_attention=true rollout.cuda_graphs=true", "train",
      "rollout.cuda_graphs and rollout.shared_prefix_attention=true need a CUDA device; the policy is on cpu"),
+    ("train tests train.output_dir={tmp}/run data.max_prompt_tokens=500", "train",
+     "a sequence may reach 540 tokens (data.max_prompt_tokens plus the longest of rollout.max_new_tokens"),
     ("sft tests sft.lr=0 --output {tmp}/sft", "sft", "sft.lr must be > 0"),
     ("eval {tmp}/nothing --out {tmp}/out", "eval", "nothing: not a run folder"),
     ("eval embedded:tiny-arith --checkpoints step_3 --out {tmp}/out", "eval", "picks checkpoints of a run folder"),

@@ -35,7 +35,13 @@ def max_seq_len(cfg: Config) -> int:
 
 
 def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: int):
+    """The engine of rollout.backend; refused when a sequence could run past the policy's context."""
     r = cfg.rollout
+    context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    if context and max_seq_len > context:
+        raise ConfigError(f"a sequence may reach {max_seq_len} tokens (data.max_prompt_tokens plus the longest of "
+                          "rollout.max_new_tokens, eval.max_new_tokens and VinePPO's continuations), past the "
+                          f"policy's context of {context} (max_position_embeddings): lower them to fit")
     if r.backend == "hf":
         from caspo.rollout.hf import HFEngine
 
