@@ -18,7 +18,8 @@ def perturbed(model, scale=0.05):
 
 
 def check_failed_publications_keep_old_weights(engine, model, requests, sampling):
-    """An incomplete, mis-shaped or unknown-tensor publication raises and leaves the old weights serving."""
+    """An incomplete, mis-shaped, unknown-tensor or non-finite publication raises and leaves the old weights
+    serving."""
     before = engine.generate(requests, sampling)
     named = dict(perturbed(model).named_parameters())
     engine.begin(1)
@@ -31,5 +32,12 @@ def check_failed_publications_keep_old_weights(engine, model, requests, sampling
         engine.load({name: named[name][:-1]})
     with pytest.raises(PublicationError, match="unknown tensor"):
         engine.load({"not.a.weight": named[name]})
+    poisoned = {k: v.detach().clone() for k, v in named.items()}
+    last = list(poisoned)[-1]
+    poisoned[last].view(-1)[3] = float("nan")  # one NaN in one tensor
+    engine.begin(1)
+    engine.load(poisoned)
+    with pytest.raises(PublicationError, match=f"1 tensors hold NaN or Inf \\(first: {last}\\)"):
+        engine.commit()
     assert engine.version == 0
     assert [c.tokens for c in engine.generate(requests, sampling)] == [c.tokens for c in before]

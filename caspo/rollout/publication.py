@@ -1,15 +1,18 @@
 """Weight publication as a transaction: stage every tensor, check, then swap.
 
-A publication that misses a name, or brings a wrong shape or dtype, raises at
-`commit()` and leaves the weights in service untouched: a half-loaded policy can
-never generate. A sharded parameter (an FSDP2 DTensor) is gathered whole as it is
-staged, one tensor at a time, so no more than one gathered tensor is alive beside
-the staged copies; every rank stages the same names in the same order.
+A publication that misses a name, brings an unknown name or a wrong shape (at
+`load()`), or holds a NaN or Inf, raises and leaves the weights in service
+untouched: a half-loaded or non-finite policy can never generate. Each tensor is
+cast to the engine's dtype as it is staged, so what is checked is what will serve.
+A sharded parameter (an FSDP2 DTensor) is gathered whole as it is staged, one
+tensor at a time, so no more than one gathered tensor is alive beside the staged
+copies; every rank stages the same names in the same order.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -19,14 +22,23 @@ class PublicationError(RuntimeError):
     pass
 
 
-def weights_digest(named: dict[str, torch.Tensor]) -> str:
-    """A checksum of named tensors, computed where they live (float64 sum and sum of squares)."""
+def tensor_sums(named: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """name -> (float64 sum, sum of squares) of each tensor, computed where it lives."""
+    out = {}
+    for name in sorted(named):
+        x = named[name].detach().double()
+        total, squares = torch.stack([x.sum(), x.square().sum()]).cpu().tolist()
+        out[name] = (total, squares)
+    return out
+
+
+def weights_digest(named: dict[str, torch.Tensor], sums: dict[str, tuple[float, float]] | None = None) -> str:
+    """A checksum of named tensors: their names, shapes, dtypes and `tensor_sums`."""
+    sums = tensor_sums(named) if sums is None else sums
     h = hashlib.sha256()
     for name in sorted(named):
-        t = named[name].detach()
-        x = t.double()
-        stats = torch.stack([x.sum(), x.square().sum()]).cpu().tolist()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{stats[0]!r}:{stats[1]!r};".encode())
+        t = named[name]
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{sums[name][0]!r}:{sums[name][1]!r};".encode())
     return h.hexdigest()[:16]
 
 
@@ -59,10 +71,12 @@ class Publication:
                 f"publication v{self.version} incomplete: {len(missing)} tensors never arrived (first: {missing[0]}); "
                 "the previous weights stay in service"
             )
-        for name, tensor in self.staged.items():
-            if tensor.dtype != self.target[name].dtype:
-                raise PublicationError(f"publication v{self.version}: {name} dtype {tensor.dtype}")
-        digest = weights_digest(self.staged)
+        sums = tensor_sums(self.staged)  # a NaN or Inf anywhere makes its tensor's sums non-finite
+        bad = [name for name, pair in sums.items() if not all(map(math.isfinite, pair))]
+        if bad:
+            raise PublicationError(f"publication v{self.version}: {len(bad)} tensors hold NaN or Inf (first: "
+                                   f"{bad[0]}); the previous weights stay in service")
+        digest = weights_digest(self.staged, sums)
         with torch.no_grad():
             for name, tensor in self.staged.items():
                 self.target[name].copy_(tensor)
