@@ -104,7 +104,8 @@ def plot_vs_compute(groups: Groups, key: str, out: str | Path, title: str) -> Pa
             band(ax, runs, key, label, x=x, color=f"C{i}")
         ax.set(xlabel=X_LABELS[x], ylabel=title, title=f"{title} against {X_LABELS[x]}")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:  # a group whose runs never share a step draws no band
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     return save(fig, out)
 
