@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -19,6 +21,7 @@ from caspo.precision import LossScaler
 from caspo.reward.pool import RewardResult
 from caspo.rollout.base import Completion, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
+from caspo.train import checkpoint as ckpt
 from caspo.train import distributed, fsdp, sharded
 from caspo.train.blocks import RankSplitEngine, RankSplitPool
 from caspo.train.scoring import score
@@ -87,6 +90,23 @@ def main(out: str) -> None:
     facts["export_diff"] = max((whole[k] - single.state_dict()[k]).abs().max().item() for k in whole) \
         if distributed.is_main() else 0.0
 
+    # a sharded checkpoint whose rank 1 fails its part: both ranks raise the same error, the previous one stays
+    run = Path(out).parent / "sharded_run"
+    learners = {"policy": SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))}
+    save = dict(learners=learners, precision="fp32", tokenizer=None, trainer_state={}, counters={}, config_yaml="")
+    sharded.save(run, 1, rank_state={}, **save)
+    real_save = torch.save
+    if distributed.rank() == 1:
+        torch.save = lambda obj, path, *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        sharded.save(run, 2, rank_state={}, **save)
+    except ckpt.CheckpointError as err:
+        facts["failed_save"] = str(err)
+    finally:
+        torch.save = real_save
+    distributed.barrier()
+    facts["after_failed_save"] = sorted(p.name for p in (run / "checkpoints").iterdir())
+
     # the collectives' helpers
     mine = torch.zeros(5, dtype=torch.bool)
     mine[list(distributed.block(5))] = True
@@ -115,7 +135,8 @@ def main(out: str) -> None:
     facts["grouped_generated"], facts["grouped_scored"] = engine.seen, pool.seen
     facts["grouped_completions"] = [c.tokens for c in grouped]
     facts["per_rank"] = distributed.gather_objects({k: facts[k] for k in (
-        "micro_batches", "grad_diff", "digest_equal", "export_keys_equal", "split_generated", "split_scored",
+        "micro_batches", "grad_diff", "digest_equal", "export_keys_equal", "failed_save", "split_generated",
+        "split_scored",
         "split_completions", "split_rewards", "grouped_generated", "grouped_scored", "grouped_completions")})
     if distributed.is_main():
         with open(out, "w") as f:

@@ -129,6 +129,11 @@ def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_pat
     assert all(r["digest_equal"] and r["export_keys_equal"] and r["grad_diff"] == facts["grad_diff"]
                for r in facts["per_rank"])
     assert facts["export_diff"] == 0.0
+    # rank 1's part of checkpoint 2 failed: both ranks raised the error naming it; checkpoint 1 is still latest
+    assert all(r["failed_save"].startswith("writing checkpoint step_000002 to ") and
+               "rank 1: No space left on device" in r["failed_save"] and "(step_000001) is intact" in r["failed_save"]
+               for r in facts["per_rank"])
+    assert facts["after_failed_save"] == ["latest", "step_000001"]
     # rank 0 filled rows 0-2 with 1, rank 1 rows 3-4 with 2; the NaN of a filled row is kept
     assert facts["share_rows"] == [[1.0, None]] * 3 + [[2.0, None]] * 2
     assert facts["gather_rows"] == [0, 10, 20, 30, 40]

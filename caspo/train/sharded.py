@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -53,8 +54,17 @@ def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: s
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "ranks").mkdir(parents=True)
     distributed.barrier()
-    dcp.save(sharded_state(learners), checkpoint_id=tmp / ckpt.SHARDS)
-    torch.save(rank_state, ckpt.rank_state_path(tmp, distributed.rank()))
+    failed = None
+    try:  # a rank that fails its part (a full disk) must not leave the others waiting at the next collective
+        dcp.save(sharded_state(learners), checkpoint_id=tmp / ckpt.SHARDS)
+        torch.save(rank_state, ckpt.rank_state_path(tmp, distributed.rank()))
+    except (Exception, CheckpointException) as err:  # DCP's own (a BaseException) carries every rank's failure
+        failed = write_failure(err, distributed.rank())
+    failures = list(dict.fromkeys(f for f in distributed.gather_objects(failed) if f))  # DCP's: on every rank
+    if failures:
+        error = str(ckpt.write_error(RuntimeError("; ".join(failures)), root, final, tmp)) \
+            if distributed.is_main() else None
+        raise ckpt.CheckpointError(distributed.from_main(error))
     exports = {name: whole_state(lr.model, precision) for name, lr in learners.items()}
     distributed.barrier()  # every rank's part is on disk
     error = None
@@ -69,6 +79,13 @@ def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: s
     if error:
         raise ckpt.CheckpointError(error)
     return final
+
+
+def write_failure(err: BaseException, rank: int) -> str:
+    """What failed on which rank, in a line; DCP's CheckpointException holds each failing rank's exception."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(write_failure(wrapped[0], r) for r, wrapped in sorted(err.failures.items()))
+    return f"rank {rank}: {getattr(err, 'strerror', None) or err}"
 
 
 def restore(checkpoint: Path, learners: dict[str, Learner], world_size: int) -> dict:
