@@ -66,10 +66,15 @@ def test_sigkill_during_saves_twenty_trials(tmp_path):
     kill_trials(tmp_path, trials=20, seed=1)
 
 
-def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_is_intact(tmp_path, monkeypatch):
+def small_save() -> dict:
+    """save_checkpoint's arguments for a 2 × 2 linear "policy" whose save_pretrained writes one torch file."""
     model = torch.nn.Linear(2, 2)
     model.save_pretrained = lambda path, **kw: (path.mkdir(), torch.save(model.state_dict(), path / "w.pt"))
-    save = dict(models={"policy": model}, tokenizer=None, counters={})
+    return dict(models={"policy": model}, tokenizer=None, counters={})
+
+
+def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_is_intact(tmp_path, monkeypatch):
+    save = small_save()
     first = ckpt.save_checkpoint(tmp_path, 1, trainer_state={"step": 1}, **save)
 
     def full(obj, path, *args, **kwargs):
@@ -87,9 +92,7 @@ def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_is_intact(tmp_
 
 def test_a_writer_that_fails_with_its_own_error_is_the_same_clear_error(tmp_path, monkeypatch):
     # on a full disk torch.save raises RuntimeError and safetensors SafetensorError, not OSError
-    model = torch.nn.Linear(2, 2)
-    model.save_pretrained = lambda path, **kw: (path.mkdir(), torch.save(model.state_dict(), path / "w.pt"))
-    save = dict(models={"policy": model}, tokenizer=None, counters={})
+    save = small_save()
     first = ckpt.save_checkpoint(tmp_path, 1, trainer_state={"step": 1}, **save)
 
     def fails(obj, path, *args, **kwargs):
@@ -106,14 +109,12 @@ def test_a_writer_that_fails_with_its_own_error_is_the_same_clear_error(tmp_path
 def test_files_and_renames_reach_the_disk_before_latest_names_them(tmp_path, monkeypatch):
     import os
 
-    model = torch.nn.Linear(2, 2)
-    model.save_pretrained = lambda path, **kw: (path.mkdir(), torch.save(model.state_dict(), path / "w.pt"))
+    save = small_save()
     synced, replaced = [], []
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((len(synced), str(b))), real_replace(a, b)))
-    final = ckpt.save_checkpoint(tmp_path, 1, models={"policy": model}, tokenizer=None, trainer_state={"step": 1},
-                                 counters={})
+    final = ckpt.save_checkpoint(tmp_path, 1, trainer_state={"step": 1}, **save)
     root = str(tmp_path / "checkpoints")
     (to_folder, folder_name), (to_latest, latest_name) = replaced
     assert (folder_name, latest_name) == (str(final), f"{root}/latest")
@@ -125,10 +126,8 @@ def test_files_and_renames_reach_the_disk_before_latest_names_them(tmp_path, mon
 
 
 def test_a_missing_or_garbled_manifest_or_trainer_state_is_a_checkpoint_error(tmp_path):
-    model = torch.nn.Linear(2, 2)
-    model.save_pretrained = lambda path, **kw: (path.mkdir(), torch.save(model.state_dict(), path / "w.pt"))
-    folder = ckpt.save_checkpoint(tmp_path, 1, models={"policy": model}, tokenizer=None, trainer_state={"step": 1},
-                                  counters={})
+    save = small_save()
+    folder = ckpt.save_checkpoint(tmp_path, 1, trainer_state={"step": 1}, **save)
     state = (folder / "trainer_state.pt").read_bytes()
     (folder / "trainer_state.pt").write_bytes(state[: len(state) // 2])
     with pytest.raises(ckpt.CheckpointError, match="trainer_state.pt cannot be loaded"):
