@@ -13,15 +13,17 @@ PRESET = "looped-recipe"
 ALGORITHMS = {"ppo": "ppo_critic", "grpo": "grpo", "dppo": "dppo", "flow-dppo": "flow_dppo"}
 
 
-def recipe_overrides(algorithm: str, rollout_batch_size: int, n_samples_per_prompt: int,
+def recipe_overrides(algorithm: str, rollout_batch_size: int, n_samples_per_prompt: int | None,
                      precision: str, recompute: bool, cuda_graphs: bool, stop_after: int,
                      model: str | None = None, data: str | None = None, output_dir: str | None = None) -> list[str]:
     """The overrides of the looped-recipe preset that the flags stand for.
 
     One optimizer step per rollout (the whole completion batch), except flow-dppo: two steps, each on half of
-    it. GRPO needs at least two completions per prompt."""
+    it. Completions per prompt default to 4 for GRPO (which needs at least two) and 1 for the others."""
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"--algorithm {algorithm}: use one of {', '.join(ALGORITHMS)}")
+    if n_samples_per_prompt is None:
+        n_samples_per_prompt = 4 if algorithm == "grpo" else 1
     if precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"--precision {precision}: use fp32, bf16 or fp16 (fixed loss scale 128)")
     if rollout_batch_size < 1 or n_samples_per_prompt < 1:

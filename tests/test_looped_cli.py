@@ -24,6 +24,12 @@ def test_each_algorithm_is_its_method_row_with_one_update_per_rollout_and_flow_d
     assert {a: overrides(a)["method.name"] for a in ("ppo", "grpo", "dppo", "flow-dppo")} == \
         {"ppo": "ppo_critic", "grpo": "grpo", "dppo": "dppo", "flow-dppo": "flow_dppo"}
     assert overrides("ppo", 4, 4)["train.minibatch_size"] == "16"
+    # completions per prompt unless given: 4 for grpo, 1 for the others (the recipe's group size)
+    assert {a: overrides(a, 4, None)["rollout.samples_per_prompt"] for a in ("ppo", "grpo", "dppo", "flow-dppo")} == \
+        {"ppo": "1", "grpo": "4", "dppo": "1", "flow-dppo": "1"}
+    assert overrides("flow-dppo", 4, None)["train.minibatch_size"] == "2"
+    recipe = load_config("looped-recipe")
+    assert (recipe.rollout.samples_per_prompt, recipe.train.minibatch_size, recipe.train.deterministic) == (1, 4, True)
     assert overrides("flow-dppo", 4, 4)["train.minibatch_size"] == "8"
     o = overrides("dppo", 3, 2, precision="fp16", recompute=True, graphs=True)
     assert (o["rollout.prompts_per_step"], o["rollout.samples_per_prompt"], o["train.precision"]) == ("3", "2", "fp16")
