@@ -95,6 +95,14 @@ def test_refresh_collects_at_the_state_temperature_it_is_given():
     assert hot.state_temperature == 2.0 and hot.k == 4
 
 
+def test_labels_are_reused_only_from_rollouts_at_the_same_state_temperature():
+    base = ["method.name=caspo", "method.caspo.value_model=v", "method.caspo.refresh_every=2"]
+    want = refresh.conditions(load_config("tests", base), 10.0, 2, {"policy": "p"})
+    header = {**want["collect"], **{k: want[k] for k in ("splitter", "seed", "seed_step", "provenance")}}
+    assert refresh.labels_match(header, want)
+    assert not refresh.labels_match({**header, "state_temperature": 1.5}, want)  # states drawn at another T
+
+
 def test_refresh_is_due_every_n_steps_but_never_after_the_last():
     cfg = load_config("tests", ["method.name=caspo", "method.caspo.value_model=v", "method.caspo.refresh_every=2",
                                 "train.steps=6"])

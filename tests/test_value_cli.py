@@ -121,3 +121,14 @@ def test_smoke_refuses_another_method_and_a_missing_value_model(value_model_fold
     assert missing.exit_code == 2 and "method.caspo.value_model=PATH" in missing.output
     out_of_range = run("smoke", "tests", "--threshold", 1.5)
     assert out_of_range.exit_code == 2 and "Invalid value for '--threshold'" in out_of_range.output
+
+
+def test_probe_reads_values_at_a_runs_precision(labels_path):
+    from caspo.models.policy import ASSETS
+
+    value_model = ASSETS / "tiny-arith-slips-value"  # a trained φ: its bf16 read differs from its fp32 one
+    fp32, bf16 = (json.loads(ok("probe", value_model, labels_path, "--allow-mismatch", "--precision", p))
+                  for p in ("fp32", "bf16"))
+    assert fp32 != bf16 and abs(fp32["spearman"] - bf16["spearman"]) < 0.1
+    result = run("probe", value_model, labels_path, "--allow-mismatch", "--precision", "fp8")
+    assert result.exit_code == 2 and "--precision fp8: use one of fp32, bf16, fp16" in result.output

@@ -146,13 +146,16 @@ def probe(checkpoint: Path = typer.Argument(..., help="prefix value model folder
           out: Optional[Path] = typer.Option(None, help="folder for metrics.json and calibration.png"),
           allow_mismatch: bool = typer.Option(False, help="probe even if the labels' provenance differs"),
           batch_size: int = typer.Option(32, help="rollouts per forward"),
-          device: str = typer.Option("cpu"), threads: int = typer.Option(1, help=THREADS_HELP)):
+          device: str = typer.Option("cpu"), threads: int = typer.Option(1, help=THREADS_HELP),
+          precision: str = typer.Option("fp32", help="fp32, bf16 or fp16: read V as a run of that "
+                                                     "train.precision does")):
     """Spearman ρ, within-response ρ, AUC and accuracy of a value model on a label file."""
     import torch
 
     from caspo.models.prefix_value import load_prefix_value
     from caspo.models.provenance import check_provenance
     from caspo.models.tokenizer import load_tokenizer
+    from caspo.precision import COMPUTE_DTYPES
     from caspo.value.labels import read_label_file
     from caspo.value.probe import evaluate, write_report
 
@@ -163,7 +166,9 @@ def probe(checkpoint: Path = typer.Argument(..., help="prefix value model folder
     check_provenance(model.provenance, label_file.provenance, f"label file {labels}", allow_mismatch,
                      ignore=("reference",))  # label sets have no reference
     pad = load_tokenizer(checkpoint).pad_token_id
-    metrics, values = evaluate(model, label_file.rows, pad, batch_size, device)
+    if precision not in COMPUTE_DTYPES:
+        raise ConfigError(f"--precision {precision}: use one of {', '.join(COMPUTE_DTYPES)}")
+    metrics, values = evaluate(model, label_file.rows, pad, batch_size, device, precision)
     if out is not None:
         write_report(out, metrics, values, label_file.rows, model.beta, f"probe {checkpoint.name} on {labels.name}",
                      extra={"checkpoint": str(checkpoint), "labels": str(labels)})

@@ -32,7 +32,9 @@ from caspo.segment import segment_response
 from caspo.train.monte_carlo import Prefix, continuation_seed, estimate_prefixes, mc_step_values, step_start_indices
 from caspo.value.rollout import rollout_setup
 
-CHECK_STEP = -2  # seeds of this check are apart from training (≥ 0) and collection (−1) seeds
+# the `step` of this check's seeds: apart from training's (≥ 0) and phase 1's (−1); the refresh after step 1
+# also uses −2, on training prompts' interior prefixes, where this check continues held-out prompts alone
+CHECK_STEP = -2
 
 
 def z_scores(v: list[float], q: list[float], k: int, m: int) -> list[float | None]:

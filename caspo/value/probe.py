@@ -18,6 +18,7 @@ import torch
 
 from caspo.models.forward import response_logprobs
 from caspo.models.prefix_value import PrefixValueModel, pack_responses, prefix_values, probability_ceiling
+from caspo.precision import autocast
 from caspo.value.labels import LabelRow, ResponseLabels, group_responses, merge_duplicates
 from caspo.value.metrics import calibration_bins, success_probability, value_metrics
 
@@ -65,11 +66,13 @@ def read_prefixes(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_i
 
 
 def evaluate(model: PrefixValueModel, rows: Sequence[LabelRow], pad_token_id: int, batch_size: int = 32,
-             device: str | torch.device = "cpu") -> tuple[dict, np.ndarray]:
-    """``value_metrics`` of the model on ``rows``, and the values themselves."""
+             device: str | torch.device = "cpu", precision: str = "fp32") -> tuple[dict, np.ndarray]:
+    """``value_metrics`` of the model on ``rows``, and the values themselves, read under `precision` (a run's
+    train.precision: bf16 reads V as a bf16 run does)."""
     if not rows:
         raise ValueError("no labelled prefixes to evaluate on")
-    values, ceiling = read_prefixes(model, rows, pad_token_id, batch_size, device)
+    with autocast(precision, torch.device(device)):
+        values, ceiling = read_prefixes(model, rows, pad_token_id, batch_size, device)
     groups = [rollout_id(r) for r in rows]
     metrics = value_metrics(values, [r.p_hat for r in rows], [r.base_reward for r in rows], groups,
                             [r.boundary for r in rows], model.beta)

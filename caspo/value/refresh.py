@@ -135,7 +135,7 @@ def conditions(cfg: Config, beta: float, step: int, provenance: dict) -> dict:
 
 def labels_match(header: dict, want: dict) -> bool:
     """Was this label file collected under the conditions `want`?"""
-    sizes = ("prompts", "k", "j", "boundaries")
+    sizes = ("prompts", "k", "j", "boundaries", "state_temperature")
     return (all(header.get(k) == want["collect"][k] for k in sizes)
             and header.get("pairing", "all") == want["collect"]["pairing"]  # files from before pairings: all
             and all(header.get(k) == want[k] for k in ("splitter", "seed", "seed_step", "provenance")))
