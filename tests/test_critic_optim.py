@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from caspo.config import MethodConfig, load_config
+from caspo.config import ConfigError, MethodConfig, load_config
 from caspo.models.policy import load_policy, resolve_model_path
 from caspo.precision import LossScaler
 from caspo.train.critic import Critic
@@ -62,3 +62,21 @@ def test_no_learner_holds_gradients_after_an_outer_step(tmp_path):
     assert tr.step == 1 and critic.optimizer.state  # both optimizers stepped...
     for model in (tr.actor.model, critic.model):
         assert all(p.grad is None for p in model.parameters())  # ...and hold no gradient after
+
+
+def test_warmup_as_a_ratio_of_the_runs_updates_then_linear_decay():
+    # tests preset: 8 responses a step, minibatch 4 (2 updates an epoch); 50 steps × 2 epochs = 200 updates
+    cfg = load_config("tests", ["train.steps=50", "train.epochs_per_rollout=2", "optim.warmup_ratio=0.03",
+                                "optim.schedule=linear", "optim.lr=1.0"])
+    assert cfg.responses_per_step // cfg.train.minibatch_size == 2
+    sched = learner(torch.nn.Linear(2, 2), cfg).scheduler
+    lrs = []
+    for _ in range(200):
+        lrs.append(sched.get_last_lr()[0])
+        sched.optimizer.step()
+        sched.step()
+    # ceil(0.03 × 200) = 6 warmup updates at 1/6 ... 6/6, then linear decay over the other 194, to 0 at update 200
+    assert lrs[:8] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0, 1.0, 1 - 1 / 194])
+    assert lrs[-1] == pytest.approx(1 / 194)
+    with pytest.raises(ConfigError, match="optim.warmup_steps=5 and optim.warmup_ratio=0.03 both set the warmup"):
+        load_config("tests", ["optim.warmup_steps=5", "optim.warmup_ratio=0.03"])

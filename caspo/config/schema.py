@@ -258,6 +258,8 @@ class OptimConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 0
+    # warmup as a fraction of the run's optimizer updates, ceil(ratio × updates) (VinePPO's 0.03); or warmup_steps
+    warmup_ratio: float = 0.0
     schedule: Literal["constant", "linear", "cosine"] = "constant"
 
 

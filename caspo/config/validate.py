@@ -128,6 +128,7 @@ RANGES: dict[str, Range] = {
     "optim.weight_decay": at_least(0),
     "optim.grad_clip": POSITIVE,
     "optim.warmup_steps": at_least(0),
+    "optim.warmup_ratio": Range(0, 1, high_open=True),
     "train.steps": COUNT,
     "train.seed": SEED,
     "train.minibatch_size": COUNT,
@@ -236,6 +237,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.micro_batch_size={t.micro_batch_size} does not divide train.minibatch_size={t.minibatch_size}"
         )
+    o = cfg.optim
+    if o.warmup_steps and o.warmup_ratio:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} and optim.warmup_ratio={o.warmup_ratio} both set the "
+                          "warmup: keep one, the other 0")
     if not t.save_last and cfg.eval.benchmarks:
         raise ConfigError("train.save_last=false leaves no last checkpoint for eval.benchmarks to evaluate: "
                           "set eval.benchmarks=[] or keep train.save_last=true")

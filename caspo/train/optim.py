@@ -27,10 +27,12 @@ def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None, schedu
     the schedule spans every optimizer step of the run. What is not given comes from `cfg.optim`."""
     overrides = {"lr": lr, "weight_decay": weight_decay, "grad_clip": grad_clip}
     optim = dataclasses.replace(cfg.optim, **{k: v for k, v in overrides.items() if v is not None})
-    optim = optim if schedule is None else dataclasses.replace(optim, schedule=schedule, warmup_steps=0)
+    optim = optim if schedule is None else dataclasses.replace(optim, schedule=schedule, warmup_steps=0,
+                                                               warmup_ratio=0.0)
     updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
+    warmup = optim.warmup_steps or math.ceil(optim.warmup_ratio * updates)
     optimizer = build_optimizer(model.parameters(), optim)
-    return Learner(model, optimizer, build_scheduler(optimizer, warmup=optim.warmup_steps, total=updates,
+    return Learner(model, optimizer, build_scheduler(optimizer, warmup=warmup, total=updates,
                                                      schedule=optim.schedule), optim.grad_clip)
 
 

@@ -253,7 +253,8 @@ def kept_by_the_optimizer_state(tr: Trainer) -> list[str]:
     """The settings of this run that a checkpoint's optimizer and scheduler states (and its loss scaler) restore
     whatever the config says now."""
     o, names = tr.cfg.optim, set(learners(tr))
-    keys = ["optim.name", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.schedule"]
+    keys = ["optim.name", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.warmup_ratio",
+            "optim.schedule"]
     keys += ["optim.betas", "optim.eps"] if o.name == "adamw" else ["optim.momentum"]
     keys += ["method.critic_lr"] if "critic" in names else []
     keys += ["method.caspo.online_value_lr"] if "value" in names else []
