@@ -101,6 +101,7 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     import subprocess
 
     from caspo.train import distributed
+    from caspo.train.signals import wait_relaying
     from caspo.value.refresh import train as run_train
 
     cfg = checked_config(preset, overrides)
@@ -115,7 +116,9 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
             from caspo.train.ray_launch import launch
 
             raise typer.Exit(launch(ray_address, nproc, argv, cfg.model.device))
-        raise typer.Exit(subprocess.call(distributed.launch_command(nproc, argv)))
+        launcher = subprocess.Popen(distributed.launch_command(nproc, argv),
+                                    env=distributed.launch_env(60 * cfg.train.collective_timeout_minutes))
+        raise typer.Exit(wait_relaying(launcher))
     if nproc > 1 and distributed.launched() and int(os.environ["WORLD_SIZE"]) != nproc:
         raise ConfigError(f"--nproc {nproc}, but the launcher started {os.environ['WORLD_SIZE']} processes")
     summary = run_train(cfg, resume=resume, overwrite=overwrite)

@@ -80,3 +80,14 @@ def test_warmup_as_a_ratio_of_the_runs_updates_then_linear_decay():
     assert lrs[-1] == pytest.approx(1 / 194)
     with pytest.raises(ConfigError, match="optim.warmup_steps=5 and optim.warmup_ratio=0.03 both set the warmup"):
         load_config("tests", ["optim.warmup_steps=5", "optim.warmup_ratio=0.03"])
+
+
+def test_a_step_logs_the_learning_rate_its_updates_start_with(tmp_path):
+    from caspo.train import loop
+
+    tr = loop.build_trainer(load_config("tests", [f"train.output_dir={tmp_path}", "optim.warmup_steps=4",
+                                                  "optim.lr=1e-3", "eval.before=false", "eval.after=false"]))
+    with tr.pool:
+        logged = [loop.outer_step(tr)[1]["lr"] for _ in range(2)]
+    # two updates a step (8 responses, minibatch 4): step 1 starts at 1/4 of the lr, step 2 at 3/4
+    assert logged == pytest.approx([1e-3 / 4, 3e-3 / 4])

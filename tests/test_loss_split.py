@@ -143,3 +143,16 @@ def test_the_update_reads_each_minibatchs_own_whitening(rollout, monkeypatch):
         assert not torch.equal(read[rows], raw[rows])
     assert {tuple(sorted(r.tolist())) for r, _ in seen[:2]} != {tuple(sorted(r.tolist())) for r, _ in seen[2:]}
     assert torch.equal(batch.advantages, raw)
+
+
+def test_an_updates_extremes_are_over_all_its_tokens_not_a_mean_of_micro_batches():
+    from caspo.train.update import UpdateStats
+
+    stats = UpdateStats()
+    stats.minibatches = 1
+    stats.add([{"tokens": torch.tensor(3.0), "iw_min": 0.5, "iw_max": 2.0, "iw_mean": 1.0},
+               {"tokens": torch.tensor(1.0), "iw_min": 0.3, "iw_max": 1.5, "iw_mean": 2.0},
+               {"tokens": torch.tensor(0.0), "iw_min": 0.0, "iw_max": 0.0, "iw_mean": 0.0}])  # no tokens: no extreme
+    out = stats.result()
+    assert (out["iw_min"], out["iw_max"]) == (0.3, 2.0)
+    assert out["iw_mean"] == pytest.approx((3 * 1.0 + 2.0) / 4)

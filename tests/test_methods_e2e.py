@@ -76,6 +76,26 @@ def test_dppo_with_staleness_weights_differ_and_are_clamped(tmp_path):
     assert all(r["iw_clamped_frac"] > 0 for r in later)
 
 
+def test_eval_every_reaches_the_last_step_when_eval_after_is_off(tmp_path):
+    _, rows = run(tmp_path, "eval.every=2", steps=2)
+    assert "eval_accuracy" in rows[-1] and rows[-1]["step"] == 2
+
+
+def test_with_staleness_the_held_out_eval_reads_the_policy_the_run_holds(tmp_path, monkeypatch):
+    from caspo.train import run_eval
+
+    tr = loop.build_trainer(load_config("tests", [f"train.output_dir={tmp_path}", "rollout.staleness=1",
+                                                  "eval.before=false", "eval.after=false"]))
+    with tr.pool:
+        for _ in range(2):
+            loop.outer_step(tr)
+        assert (tr.version, tr.engine.version) == (2, 1)  # rollouts read one version behind
+        seen = []
+        monkeypatch.setattr(run_eval, "held_out_metrics", lambda tr: seen.append(tr.engine.version) or {})
+        run_eval.evaluate(tr)
+    assert seen == [2] and tr.engine.version == 1  # evaluated the current policy, then served the stale one again
+
+
 def test_flow_dppo_gate_blocks_tokens(tmp_path):
     cfg, rows = run(tmp_path, "method.name=flow_dppo", "optim.lr=3e-3", "method.gate_threshold=1e-5", steps=3)
     assert any(r["blocked_frac"] > 0 for r in rows)

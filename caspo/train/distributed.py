@@ -139,6 +139,13 @@ def launch_command(nproc: int, argv: Sequence[str]) -> list[str]:
             "-m", "caspo.cli", *argv]
 
 
+def launch_env(shutdown_s: int) -> dict[str, str]:
+    """torchrun's environment: it passes a stop signal on to the ranks and SIGKILLs them `shutdown_s` later
+    (its default, 30 s, is shorter than a step and its checkpoint; a torch release that reads no such
+    variable keeps 30 s)."""
+    return {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(shutdown_s)}
+
+
 # ---------------------------------------------------------------- collectives (identity in one process)
 
 

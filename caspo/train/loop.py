@@ -357,7 +357,8 @@ def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords
                         with timer("t_bench"):
                             record |= evaluate_benchmarks(tr, suites, checkpoint.name, str(checkpoint / "policy"),
                                                           progress)
-                if cfg.eval.every and tr.step % cfg.eval.every == 0 and tr.step != cfg.train.steps and not stops:
+                final = cfg.eval.after and tr.step == cfg.train.steps  # evaluated once, below
+                if cfg.eval.every and tr.step % cfg.eval.every == 0 and not final and not stops:
                     with timer("t_eval"):
                         record.update(evaluate(tr))
                 record.update(timer.reset())

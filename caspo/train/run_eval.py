@@ -3,6 +3,8 @@ eval.benchmarks written as `caspo eval` writes them."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
 from caspo.eval.run import evaluate_checkpoint
 from caspo.eval.suite import eval_samplers
@@ -12,8 +14,27 @@ from caspo.train.blocks import evaluation_engine_and_pool
 from caspo.train.trainer import Trainer, publish_current
 
 
+@contextmanager
+def serving_the_current_policy(tr: Trainer):
+    """The engine serves the policy the run holds now while inside; with rollout.staleness it serves an older
+    version for rollouts, and does again after."""
+    if tr.cfg.rollout.staleness:
+        publish(tr.engine, tr.policy, tr.version)
+    try:
+        yield
+    finally:
+        if tr.cfg.rollout.staleness:
+            publish_current(tr)
+
+
 def evaluate(tr: Trainer) -> dict:
-    """The held-out set's metrics; with several processes each rank generates and scores its block of it."""
+    """The held-out set's metrics of the policy the run holds now; with several processes each rank generates
+    and scores its block of it."""
+    with serving_the_current_policy(tr):
+        return held_out_metrics(tr)
+
+
+def held_out_metrics(tr: Trainer) -> dict:
     cfg = tr.cfg
     engine, pool = evaluation_engine_and_pool(tr)
     result = greedy_accuracy(engine, tr.tokenizer, tr.data.eval_prompts, [e.label for e in tr.data.eval],
@@ -36,15 +57,12 @@ def evaluate_benchmarks(tr: Trainer, suites: list, checkpoint: str, policy: str,
     """eval.benchmarks on the policy the run holds now, written as `caspo eval` writes them
     (<run>/eval/<checkpoint>.json); returns each benchmark's greedy accuracy for the run log. With several
     processes each rank generates and scores its block of every benchmark, and rank 0 writes them."""
-    if tr.cfg.rollout.staleness:  # the engine serves an older version: evaluate the one just saved
-        publish(tr.engine, tr.policy, tr.version)
     engine, pool = evaluation_engine_and_pool(tr)
-    result = evaluate_checkpoint(engine, tr.tokenizer, pool, tr.cfg, suites, tr.sampling,
-                                 checkpoint=checkpoint, step=tr.step, policy=policy,
-                                 out_dir=tr.run_dir / "eval" if distributed.is_main() else None,
-                                 progress=progress)
-    if tr.cfg.rollout.staleness:
-        publish_current(tr)
+    with serving_the_current_policy(tr):  # the one just saved
+        result = evaluate_checkpoint(engine, tr.tokenizer, pool, tr.cfg, suites, tr.sampling,
+                                     checkpoint=checkpoint, step=tr.step, policy=policy,
+                                     out_dir=tr.run_dir / "eval" if distributed.is_main() else None,
+                                     progress=progress)
     return {f"bench_{name}_greedy": bench["metrics"]["greedy"] for name, bench in result["benchmarks"].items()}
 
 

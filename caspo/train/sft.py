@@ -98,9 +98,10 @@ def run_sft(cfg: Config, output: str | Path, init: str | None = None) -> dict:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            lr = scheduler.get_last_lr()[0]  # the learning rate this step uses
             optimizer.step()
             scheduler.step()
-            record = {"step": step + 1, "loss": loss.item(), "lr": scheduler.get_last_lr()[0]}
+            record = {"step": step + 1, "loss": loss.item(), "lr": lr}
             if s.eval_every and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
                 model.eval()
                 record.update({f"eval_{k}": v for k, v in evaluate(model, tokenizer, task, cfg, pool, device).items()})

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from caspo.train.trainer import Trainer
 
 ADDITIVE = {"pg_loss", "kl", "vf_loss"}  # parts of a minibatch loss: summed over its micro-batches
+EXTREMES = {"iw_min": min, "iw_max": max}  # over every token of the update, whichever micro-batch held it
 
 
 def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, method: "Method",
@@ -154,11 +155,13 @@ def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Co
 
 class UpdateStats:
     """An update's metrics: the parts of a minibatch loss (ADDITIVE) summed over its micro-batches and
-    averaged over minibatches, masked means weighted by tokens, grad norms averaged over optimizer steps."""
+    averaged over minibatches, extremes (EXTREMES) over all its tokens, masked means weighted by tokens, grad
+    norms averaged over optimizer steps."""
 
     def __init__(self):
         self.sums: dict[str, float] = defaultdict(float)
         self.counts: dict[str, float] = defaultdict(float)
+        self.extremes: dict[str, float] = {}
         self.norms: set[str] = set()
         self.minibatches = 0
 
@@ -166,7 +169,11 @@ class UpdateStats:
         for metrics in metrics_list:
             weight = float(metrics.pop("tokens"))
             for k, v in metrics.items():
-                if k in ADDITIVE:
+                if k in EXTREMES:
+                    if weight:  # a micro-batch without tokens has no extreme (its metric is a stand-in 0)
+                        v = float(v)
+                        self.extremes[k] = EXTREMES[k](self.extremes.get(k, v), v)
+                elif k in ADDITIVE:
                     self.sums[k] += float(v)
                 else:  # masked means: weight by tokens
                     self.sums[k] += float(v) * weight
@@ -180,10 +187,15 @@ class UpdateStats:
 
     def result(self) -> dict:
         sums, counts = self.sums, self.counts
+        extremes = dict(self.extremes)
         if distributed.active():  # the micro-batch sums over every rank's rows; the norms are global already
             sums |= distributed.all_sum({k: v for k, v in sums.items() if k not in self.norms})
             counts |= distributed.all_sum({k: v for k, v in counts.items() if k not in self.norms})
-        return {k: sums[k] / (self.minibatches if k in ADDITIVE else max(counts[k], 1e-9)) for k in sums}
+            for rank_extremes in distributed.gather_objects(self.extremes):
+                for k, v in rank_extremes.items():
+                    extremes[k] = EXTREMES[k](extremes.get(k, v), v)
+        out = {k: sums[k] / (self.minibatches if k in ADDITIVE else max(counts[k], 1e-9)) for k in sums}
+        return out | extremes
 
 
 def train_minibatch(key: str, learner: Learner, batch: RolloutBatch, rows: torch.Tensor, cfg: Config,
@@ -241,13 +253,15 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
         (f"{name}_grad_norm", state.learners[name], loss) for name, loss in state.learner_losses().items()]
     for _, learner, _ in learners:
         learner.model.train()
-    filled = torch.zeros(batch.size, dtype=torch.bool)  # rows whose old log-probs this rank's forwards gave
+    lr = actor.scheduler.get_last_lr()[0]  # what the step's first update uses (the scheduler steps per update)
     advantages = batch.advantages  # with step_adv_scope=minibatch, each minibatch reads its own whitening of them
     per_minibatch = cfg.method.step_adv_scope == "minibatch"
     batch.update_ratios = torch.zeros_like(batch.response_mask)
     # what the policy's forwards give back: its ratios (a later epoch's replace an earlier one's), and π_old
     policy_gives = ("old_logprobs", "update_ratios") if batch.old_is_current else ("update_ratios",)
     for _ in range(t.epochs_per_rollout):
+        # rows whose ratios (and old log-probs) this rank's forwards gave in this epoch: the last epoch's stay
+        filled = torch.zeros(batch.size, dtype=torch.bool)
         order = torch.randperm(batch.size, generator=generator)
         for start in range(0, batch.size, t.minibatch_size):
             rows = order[start:start + t.minibatch_size]
@@ -266,7 +280,7 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
     if distributed.active():  # and their ratios
         batch.update_ratios = distributed.share_rows(batch.update_ratios, filled)
     out = stats.result()
-    out["lr"] = actor.scheduler.get_last_lr()[0]
+    out["lr"] = lr
     out["skipped_steps"] = scaler.skipped_steps
     return out
 
