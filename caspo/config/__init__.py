@@ -12,11 +12,13 @@ This is the bottom layer: it imports nothing else from caspo.
 """
 
 from caspo.config.load import (
+    ABSENT,
     FLOAT_RE,
     PRESET_DIR,
     build,
     coerce,
     config_changes,
+    describe_changes,
     load_config,
     parse_override,
     resolve_preset,
@@ -46,6 +48,7 @@ __all__ = [
     "ArithConfig", "CaspoConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LossAgg", "MethodConfig",
     "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "SftConfig", "TrainConfig", "HealthConfig",
     "WandbConfig",
-    "FLOAT_RE", "PRESET_DIR", "build", "coerce", "config_changes", "load_config", "parse_override", "resolve_preset",
+    "ABSENT", "FLOAT_RE", "PRESET_DIR", "build", "coerce", "config_changes", "describe_changes",
+    "load_config", "parse_override", "resolve_preset",
     "set_dotted", "to_dict", "to_yaml", "validate", "validate_refresh",
 ]

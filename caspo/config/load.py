@@ -150,16 +150,25 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """Every setting whose value differs between two config dicts, as "key: saved -> now" (sorted)."""
-    changes = []
+ABSENT = "(absent)"  # a key one of two configs lacks
+
+
+def config_changes(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """dotted key -> (saved, now) for every setting whose value differs between two config dicts (sorted; a
+    key only one of them has is ABSENT in the other)."""
+    changes = {}
     for key in sorted(set(saved) | set(now)):
-        a, b = saved.get(key, "(absent)"), now.get(key, "(absent)")
+        a, b = saved.get(key, ABSENT), now.get(key, ABSENT)
         if isinstance(a, dict) and isinstance(b, dict):
-            changes += config_changes(a, b, f"{prefix}{key}.")
+            changes |= config_changes(a, b, f"{prefix}{key}.")
         elif a != b:
-            changes.append(f"{prefix}{key}: {a} -> {b}")
+            changes[f"{prefix}{key}"] = (a, b)
     return changes
+
+
+def describe_changes(changes: dict[str, tuple[Any, Any]]) -> list[str]:
+    """`config_changes` as "key: saved -> now" lines."""
+    return [f"{key}: {a} -> {b}" for key, (a, b) in changes.items()]
 
 
 def to_yaml(cfg: Config) -> str:

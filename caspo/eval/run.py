@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from caspo.config import Config, ConfigError, config_changes
+from caspo.config import Config, ConfigError, config_changes, describe_changes
 from caspo.device_memory import limit_device_memory
 from caspo.eval.benchmarks import HELDOUT, Suite, load_suites
 from caspo.eval.report import FORMAT, group_table, plot_results, read_results, summary_table, write_markdown
@@ -80,7 +80,7 @@ def earlier_benchmarks(path: Path, now: dict) -> dict:
     if not path.is_file():
         return {}
     earlier = json.loads(path.read_text())
-    changes = config_changes(earlier.get("settings", {}), now)
+    changes = describe_changes(config_changes(earlier.get("settings", {}), now))
     if changes:
         raise ConfigError(f"{path} holds results made with other settings ({'; '.join(changes)}); evaluate into "
                           "another --out, or remove it to replace it")

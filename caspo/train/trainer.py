@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from caspo.config import Config, ConfigError, config_changes, to_dict, to_yaml
+from caspo.config import ABSENT, Config, ConfigError, config_changes, describe_changes, to_dict, to_yaml
 from caspo.data.build import TaskData, load_task_data
 from caspo.data.cursor import PromptCursor
 from caspo.device_memory import limit_device_memory
@@ -212,7 +212,8 @@ def restore(tr: Trainer, checkpoint: Path) -> list[str]:
         return restore_sharded(tr, checkpoint)
     ckpt.verify_checkpoint(checkpoint)
     state = ckpt.load_trainer_state(checkpoint)
-    check_same_run(tr, checkpoint, state, state["optimizers"])
+    changes = config_changes(state["config"], to_dict(tr.cfg))
+    check_same_run(tr, checkpoint, state, state["optimizers"], changes)
     tr.method_state.load_state_dict(tr, state)
     for name, lr in learners(tr).items():
         if "master_weights" in state:
@@ -222,7 +223,7 @@ def restore(tr: Trainer, checkpoint: Path) -> list[str]:
         lr.optimizer.load_state_dict(state["optimizers"][name])
         lr.scheduler.load_state_dict(state["schedulers"][name])
     restore_counters(tr, state, rng=state["rng"], snapshots=state["snapshots"])
-    return config_changes(state["config"], to_dict(tr.cfg))
+    return describe_changes(changes)
 
 
 def restore_sharded(tr: Trainer, checkpoint: Path) -> list[str]:
@@ -240,13 +241,14 @@ def restore_sharded(tr: Trainer, checkpoint: Path) -> list[str]:
     if error:
         raise ckpt.CheckpointError(error)
     state = ckpt.load_trainer_state(checkpoint)
-    check_same_run(tr, checkpoint, state, state.get("learners", ()))
+    changes = config_changes(state["config"], to_dict(tr.cfg))
+    check_same_run(tr, checkpoint, state, state.get("learners", ()), changes)
     tr.method_state.load_state_dict(tr, state)
     own = sharded.restore(checkpoint, learners(tr), state.get("world_size", 1))
     for name, lr in learners(tr).items():
         lr.scheduler.load_state_dict(state["schedulers"][name])
     restore_counters(tr, state, rng=own["rng"], snapshots=own["snapshots"])
-    return config_changes(state["config"], to_dict(tr.cfg))
+    return describe_changes(changes)
 
 
 def kept_by_the_optimizer_state(tr: Trainer) -> list[str]:
@@ -262,21 +264,17 @@ def kept_by_the_optimizer_state(tr: Trainer) -> list[str]:
     return keys + (["train.loss_scale"] if tr.cfg.train.precision == "fp16" else [])
 
 
-def check_same_run(tr: Trainer, checkpoint: Path, state: dict, models) -> None:
+def check_same_run(tr: Trainer, checkpoint: Path, state: dict, models, changes: dict) -> None:
     """Refuse a checkpoint of another method, or of other trained models, than this run's, or one whose
-    optimizer settings differ from this config's: its optimizer state would bring back its own."""
+    optimizer settings differ from this config's (`changes`, `config_changes` from the checkpoint's): its
+    optimizer state would bring back its own."""
     method = state["config"]["method"]["name"]
     if method != tr.cfg.method.name or set(models) != set(learners(tr)):
         raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(sorted(models))}), "
                           f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
                           "new run")
-    changed, config = [], to_dict(tr.cfg)
-    for key in kept_by_the_optimizer_state(tr):
-        saved, now = state["config"], config
-        for part in key.split("."):
-            saved, now = (saved or {}).get(part), now[part]
-        if saved is not None and saved != now:  # a key the checkpoint's config lacks cannot be compared
-            changed.append(f"{key} {saved} -> {now}")
+    changed = [f"{key} {changes[key][0]} -> {changes[key][1]}" for key in kept_by_the_optimizer_state(tr)
+               if key in changes and changes[key][0] not in (ABSENT, None)]  # one the checkpoint lacks: not comparable
     if changed:
         raise ConfigError(f"{checkpoint} was trained with other optimizer settings ({'; '.join(changed)}), which "
                           "its optimizer state would keep; resume with the run's own values (its config.yaml) or "
