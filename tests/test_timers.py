@@ -9,17 +9,25 @@ from caspo.train import health
 from caspo.train.timers import PhaseTimer
 
 
+clock = [0.0]  # perf_counter, scripted
+
+
 class ScriptedCuda:
     """The allocator counters as one phase after another would move them."""
 
     def __init__(self):
         self.peak, self.reserved, self.allocated, self.resets, self.retries = 0, 0, 0, 0, 0
         self.peak_reserved = 0
+        self.queued_s = 0.0  # GPU work queued but not yet run
 
     def use(self, peak_gb, reserved_gb, allocated_gb=1.0, peak_reserved_gb=0.0):
         self.peak = max(self.peak, int(peak_gb * GIB))
         self.reserved, self.allocated = int(reserved_gb * GIB), int(allocated_gb * GIB)
         self.peak_reserved = max(self.peak_reserved, self.reserved, int(peak_reserved_gb * GIB))
+
+    def synchronize(self, device):  # the card finishes what was queued: the clock moves on by that much
+        clock[0] += self.queued_s
+        self.queued_s = 0.0
 
     def reset_peak_memory_stats(self, device):
         self.peak, self.peak_reserved, self.resets = self.allocated, self.reserved, self.resets + 1
@@ -34,6 +42,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: fake.peak_reserved)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: fake.allocated)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": fake.retries})
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     return fake
 
 
@@ -86,3 +95,18 @@ def test_the_step_counts_the_graphs_compiled_in_it():
     with timer("t_step"):
         compiled(torch.ones(3))
     assert timer.reset()["compiled_graphs"] == 0
+
+
+def test_a_phase_is_charged_the_gpu_work_it_queued(cuda, monkeypatch):
+    """Kernels launched in t_roll that the card runs after the launching returns count in t_roll, not in
+    the phase that first waits on them."""
+    from caspo.train import timers
+    monkeypatch.setattr(timers.time, "perf_counter", lambda: clock[0])
+    timer = PhaseTimer(torch.device("cuda", 0))
+    with timer("t_roll"):
+        clock[0] += 0.5  # launching
+        cuda.queued_s = 3.0  # what the card still has to run
+    with timer("t_pol"):
+        clock[0] += 1.0
+    out = timer.reset()
+    assert (out["t_roll"], out["t_pol"]) == (3.5, 1.0)

@@ -23,7 +23,10 @@ class PhaseTimer:
     The outer phase (t_step) also counts what makes a step slow without showing in its phases:
     `compiled_graphs`, the graphs torch.compile built during it (where train.compile met new shapes;
     counted once torch._dynamo is loaded), and on CUDA `mem_alloc_retries`, the allocations that had to
-    free the allocator's cache and retry. Under `torch.profiler` each phase is a range named by its key."""
+    free the allocator's cache and retry. Under `torch.profiler` each phase is a range named by its key.
+
+    On CUDA a phase waits for the card at its start and end, so that kernels queued by one phase are not
+    charged to the next (the phases are seconds long; the waits cost microseconds)."""
 
     def __init__(self, device: torch.device | None = None):
         self.times: dict[str, float] = {}
@@ -36,11 +39,13 @@ class PhaseTimer:
         if track:
             torch.cuda.reset_peak_memory_stats(self.cuda)
         before = self._counters() if phase == OUTER else None
+        self._wait_for_card()
         start = time.perf_counter()
         try:
             with torch.profiler.record_function(phase):  # a named range when a profiler records the step
                 yield
         finally:
+            self._wait_for_card()
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
             if before is not None:
                 for key, value in self._counters().items():
@@ -54,6 +59,10 @@ class PhaseTimer:
                 peak = round(torch.cuda.max_memory_reserved(self.cuda) / GIB, 3)
                 self.memory[key] = max(self.memory.get(key, 0.0), peak)
                 self.memory[f"mem_{name}_reserved_gb"] = round(torch.cuda.memory_reserved(self.cuda) / GIB, 3)
+
+    def _wait_for_card(self) -> None:
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
 
     def _counters(self) -> dict[str, int]:
         counts = {}
