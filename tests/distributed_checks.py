@@ -15,6 +15,7 @@ import torch
 
 from caspo.batch import RolloutBatch
 from caspo.config import load_config
+from caspo.methods import get_method
 from caspo.models.forward import hidden_logprobs, response_hidden, response_logprobs
 from caspo.models.policy import load_policy
 from caspo.precision import LossScaler
@@ -24,8 +25,10 @@ from caspo.rollout.hf import HFEngine
 from caspo.train import checkpoint as ckpt
 from caspo.train import distributed, fsdp, sharded
 from caspo.train.blocks import RankSplitEngine, RankSplitPool
+from caspo.train.method_state import MethodState
+from caspo.train.optim import learner
 from caspo.train.scoring import score
-from caspo.train.update import accumulate_gradients
+from caspo.train.update import accumulate_gradients, update
 
 
 def make_batch(rows: int = 7) -> RolloutBatch:
@@ -107,6 +110,23 @@ def main(out: str) -> None:
     distributed.barrier()
     facts["after_failed_save"] = sorted(p.name for p in (run / "checkpoints").iterdir())
 
+    # two epochs of two minibatches: a row another rank trains in the second epoch takes that rank's ratios
+    ucfg = load_config("tests", ["train.micro_batch_size=2", "train.epochs_per_rollout=2", "train.minibatch_size=4",
+                                 "method.kl_coef=0", "optim.warmup_steps=0"])
+    ubatch = make_batch()
+    with distributed_off():
+        alone = copy.deepcopy(base)
+        ubatch.old_logprobs = score(alone, ubatch, ucfg)
+        update(learner(alone, ucfg), ubatch, ucfg, get_method("grpo"), MethodState(), torch.Generator().manual_seed(1),
+               LossScaler("fp32"))
+        want_ratios = ubatch.update_ratios.clone()
+    update(learner(fsdp.shard_routed(copy.deepcopy(base), "fp32"), ucfg), ubatch, ucfg, get_method("grpo"),
+           MethodState(), torch.Generator().manual_seed(1), LossScaler("fp32"))
+    mask = ubatch.response_mask.bool()
+    got_log, want_log = ubatch.update_ratios[mask].log(), want_ratios[mask].log()
+    facts["update_ratio_diff"] = (got_log - want_log).abs().max().item()  # in nats
+    facts["update_ratio_moved"] = want_log.abs().max().item()
+
     # the collectives' helpers
     mine = torch.zeros(5, dtype=torch.bool)
     mine[list(distributed.block(5))] = True
@@ -135,9 +155,9 @@ def main(out: str) -> None:
     facts["grouped_generated"], facts["grouped_scored"] = engine.seen, pool.seen
     facts["grouped_completions"] = [c.tokens for c in grouped]
     facts["per_rank"] = distributed.gather_objects({k: facts[k] for k in (
-        "micro_batches", "grad_diff", "digest_equal", "export_keys_equal", "failed_save", "split_generated",
-        "split_scored",
-        "split_completions", "split_rewards", "grouped_generated", "grouped_scored", "grouped_completions")})
+        "micro_batches", "grad_diff", "update_ratio_diff", "digest_equal", "export_keys_equal", "failed_save",
+        "split_generated", "split_scored", "split_completions", "split_rewards", "grouped_generated",
+        "grouped_scored", "grouped_completions")})
     if distributed.is_main():
         with open(out, "w") as f:
             json.dump(facts, f, indent=1)

@@ -129,6 +129,9 @@ def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_pat
     assert all(r["digest_equal"] and r["export_keys_equal"] and r["grad_diff"] == facts["grad_diff"]
                for r in facts["per_rank"])
     assert facts["export_diff"] == 0.0
+    # the update's ratios after 2 epochs are the one process's: each row's from the rank that trained it last
+    assert facts["update_ratio_moved"] > 1e-3
+    assert all(r["update_ratio_diff"] <= 1e-4 for r in facts["per_rank"])
     # rank 1's part of checkpoint 2 failed: both ranks raised the error naming it; checkpoint 1 is still latest
     assert all(r["failed_save"].startswith("writing checkpoint step_000002 to ") and
                "rank 1: No space left on device" in r["failed_save"] and "(step_000001) is intact" in r["failed_save"]

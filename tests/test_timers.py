@@ -8,7 +8,6 @@ from caspo.device_memory import GIB
 from caspo.train import health
 from caspo.train.timers import PhaseTimer
 
-
 clock = [0.0]  # perf_counter, scripted
 
 
