@@ -10,7 +10,7 @@ import torch
 from bpe_fixtures import ENDOFTEXT, IM_END, IM_START
 from transformers import AutoConfig
 
-from caspo.config import load_config
+from caspo.config import ConfigError, load_config
 from caspo.data.build import encode
 from caspo.data.examples import Example
 from caspo.models.policy import load_policy, stop_token_ids
@@ -72,6 +72,28 @@ def test_stop_ids_are_every_eos_of_the_generation_config(real_models, tokenizers
         assert sampling_params(cfg, tok).stop_token_ids == [ENDOFTEXT, IM_END]
     char = build_char_tokenizer()
     assert sampling_params(load_config("tests"), char).stop_token_ids == [char.eos_token_id]  # embedded: one EOS
+
+
+def test_a_chat_prompt_stops_at_the_end_of_the_assistants_turn(real_models, tokenizers, tmp_path):
+    """A base model's generation config names only <|endoftext|> (Qwen2.5-Math-1.5B's does); its completions of
+    chat prompts still end at the <|im_end|> the chat template writes after an assistant's message."""
+    import shutil
+
+    base = shutil.copytree(real_models.qwen, tmp_path / "base")
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": ENDOFTEXT}))
+    tok = tokenizers["qwen"]
+    plain = load_config("tests", [f"model.policy={base}", "data.template=qwen-boxed"])
+    assert sampling_params(plain, tok).stop_token_ids == [ENDOFTEXT]
+    chat = load_config("tests", [f"model.policy={base}", "data.template=chat"])
+    assert sampling_params(chat, tok).stop_token_ids == [ENDOFTEXT, IM_END]
+    char = build_char_tokenizer()  # no chat template: its EOS and the folder's
+    assert sampling_params(chat, char).stop_token_ids == [char.eos_token_id, ENDOFTEXT]
+
+
+def test_a_folder_without_a_config_has_no_stop_ids_to_guess(tmp_path, tokenizers):
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        stop_token_ids(tmp_path / "weights", tokenizers["qwen"])
 
 
 def always_im_end(model):

@@ -102,9 +102,13 @@ def _eos_of_folder(path: str):
     except OSError:
         pass
     try:
-        return PretrainedConfig.get_config_dict(path, local_files_only=True)[0].get("eos_token_id")
+        config = PretrainedConfig.get_config_dict(path, local_files_only=True)[0]
     except OSError:
-        return None
+        config = {}
+    if not config:  # transformers reads a folder without config.json as {}
+        raise ConfigError(f"no config.json for {path}, so its EOS ids are unknown: download the model "
+                          "(`hf download ID --local-dir DIR`) and set model.policy=DIR")
+    return config.get("eos_token_id")
 
 
 def tiny_qwen2_config(vocab_size: int, *, hidden: int = 128, layers: int = 4, heads: int = 4,

@@ -69,6 +69,21 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
+def chat_turn_end_ids(tokenizer) -> list[int]:
+    """The special token the chat template writes after an assistant's message ([<|im_end|>] for Qwen's,
+    [<|eot_id|>] for Llama 3's), or [] without a chat template or where the message is followed by plain text.
+    A completion of a chat prompt ends there, whether or not the model's generation config lists it: the
+    config of a base model (Qwen2.5-Math-1.5B's) names only <|endoftext|>."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    marker = "TURN-END-PROBE"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    after = tokenizer.encode(text[text.rindex(marker) + len(marker):], add_special_tokens=False)
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return after[:1] if after and after[0] in special else []
+
+
 def batch_decoder(tokenizer) -> tuple[Callable[[list[list[int]]], list[str]], bool]:
     """([tokenizer.decode(ids, skip_special_tokens=True) for ids in batch] in one call, whether that decode
     concatenates the tokens' own texts where each is complete text: segment_responses's arguments).

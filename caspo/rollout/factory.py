@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from caspo.config import Config, ConfigError
-from caspo.models.policy import stop_token_ids
+from caspo.data.templates import CHAT
+from caspo.models.policy import resolve_model_path, stop_token_ids
+from caspo.models.tokenizer import chat_turn_end_ids
 from caspo.precision import compute_dtype
 from caspo.rollout.base import SamplingParams
 
@@ -16,9 +18,13 @@ def engine_dtype(cfg: Config) -> torch.dtype:
 
 def sampling_params(cfg: Config, tokenizer, policy: torch.nn.Module | None = None) -> SamplingParams:
     """The training sampler: every consumer (rollouts, Monte Carlo values, labels) uses this one. It stops on
-    every EOS id of the policy's generation config (that of `policy`, else of the folder `model.policy`)."""
+    every EOS id of the policy's generation config (that of `policy`, else of `model.policy` at
+    `model.revision`) and, with data.template=chat, on the token that ends the assistant's turn."""
     r = cfg.rollout
-    stops = stop_token_ids(policy if policy is not None else cfg.model.policy, tokenizer)
+    source = policy if policy is not None else resolve_model_path(cfg.model.policy, cfg.model.revision)
+    stops = stop_token_ids(source, tokenizer)
+    if cfg.data.template == CHAT:
+        stops = sorted({*stops, *chat_turn_end_ids(tokenizer)})
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                           stop_token_ids=stops, stop_strings=list(r.stop))
 

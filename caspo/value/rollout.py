@@ -39,5 +39,5 @@ def rollout_setup(cfg: Config) -> RolloutSetup:
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, resolve_device(cfg.model.device)).eval()
     engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg))
-    return RolloutSetup(tokenizer, policy, engine, sampling_params(cfg, tokenizer),
+    return RolloutSetup(tokenizer, policy, engine, sampling_params(cfg, tokenizer, policy),
                         partial(tokenizer.decode, skip_special_tokens=True))
