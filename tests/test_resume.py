@@ -182,3 +182,26 @@ def test_resuming_with_other_optimizer_settings_is_a_config_error(one_step_check
     tr = loop.build_trainer(unread)
     loop.restore(tr, folder)  # the clip is read at every step: it may change
     assert tr.step == 1 and tr.actor.grad_clip == 0.5
+
+
+def test_a_resume_refuses_a_base_model_that_changed_under_it(tmp_path):
+    """The KL reference is a copy of what model.policy holds at start: a resume that loads other base weights
+    (a retrained folder under the same name) would anchor the rest of the run to another model."""
+    import shutil
+
+    from caspo.config import ConfigError
+    from caspo.models.policy import resolve_model_path
+
+    base = shutil.copytree(resolve_model_path("embedded:tiny-arith"), tmp_path / "base")
+    cfg = load_config("tests", [f"train.output_dir={tmp_path / 'run'}", "eval.before=false", f"model.policy={base}"])
+    tr = loop.build_trainer(cfg)
+    with tr.pool:
+        loop.outer_step(tr)
+    folder = loop.save(tr)
+    loop.restore(loop.build_trainer(cfg), folder)  # the same base: resumes
+    model = load_policy(str(base))
+    with torch.no_grad():
+        model.lm_head.weight.add_(1e-3)  # tied: the embedding moves too
+    model.save_pretrained(base)
+    with pytest.raises(ConfigError, match="another policy than the run"):
+        loop.restore(loop.build_trainer(cfg), folder)

@@ -100,12 +100,12 @@ def model_identity(model: torch.nn.Module) -> str:
 
 
 def tokenizer_hash(tokenizer) -> str:
-    """sha256 of the tokenizer's full serialization (vocabulary, merges, normalizer, specials)."""
+    """sha256 of the tokenizer's full serialization (vocabulary, merges, normalizer, specials); a slow
+    tokenizer, which has no serialization of its own, by its vocabulary and specials."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise TypeError(f"{type(tokenizer).__name__} has no backend_tokenizer to fingerprint; use a fast tokenizer")
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     specials = json.dumps(tokenizer.special_tokens_map, sort_keys=True)
-    return "t:" + hashlib.sha256((backend.to_str() + specials).encode()).hexdigest()[:16]
+    return "t:" + hashlib.sha256((body + specials).encode()).hexdigest()[:16]
 
 
 def prompt_format(cfg: Config, tokenizer) -> dict:

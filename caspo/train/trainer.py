@@ -19,6 +19,7 @@ from caspo.data.cursor import PromptCursor
 from caspo.device_memory import limit_device_memory
 from caspo.methods import Method, resolve_method
 from caspo.models.policy import compile_if_asked, load_policy, recompute_if_asked, resolve_device, resolve_model_path
+from caspo.models.provenance import model_identity, tokenizer_hash
 from caspo.models.tokenizer import load_tokenizer
 from caspo.precision import LossScaler, compute_dtype
 from caspo.reward.pool import RewardPool
@@ -50,6 +51,7 @@ class Trainer:
     version: int = 0  # updates applied to the actor
     # rollout.staleness > 0: CPU copies of the last versions (this rank's shards), so the engine can serve an old one
     snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    base: dict = field(default_factory=dict)  # what model.policy loaded: a resume must find the same (base_identity)
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -85,6 +87,7 @@ def build_trainer(cfg: Config) -> Trainer:
     path = resolve_model_path(cfg.model.policy, cfg.model.revision)
     tokenizer = load_tokenizer(path)
     policy = load_policy(path, device).eval()
+    base = base_identity(policy, tokenizer)
     recompute_if_asked(cfg.train, policy)
     data = load_task_data(cfg, tokenizer)
     needs_ref = cfg.method.kl_coef > 0 or cfg.method.kl_reward_coef > 0
@@ -110,11 +113,17 @@ def build_trainer(cfg: Config) -> Trainer:
         cursor=PromptCursor(len(data.train), cfg.train.seed),
         update_rng=torch.Generator().manual_seed(cfg.train.seed), data=data,
         pool=RewardPool.from_config(cfg.reward),
-        scaler=LossScaler(cfg.train.precision, cfg.train.loss_scale),
+        scaler=LossScaler(cfg.train.precision, cfg.train.loss_scale), base=base,
     )
     if cfg.rollout.staleness or distributed.active():  # version 0 recorded, or the woken engine's weights
         publish_current(tr)
     return tr
+
+
+def base_identity(policy: torch.nn.Module, tokenizer) -> dict:
+    """Fingerprints of what `model.policy` holds: its weights (the KL reference is a copy of them, and CASPO's
+    value model was labelled by them) and its tokenizer. A resumed run must load the same."""
+    return {"policy": model_identity(policy), "tokenizer": tokenizer_hash(tokenizer)}
 
 
 def shard(cfg: Config, actor: Learner, ref: torch.nn.Module | None,
@@ -167,7 +176,7 @@ def trainer_state(tr: Trainer) -> dict:
         "schedulers": {k: lr.scheduler.state_dict() for k, lr in learners(tr).items()},
         "loss_scaler": tr.scaler.state_dict(), "cursor": tr.cursor.state_dict(),
         "update_rng": tr.update_rng.get_state(), "rng": ckpt.rng_state(), "snapshots": tr.snapshots,
-        **tr.method_state.state_dict(),
+        "base": tr.base, **tr.method_state.state_dict(),
     }
     if tr.cfg.train.precision != "fp32":
         state["master_weights"] = {k: lr.model.state_dict() for k, lr in learners(tr).items()}
@@ -182,7 +191,7 @@ def sharded_trainer_state(tr: Trainer) -> dict:
         "learners": sorted(learners(tr)),
         "schedulers": {k: lr.scheduler.state_dict() for k, lr in learners(tr).items()},
         "loss_scaler": tr.scaler.state_dict(), "cursor": tr.cursor.state_dict(),
-        "update_rng": tr.update_rng.get_state(), **tr.method_state.state_dict(),
+        "update_rng": tr.update_rng.get_state(), "base": tr.base, **tr.method_state.state_dict(),
     }
     return state
 
@@ -265,14 +274,19 @@ def kept_by_the_optimizer_state(tr: Trainer) -> list[str]:
 
 
 def check_same_run(tr: Trainer, checkpoint: Path, state: dict, models, changes: dict) -> None:
-    """Refuse a checkpoint of another method, or of other trained models, than this run's, or one whose
-    optimizer settings differ from this config's (`changes`, `config_changes` from the checkpoint's): its
-    optimizer state would bring back its own."""
+    """Refuse a checkpoint of another method, or of other trained models, than this run's, one whose base model
+    or tokenizer differs from what model.policy holds now, or one whose optimizer settings differ from this
+    config's (`changes`, `config_changes` from the checkpoint's): its optimizer state would bring back its own."""
     method = state["config"]["method"]["name"]
     if method != tr.cfg.method.name or set(models) != set(learners(tr)):
         raise ConfigError(f"{checkpoint} holds a {method} run (models: {', '.join(sorted(models))}), "
                           f"not {tr.cfg.method.name}; resume with the run's own config (its config.yaml) or start a "
                           "new run")
+    moved = [what for what, identity in state.get("base", {}).items() if tr.base.get(what) != identity]
+    if moved:
+        raise ConfigError(f"model.policy={tr.cfg.model.policy} now holds another {' and '.join(moved)} than the run "
+                          f"of {checkpoint} started from; resume with the same base model (model.revision pins a hub "
+                          "download) or start a new run")
     changed = [f"{key} {changes[key][0]} -> {changes[key][1]}" for key in kept_by_the_optimizer_state(tr)
                if key in changes and changes[key][0] not in (ABSENT, None)]  # one the checkpoint lacks: not comparable
     if changed:
