@@ -203,3 +203,35 @@ def test_a_config_key_the_runner_does_not_read_is_refused(monkeypatch, tmp_path)
     monkeypatch.setattr(spec, "INERT", spec.INERT - {"pretraining_tp"})
     with pytest.raises(UnsupportedModelError, match="pretraining_tp=1 .* does not read"):
         decoder_spec(public_config("rho-1b-sft-MATH", tmp_path))
+
+
+def test_a_tokenizer_without_pad_pads_with_eos(real_models, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(real_models.llama, tmp_path / "nopad")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    special = folder / "special_tokens_map.json"
+    if special.exists():
+        special.write_text(json.dumps({k: v for k, v in json.loads(special.read_text()).items() if k != "pad_token"}))
+    tok = load_tokenizer(folder)
+    assert tok.pad_token_id == tok.eos_token_id == ENDOFTEXT
+
+
+def test_a_model_folder_without_tokenizer_files_says_so(real_models, tmp_path):
+    import shutil
+
+    folder = tmp_path / "weights_only"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(real_models.qwen / name, folder / name)
+    with pytest.raises(ConfigError, match="holds no tokenizer .*tokenizer.save_pretrained"):
+        load_tokenizer(folder)
+
+
+def test_a_model_that_is_not_a_causal_lm_says_so(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8, "num_layers": 1,
+                                                      "num_heads": 1, "d_kv": 8, "d_ff": 8, "vocab_size": 10}))
+    with pytest.raises(ConfigError, match="is a 't5' model, not a causal LM"):
+        load_policy(str(tmp_path))

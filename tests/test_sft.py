@@ -46,3 +46,10 @@ def test_sft_learns_the_format_decays_the_rate_to_zero_and_saves_a_policy_that_l
     tokenizer = load_tokenizer(tmp_path / "policy")
     assert policy.config.num_hidden_layers == 1 and policy.config.hidden_size == 32
     assert len(tokenizer) == policy.config.vocab_size and tokenizer.eos_token_id == policy.config.eos_token_id
+
+
+def test_sft_continues_from_an_embedded_policy(tmp_path):
+    """--init embedded:NAME loads the shipped policy and its tokenizer (the tokenizer by the resolved folder)."""
+    cfg = load_config("tests", ["sft.steps=1", "sft.batch_size=2", "sft.eval_every=1", "eval.heldout_size=2"])
+    run_sft(cfg, tmp_path / "more", init="embedded:tiny-arith")
+    assert load_tokenizer(tmp_path / "more").get_vocab() == build_char_tokenizer().get_vocab()

@@ -61,7 +61,14 @@ def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtyp
             dtype = None if dtype == "auto" else getattr(torch, dtype)
         return load_upstream(path, dtype=dtype).to(device)
     with hub_errors(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except ValueError as err:
+            if "Unrecognized configuration class" not in str(err):
+                raise
+            kind = PretrainedConfig.get_config_dict(path)[0].get("model_type")
+            raise ConfigError(f"model {spec!r} is a {kind!r} model, not a causal LM; pass a checkpoint that "
+                              "AutoModelForCausalLM loads (a *ForCausalLM architecture)") from None
     return model.to(device)
 
 

@@ -15,9 +15,11 @@ from typing import Callable
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from caspo.config import ConfigError
 from caspo.models.hub import hub_errors
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 CHARSET = list(string.digits + string.ascii_letters + string.punctuation + " \n")
 
 
@@ -44,14 +46,19 @@ def save_tokenizer(tok, path: str | Path) -> None:
 
 
 def load_tokenizer(path: str | Path):
-    """Load a tokenizer folder (or hub id) and refuse one that does not round-trip spaces.
+    """Load a tokenizer folder (or hub id) and refuse one that does not round-trip spaces. One without a pad
+    token pads with its EOS.
 
     `AutoTokenizer` picks the class from the model type, so a character-level tokenizer
     saved beside a Qwen2 config comes back as Qwen2's tokenizer, which drops spaces. Our
     own folders record "PreTrainedTokenizerFast" and load as that; any tokenizer must
     round-trip a probe with spaces and newlines, or loading fails.
     """
-    cfg_path = Path(path) / "tokenizer_config.json"
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{path} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save it beside the model "
+                          "with tokenizer.save_pretrained(DIR), as model.save_pretrained alone does not")
+    cfg_path = folder / "tokenizer_config.json"
     saved_class = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
     with hub_errors(str(path)):
         if saved_class == "PreTrainedTokenizerFast":
@@ -62,10 +69,10 @@ def load_tokenizer(path: str | Path):
     ids = tok.encode(probe, add_special_tokens=False)
     back = tok.decode(ids)
     if back != probe:
-        raise ValueError(
-            f"tokenizer at {path} does not round-trip text ({probe!r} -> {back!r}); "
-            "set tokenizer_class in tokenizer_config.json to the class it was saved with"
-        )
+        raise ConfigError(f"tokenizer at {path} does not round-trip text ({probe!r} -> {back!r}); set "
+                          "tokenizer_class in tokenizer_config.json to the class it was saved with")
+    if tok.pad_token is None:  # Llama-family tokenizers ship none; masks come from lengths, so it only fills
+        tok.pad_token = tok.eos_token
     return tok
 
 

@@ -19,7 +19,14 @@ from caspo.config import Config
 from caspo.data.build import arith_task
 from caspo.data.templates import render_prompt
 from caspo.eval.heldout import greedy_accuracy
-from caspo.models.policy import load_policy, resolve_device, tiny_looped_config, tiny_qwen2_config
+from caspo.models.policy import (
+    load_policy,
+    resolve_device,
+    resolve_model_path,
+    stop_token_ids,
+    tiny_looped_config,
+    tiny_qwen2_config,
+)
 from caspo.models.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer
 from caspo.reward.pool import RewardPool
 from caspo.rollout.hf import HFEngine
@@ -62,7 +69,7 @@ def evaluate(model, tokenizer, task, cfg: Config, pool: RewardPool, device) -> d
                for p in problems]
     engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch=cfg.sft.eval_batch_size)
     result = greedy_accuracy(engine, tokenizer, prompts, [str(p.answer) for p in problems], pool,
-                             max_new_tokens=cfg.eval.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
+                             max_new_tokens=cfg.eval.max_new_tokens, stop_token_ids=stop_token_ids(model, tokenizer))
     return result.summary()
 
 
@@ -73,7 +80,7 @@ def run_sft(cfg: Config, output: str | Path, init: str | None = None) -> dict:
         torch.set_num_threads(cfg.model.threads)
     device = resolve_device(cfg.model.device)
     if init:  # continue from an existing policy (e.g. to check that more SFT no longer helps)
-        tokenizer = load_tokenizer(init)
+        tokenizer = load_tokenizer(resolve_model_path(init))
         model = load_policy(init, device)
     else:
         tokenizer = build_char_tokenizer()
