@@ -205,3 +205,15 @@ def test_a_resume_refuses_a_base_model_that_changed_under_it(tmp_path):
     model.save_pretrained(base)
     with pytest.raises(ConfigError, match="another policy than the run"):
         loop.restore(loop.build_trainer(cfg), folder)
+
+
+def test_an_export_from_whole_state_dicts_records_their_dtype(tmp_path):
+    """A sharded run exports rank 0's gathered bf16 tensors beside fp32 master parameters: config.json must name
+    bf16, as a one-process export does, or dtype="auto" loads the export at twice the memory."""
+    model = load_policy("embedded:tiny-arith")
+    whole = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    ckpt.write_folder(tmp_path / "ckpt", {"policy": model}, None, {"step": 1}, {"step": 1}, None,
+                      state_dicts={"policy": whole})
+    exported = load_policy(str(tmp_path / "ckpt" / "policy"), dtype="auto")
+    assert next(exported.parameters()).dtype == torch.bfloat16
+    ckpt.verify_checkpoint(tmp_path / "ckpt")  # the manifest covers the rewritten config.json

@@ -133,12 +133,27 @@ def sync_tree(folder: Path) -> None:
         sync_dir(path)
 
 
+def record_dtype(folder: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """config.json's `dtype` as the weights written: save_pretrained takes it from the live model's parameters
+    (a sharded model's fp32 masters), so a bf16 export would load at fp32 with dtype="auto"."""
+    dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point()), None)
+    if dtype is None:
+        return
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def write_folder(folder: Path, models: dict, tokenizer, trainer_state: dict, counters: dict,
                  config_yaml: str | None, state_dicts: dict | None = None) -> None:
     """`state_dicts` (name -> whole state dict) replaces a model's own, as a sharded model's export."""
     folder.mkdir(exist_ok=state_dicts is not None)  # a sharded checkpoint's folder holds its shards already
     for name, model in models.items():
-        model.save_pretrained(folder / name, safe_serialization=True, state_dict=(state_dicts or {}).get(name))
+        state_dict = (state_dicts or {}).get(name)
+        model.save_pretrained(folder / name, safe_serialization=True, state_dict=state_dict)
+        if state_dict is not None:
+            record_dtype(folder / name, state_dict)
         if tokenizer is not None:
             save_tokenizer(tokenizer, folder / name)
     torch.save(trainer_state, folder / "trainer_state.pt")
