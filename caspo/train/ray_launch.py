@@ -8,23 +8,35 @@ variables the driver has set, and the torch.distributed variables (rank 0's host
 as the rendezvous). The child then joins the process group as under torchrun
 (`caspo.train.distributed.start`). `--ray-address local` starts a Ray on this machine for the run.
 
+SIGTERM or Ctrl-C reach the driver alone (the ranks run under Ray's workers, outside the terminal's process
+group): the driver asks every rank to stop after its step, with a checkpoint, and waits for them, as torchrun
+does for its ranks (`wait_for_ranks`).
+
 Ray is an optional extra: `pip install 'caspo[ray]'`.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 from caspo.config import ConfigError
+from caspo.train.signals import StopRequest
 
 # set on the driver, the same on every rank: cuBLAS, NCCL and hashing are then as deterministic as the driver's
 PROPAGATED = ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG", "PYTHONHASHSEED",
               "CASPO_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
 READY_TIMEOUT_S = 120  # for the placement group: a cluster without the resources never schedules it
+# how long stopped ranks may take to end (their step and its checkpoint): train.collective_timeout_minutes' default,
+# as torchrun is given (caspo.train.distributed.launch_env)
+SHUTDOWN_S = 30 * 60
+POLL_S = 0.5  # how often the driver looks for a stop signal while it waits for the ranks
+KILLED = 128 + signal.SIGKILL  # the status of ranks that outlived their stop: ray.shutdown ends them
 
 
 def source_path() -> str:
@@ -107,10 +119,52 @@ def wants_gpu(ray, device: str) -> bool:
     return device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
 
-def launch(address: str, nproc: int, argv: Sequence[str], device: str) -> int:
+def exit_status(code: int) -> int:
+    """A rank's exit status as a shell reports it: killed by signal s, 128 + s."""
+    return code if code >= 0 else 128 - code
+
+
+def stop_ranks(ray, ranks: list, running) -> None:
+    """SIGTERM to each rank in `running`: it stops after its step, with a checkpoint (caspo.train.signals)."""
+    ray.get([ranks[r].stop.remote() for r in running])
+
+
+def wait_for_ranks(ray, ranks: list, runs: dict, shutdown_s: float) -> int:
+    """Wait for the ranks' `run` calls (`runs`: each call's ref -> its rank) and return the status of the first
+    rank that failed, or 0.
+
+    The first failure, SIGTERM or Ctrl-C asks every rank still running to stop, once: a failure because the others
+    would wait for it in a collective, a signal because it reaches this driver alone (Ray's workers are not in
+    the terminal's process group). The ranks then have `shutdown_s` to end, as torchrun's ranks have; a second
+    signal within signals.REPEAT_WINDOW_S is taken for a copy of the first, a later one interrupts at once."""
+    status, deadline = 0, None
+    with StopRequest() as request:  # after ray.init, whose SIGTERM handler would exit without the ranks
+        while runs:
+            if deadline is None and (status or request.requested):
+                if request.requested:
+                    print(f"{request.requested}: asking the {len(runs)} ranks to stop after their step, "
+                          f"with a checkpoint (waiting up to {shutdown_s:g} s)", file=sys.stderr, flush=True)
+                stop_ranks(ray, ranks, runs.values())
+                deadline = time.monotonic() + shutdown_s
+            if deadline is not None and time.monotonic() >= deadline:
+                print(f"ranks {sorted(runs.values())} did not end within {shutdown_s:g} s of their stop; ending "
+                      "them", file=sys.stderr, flush=True)
+                return status or KILLED
+            ready, _ = ray.wait(list(runs), num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                rank, code = runs.pop(ref), exit_status(ray.get(ref))
+                if code and not status:  # a peer stopped because of this failure exits with its own status
+                    print(f"rank {rank} exited with status {code}; stopping the others", file=sys.stderr,
+                          flush=True)
+                    status = code
+    return status
+
+
+def launch(address: str, nproc: int, argv: Sequence[str], device: str, shutdown_s: float = SHUTDOWN_S) -> int:
     """Run `caspo <argv>` as `nproc` ranks on the Ray cluster at `address` ('local': a new local Ray), on
-    GPUs when `device` (model.device) is cuda, or auto and the cluster has GPUs; returns the largest exit
-    status of the ranks. When one rank fails the others are stopped (they would wait in a collective)."""
+    GPUs when `device` (model.device) is cuda, or auto and the cluster has GPUs; returns the exit status of
+    the first rank that failed, or 0. A failure, SIGTERM or Ctrl-C stops the ranks after their step
+    (`wait_for_ranks`), and they have `shutdown_s` (train.collective_timeout_minutes) to end."""
     ray = connect(address, nproc)
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -131,22 +185,9 @@ def launch(address: str, nproc: int, argv: Sequence[str], device: str) -> int:
             placement_group=group, placement_group_bundle_index=r)).remote() for r in range(nproc)]
         master_addr, master_port = ray.get(ranks[0].host.remote())
         command = [sys.executable, "-m", "caspo.cli", *argv]
-        pending = {a.run.remote(command, rank_env(r, nproc, master_addr, master_port, dict(os.environ))): r
-                   for r, a in enumerate(ranks)}
-        status = 0
-        try:
-            while pending:
-                (ref,), _ = ray.wait(list(pending), num_returns=1)
-                pending.pop(ref)
-                code = ray.get(ref)
-                code = code if code >= 0 else 128 - code  # killed by signal s: 128 + s, as a shell says
-                if code and not status:  # the first failure: stop the others, which would wait for it
-                    ray.get([ranks[r].stop.remote() for r in pending.values()])
-                status = max(status, code)
-        except KeyboardInterrupt:
-            ray.get([a.stop.remote() for a in ranks])
-            raise
-        return status
+        runs = {a.run.remote(command, rank_env(r, nproc, master_addr, master_port, dict(os.environ))): r
+                for r, a in enumerate(ranks)}
+        return wait_for_ranks(ray, ranks, runs, shutdown_s)
     finally:
         ray.shutdown()
 
