@@ -67,14 +67,15 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, trainer_state: dict,
-                    counters: dict, config_yaml: str | None = None) -> Path:
-    """Write `models` (name -> HF module) and the trainer state; returns the checkpoint folder.
+                    counters: dict, config_yaml: str | None = None, state_dicts: dict | None = None) -> Path:
+    """Write `models` (name -> HF module; `state_dicts`, name -> tensors, replaces a model's own, as its export
+    in the compute dtype) and the trainer state; returns the checkpoint folder.
     A write that fails (a full disk, a lost mount) removes the partial folder and raises CheckpointError;
     the previous checkpoint and `latest` are untouched."""
     root, final, tmp = checkpoint_paths(run_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_folder(tmp, models, tokenizer, trainer_state, counters, config_yaml)
+        write_folder(tmp, models, tokenizer, trainer_state, counters, config_yaml, state_dicts)
     except Exception as err:  # OSError, and the writers' own (torch's RuntimeError, SafetensorError) on a full disk
         raise write_error(err, root, final, tmp) from err
     publish_folder(root, final, tmp)
@@ -147,8 +148,8 @@ def record_dtype(folder: Path, state_dict: dict[str, torch.Tensor]) -> None:
 
 def write_folder(folder: Path, models: dict, tokenizer, trainer_state: dict, counters: dict,
                  config_yaml: str | None, state_dicts: dict | None = None) -> None:
-    """`state_dicts` (name -> whole state dict) replaces a model's own, as a sharded model's export."""
-    folder.mkdir(exist_ok=state_dicts is not None)  # a sharded checkpoint's folder holds its shards already
+    """`state_dicts` (name -> whole state dict) replaces a model's own, as an export in the compute dtype."""
+    folder.mkdir(exist_ok=True)  # a sharded checkpoint's folder holds its shards already
     for name, model in models.items():
         state_dict = (state_dicts or {}).get(name)
         model.save_pretrained(folder / name, safe_serialization=True, state_dict=state_dict)

@@ -158,9 +158,17 @@ def publish_current(tr: Trainer) -> None:
 # ---------------------------------------------------------------- checkpoints
 
 
-def export(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """The model as it is published: in the compute dtype."""
-    return model if precision == "fp32" else copy.deepcopy(model).to(compute_dtype(precision))
+def export_state(model: torch.nn.Module, precision: str) -> dict[str, torch.Tensor] | None:
+    """The model's tensors as it is published, in the compute dtype, on the CPU: a tensor at a time, with no
+    second copy of the model on the card (None at fp32: the model's own). A tied tensor (the LM head that is
+    the embedding) once, under its first name, as save_pretrained writes a whole model."""
+    if precision == "fp32":
+        return None
+    first = {name for name, _ in model.named_parameters()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
+    dtype = compute_dtype(precision)
+    return {k: v.detach().to("cpu").to(dtype) if v.is_floating_point() else v.detach().cpu()
+            for k, v in model.state_dict().items() if k not in tied}
 
 
 def learners(tr: Trainer) -> dict[str, Learner]:
@@ -204,11 +212,12 @@ def save(tr: Trainer) -> Path:
                             trainer_state=sharded_trainer_state(tr),
                             rank_state={"rng": ckpt.rng_state(), "snapshots": tr.snapshots}, counters=counters,
                             config_yaml=to_yaml(tr.cfg))
-    models = {k: export(lr.model, tr.cfg.train.precision) for k, lr in learners(tr).items()}
+    models = {k: lr.model for k, lr in learners(tr).items()}
+    exports = {k: export_state(lr.model, tr.cfg.train.precision) for k, lr in learners(tr).items()}
     return ckpt.save_checkpoint(
         tr.run_dir, tr.step, models=models, tokenizer=tr.tokenizer,
         trainer_state=trainer_state(tr), config_yaml=to_yaml(tr.cfg),
-        counters=counters,
+        counters=counters, state_dicts={k: v for k, v in exports.items() if v is not None},
     )
 
 
