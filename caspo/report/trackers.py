@@ -6,7 +6,8 @@ train/, time/, health/, memory/, eval/, bench/, refresh/), and per outer step a 
 π/π_old and of the ratio π_old/μ of the trainer's recomputed scores to the engine's behaviour scores (hist/).
 
     tensorboard   <run>/tensorboard/ (torch.utils.tensorboard); a resumed run purges the steps it redoes
-    wandb         <run>/wandb/, offline unless train.wandb.mode=online; a resumed run continues its W&B run
+    wandb         <run>/wandb/, offline unless train.wandb.mode=online; a resumed run rewinds its W&B run to
+                  the checkpoint's step and logs the steps after it again
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Protocol
 import torch
 
 from caspo.config import Config, ConfigError, to_dict
+from caspo.runlog import console
 
 # tag group of a metric: the first prefix it starts with (the rest are train/)
 GROUPS = (("t_", "time"), ("mem_", "memory"), ("eval_", "eval"), ("bench_", "bench"), ("refresh_", "refresh"),
@@ -80,14 +82,34 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+def logged_before(run_dir: Path, run_id: str) -> bool:
+    """Whether an earlier process of this run folder logged to the W&B run `run_id` (its files are in <run>/wandb/:
+    offline-run-<time>-<id>, or run-<time>-<id>)."""
+    return any((Path(run_dir) / "wandb").glob(f"*run-*-{run_id}"))
+
+
 class WandbTracker:
-    def __init__(self, cfg: Config, run_dir: Path, run_id: str):
+    """A W&B run per caspo run folder. A resume from the checkpoint of step k rewinds it to step k (W&B's
+    `resume_from`, SDK >= 0.17.1): W&B ignores a step below the one its run has reached, so a run continued as it
+    was would keep an earlier process's steps after k and drop the ones done again. Where W&B refuses the rewind (on a
+    server without the feature) the run is continued as it was, with a warning."""
+
+    def __init__(self, cfg: Config, run_dir: Path, run_id: str, start_step: int = 0):
         import wandb
 
         w = cfg.train.wandb
         self.wandb = wandb
-        self.run = wandb.init(project=w.project, entity=w.entity, name=w.name or run_dir.name, dir=str(run_dir),
-                              mode=w.mode, config=to_dict(cfg), id=run_id, resume="allow")
+        settings = dict(project=w.project, entity=w.entity, name=w.name or run_dir.name, dir=str(run_dir),
+                        mode=w.mode, config=to_dict(cfg))
+        if start_step and logged_before(run_dir, run_id):
+            try:
+                self.run = wandb.init(**settings, resume_from=f"{run_id}?_step={start_step}")
+                return
+            except Exception as err:  # W&B raises its own errors, which vary by version and server
+                console.print(f"[yellow]W&B could not rewind run {run_id} to step {start_step} ({err}); it keeps "
+                              f"the steps after {start_step} that an earlier process logged, and ignores them "
+                              "when this run logs them again[/]")
+        self.run = wandb.init(**settings, id=run_id, resume="allow")
 
     def log(self, record: dict) -> None:
         self.run.log({tag(k): v for k, v in numbers(record).items() if math.isfinite(v)}, step=record["step"])
@@ -139,7 +161,7 @@ def build_trackers(cfg: Config, run_dir: Path, start_step: int, first_start: str
     if "tensorboard" in cfg.train.loggers:
         trackers.append(TensorBoardTracker(run_dir / "tensorboard", start_step))
     if "wandb" in cfg.train.loggers:
-        trackers.append(WandbTracker(cfg, run_dir, wandb_run_id(run_dir, first_start)))
+        trackers.append(WandbTracker(cfg, run_dir, wandb_run_id(run_dir, first_start), start_step))
     return trackers
 
 
