@@ -3,11 +3,23 @@ import json
 import pytest
 
 from caspo.data import PromptCursor
+from caspo.data.cursor import pass_seed
 
 
 def test_pinned_permutation():
     # The stream must not depend on the process or platform; a change here breaks resumed runs.
-    assert PromptCursor(10, seed=0).take(10) == [4, 1, 7, 5, 3, 9, 0, 8, 6, 2]
+    assert PromptCursor(10, seed=0).take(10) == [8, 2, 9, 7, 0, 6, 3, 1, 4, 5]
+    assert pass_seed(0, 0) == 2662770217592746310
+
+
+def test_run_seeds_walk_different_passes():
+    """Replicates of an experiment (train.seed 0, 1, ...) share no pass order, at any pair of epochs."""
+    passes = {(seed, epoch): PromptCursor(50, seed).permutation(epoch) for seed in range(4) for epoch in range(6)}
+    for (seed, epoch), order in passes.items():
+        for (other_seed, other_epoch), other in passes.items():
+            if seed != other_seed:
+                assert order != other, f"seed {seed} epoch {epoch} == seed {other_seed} epoch {other_epoch}"
+    assert all(PromptCursor(50, seed).permutation(epoch) == order for (seed, epoch), order in passes.items())
 
 
 def test_each_pass_is_a_fresh_permutation():

@@ -111,6 +111,16 @@ def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
     assert result.skipped == 0 and [e.query for e in result.examples] == ["One?", "Two?"]
 
 
+def test_a_line_separator_inside_a_string_does_not_split_the_row(tmp_path):
+    # JSON allows U+2028, U+2029 and U+0085 raw inside a string; str.splitlines would split a row at them
+    path = tmp_path / "raw.jsonl"
+    rows = [{"problem": "One?\u2028Two\u2029three\x85four?", "answer": "1"}, {"problem": "", "answer": "2"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    result = load_jsonl(path, skip_invalid=True)
+    assert [e.query for e in result.examples] == [rows[0]["problem"]] and result.rows == 2
+    assert result.problems == [f"{path}:2:problem: query must be a non-empty string, got ''"]  # line numbers hold
+
+
 def test_load_prompt_label_rows(tmp_path):
     path = write_jsonl(tmp_path / "loop.jsonl", [{"prompt": "p1", "label": "3"}, {"prompt": "p2", "label": "-1"}])
     result = load_jsonl(path, query_field="prompt", label_field="label")

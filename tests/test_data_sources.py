@@ -10,7 +10,9 @@ import pytest
 
 from caspo.config import ConfigError, load_config
 from caspo.data import SHIPPED, DataError, load_source
-from caspo.data.rows import parse_source
+from caspo.data.load import validate_rows
+from caspo.data.registry import WRONG_GOLD
+from caspo.data.rows import RawRow, parse_source
 from caspo.data.split import heldout_split
 from caspo.data.task import task_examples
 
@@ -39,6 +41,25 @@ def test_dsr_sub_leaves_out_its_known_invalid_rows():
     assert [r.id for r in result.excluded] == excluded
     assert result.summary()["excluded_ids"][1] == "dsr_sub-265"
     assert "empty" in SHIPPED["dsr_sub"].known_invalid["dsr_sub-265"]
+
+
+def test_math_leaves_out_golds_that_are_one_of_several_answers():
+    """MATH's gold is the last \\boxed{} of its solution: for these rows one of the answers asked for, so a
+    correct response scores 0. They are left out though the verifier reads them; none is in MATH-500."""
+    wrong = {i for i, why in SHIPPED["math"].known_invalid.items() if why.startswith(WRONG_GOLD)}
+    assert wrong >= {"test/algebra/1878.json", "test/intermediate_algebra/225.json", "test/precalculus/1227.json",
+                     "test/precalculus/679.json", "test/intermediate_algebra/1855.json", "test/algebra/1730.json"}
+    rows = {r["id"]: r for r in map(json.loads, SHIPPED["math"].path.read_text().split("\n")[:-1])}
+    for row_id in wrong:
+        solution = rows[row_id]["solution"]
+        assert solution.count("\\boxed") >= 2 and rows[row_id]["answer"] in solution, row_id
+    math500 = {json.loads(line)["id"] for line in SHIPPED["math500"].path.read_text().split("\n")[:-1]}
+    assert not wrong & math500
+    raw = [RawRow(f"f:{i}", r["id"], r) for i, r in enumerate(rows[i] for i in ["test/algebra/1.json", *wrong])]
+    loaded = validate_rows("math", raw, query_field="problem", label_field="answer", id_field="id",
+                           skip_invalid=False, known_invalid=SHIPPED["math"].known_invalid)
+    assert [e.id for e in loaded.examples] == ["test/algebra/1.json"] and loaded.stale == []
+    assert {r.id for r in loaded.excluded} == wrong and all(WRONG_GOLD in str(r) for r in loaded.excluded)
 
 
 def test_run_data_from_named_sources():
@@ -113,7 +134,7 @@ def test_parquet_with_field_mapping(tmp_path):
     assert [(e.id, e.query, e.label) for e in result.examples][:2] == [("10", "What is 0 + 0?", "0"),
                                                                      ("11", "What is 1 + 1?", "2")]
     assert result.examples[0].meta == {"reward_model": {"ground_truth": "0"}, "topic": "sums"}  # top level only
-    cfg = load_config("tests", [f"data.source={path}", *MAPPED, f"data.eval_source={path}"])
+    cfg = load_config("tests", [f"data.source={path}", *MAPPED, "eval.before=false", "eval.after=false"])
     assert len(task_examples(cfg).train) == 6
     with pytest.raises(DataError, match=r"rows\.parquet\[0\]:problem: missing field \(row has \['id', 'question'"):
         load_source(str(path))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from caspo.config import Config
 from caspo.data.examples import SHOWN, DataError, Example
 from caspo.data.prompts import encode_prompts
-from caspo.data.task import arith_task, load_examples, task_examples
+from caspo.data.task import arith_task, load_examples, summarize_use, task_examples
 from caspo.data.templates import prompt_bos, render_prompt
 from caspo.runlog import console
 
@@ -36,9 +36,10 @@ def encode(cfg: Config, tokenizer, examples: list[Example]) -> list[list[int]]:
                           max_prompt_tokens=limit, on_overflow=overflow, ids=[e.id for e in examples])
 
 
-def fitting(cfg: Config, tokenizer, examples: list[Example], summary: dict) -> tuple[list[Example], list]:
+def fitting(cfg: Config, tokenizer, examples: list[Example], summary: dict,
+            announce: bool = True) -> tuple[list[Example], list]:
     """The examples and their prompt ids; with data.long_prompts=skip, those over data.max_prompt_tokens are
-    left out and counted in `summary` (skipped_long, skipped_long_ids)."""
+    left out, counted in `summary` (skipped_long, skipped_long_ids) and, with `announce`, printed."""
     prompts = encode(cfg, tokenizer, examples)
     if cfg.data.long_prompts != "skip":
         return examples, prompts
@@ -46,15 +47,30 @@ def fitting(cfg: Config, tokenizer, examples: list[Example], summary: dict) -> t
     long = [examples[i].id for i in range(len(examples)) if len(prompts[i]) > cfg.data.max_prompt_tokens]
     if long:
         summary.update(skipped_long=len(long), skipped_long_ids=long[:SHOWN])
+    if long and announce:
         console.print(f"  {len(long)} prompts over data.max_prompt_tokens={cfg.data.max_prompt_tokens} left out "
                       f"(data.long_prompts=skip): {', '.join(long[:SHOWN])}")
     return [examples[i] for i in keep], [prompts[i] for i in keep]
 
 
 def load_task_data(cfg: Config, tokenizer) -> TaskData:
-    ex = task_examples(cfg)
-    train, train_prompts = fitting(cfg, tokenizer, ex.train, ex.summary["train"])
-    held, held_prompts = fitting(cfg, tokenizer, ex.eval, ex.summary["heldout"])
+    """The run's examples and prompts; its summary counts the examples it trains on and evaluates, after
+    data.long_prompts=skip left out the long ones."""
+    ex = task_examples(cfg, summarize=False)
+    train, train_prompts = fitting(cfg, tokenizer, ex.train, ex.summary["train"], announce=False)
+    held, held_prompts = fitting(cfg, tokenizer, ex.eval, ex.summary["heldout"], announce=False)
     if not train:
         raise DataError(f"every training prompt is over data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    summarize_use(cfg, ex.summary, train, held)
+    check_batch_fits(cfg, len(train))
     return TaskData(train, train_prompts, held, held_prompts, ex.summary)
+
+
+def check_batch_fits(cfg: Config, train_examples: int) -> None:
+    """A step's prompts are distinct only if there are at least as many training examples (a step that crosses
+    the end of a pass may still repeat a prompt of the pass before: docs/data.md)."""
+    per_step = cfg.rollout.prompts_per_step
+    if per_step > train_examples:
+        raise DataError(f"rollout.prompts_per_step={per_step} is more than the {train_examples} training examples, so "
+                        f"every step would repeat prompts: set rollout.prompts_per_step <= {train_examples}, or train "
+                        "on more examples (data.train_size, data.source, data.max_prompt_tokens)")

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from caspo.config import ConfigError
 
 
+def pass_seed(seed: int, epoch: int) -> int:
+    """The seed of one pass's shuffle. A hash, not seed + epoch: with that, run seed 1 would walk run seed 0's
+    passes one pass later, and the replicates of an experiment would share their data order."""
+    key = f"prompt-cursor/{seed}/{epoch}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # fits int64
+
+
 class PromptCursor:
-    """Yields item indices in a permutation reshuffled each epoch, seeded by seed + epoch.
+    """Yields item indices in a permutation reshuffled each epoch, seeded by a hash of (seed, epoch).
 
     The state is just (epoch, position), so a checkpointed cursor resumes exactly where it was.
     """
@@ -29,7 +38,7 @@ class PromptCursor:
 
     def permutation(self, epoch: int) -> list[int]:
         # torch's CPU generator gives the same permutation on every platform and process
-        generator = torch.Generator().manual_seed(self.seed + epoch)
+        generator = torch.Generator().manual_seed(pass_seed(self.seed, epoch))
         return torch.randperm(self.num_items, generator=generator).tolist()
 
     def take(self, n: int) -> list[int]:

@@ -4,7 +4,8 @@ Every row is checked when it is loaded (a non-empty query, a label the verifier 
 id), so a bad label fails here instead of showing up as a silent zero reward hours into training.
 Invalid rows are counted and named; they are skipped only under `skip_invalid`, otherwise the load
 is an error naming their count, the first ones and the fix. A shipped benchmark's known invalid
-rows (caspo.data.registry) are always left out and listed as excluded.
+rows (caspo.data.registry) are always left out and listed as excluded, a wrong gold too although
+the verifier reads it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from caspo.data.examples import SHOWN, SKIP_HINT, DataError, Example, InvalidRow, LoadResult
-from caspo.data.registry import SHIPPED
+from caspo.data.registry import SHIPPED, WRONG_GOLD
 from caspo.data.rows import RawRow, parse_source, read_rows
 from caspo.reward.extract import last_boxed
 
@@ -57,6 +58,8 @@ def validate_rows(source: str, raw: list[RawRow], *, query_field: str, label_fie
         example, bad = parse_row(r, query_field, label_field, id_field, checked_label)
         if bad is None and example.id in first_of:
             bad = InvalidRow(example.id, r.where, id_field or "id", f"duplicate id (first at {first_of[example.id]})")
+        if bad is None and known.get(example.id, "").startswith(WRONG_GOLD):  # readable, but not the answer
+            bad = InvalidRow(example.id, r.where, label_field, known[example.id])
         if bad is not None:
             (result.excluded if bad.id in known else result.invalid).append(bad)
             continue

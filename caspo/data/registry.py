@@ -3,7 +3,8 @@
 The files in `caspo/data/benchmarks/` are byte-for-byte copies of the project's curated JSONL
 files; their sources, licences and how they were built are in `caspo/data/benchmarks/LICENSES.md`.
 `known_invalid` lists the rows the loader rejects (source defects, and golds the verifier reads
-only as text): they are left out of every load of that benchmark and named in its summary.
+only as text) and the rows whose gold is not the problem's answer (WRONG_GOLD): they are left out of
+every load of that benchmark and named in its summary.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from pathlib import Path
 
 BENCHMARK_DIR = Path(__file__).resolve().parent / "benchmarks"
 ARITH = "arith"  # the procedural task: no file, its own held-out split
+HELDOUT = "heldout"  # as an eval benchmark, the run's own held-out set (caspo.eval.benchmarks)
+# Begins the reason of a known invalid row whose gold the verifier reads but which is not the answer (MATH's
+# gold is the last \boxed{} of its solution: one of several solutions asked for): left out all the same.
+WRONG_GOLD = "wrong gold: "
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,7 @@ class Benchmark:
     name: str
     file: str  # in BENCHMARK_DIR
     rows: int
-    known_invalid: dict[str, str] = field(default_factory=dict)  # id -> why the loader rejects it
+    known_invalid: dict[str, str] = field(default_factory=dict)  # id -> why the loader leaves it out
     subject_field: str | None = None  # per-subject and per-level tables (MATH, MATH-500)
     level_field: str | None = None
     query_field: str = "problem"
@@ -31,6 +36,26 @@ class Benchmark:
     def path(self) -> Path:
         return BENCHMARK_DIR / self.file
 
+
+# MATH rows whose gold, the last \boxed{} of the solution, is one of several answers the problem asks for or
+# accepts, or not its answer at all: a fully correct response would score 0. None of them is in MATH-500.
+MATH_WRONG_GOLDS = {
+    "test/algebra/1730.json": "'3', while the solution's answer is -3 (it accepts 3 as well)",
+    "test/algebra/1878.json": "'1' is one of the two solutions asked for (-2, 1)",
+    "test/intermediate_algebra/25.json": "'(0,0)' is one of the two foci, either accepted ((10,0), (0,0))",
+    "test/intermediate_algebra/225.json": "'\\frac{2}{5}' is one of the two solutions asked for (3, 2/5)",
+    "test/intermediate_algebra/702.json": "'(-5/2, -5/2)' is one of the two vertices, either accepted "
+                                          "((3/2, -5/2), (-5/2, -5/2))",
+    "test/intermediate_algebra/747.json": "'(0,0)' is the second answer the solution accepts; its first is (3,-5)",
+    "test/intermediate_algebra/1020.json": "'-3 + 6i' is one of the three values asked for (5 - 10i, 11, -3 + 6i)",
+    "test/intermediate_algebra/1855.json": "'-\\tfrac34' is one of the two solutions asked for (-3/2, -3/4)",
+    "test/intermediate_algebra/2089.json": "'10879' is one of the two values asked for (-10879, 10879)",
+    "test/prealgebra/177.json": "'12' is an intermediate value (the problem writes its function as \\boxed{}); "
+                                "the answer is 6",
+    "test/precalculus/679.json": "'\\frac{5\\pi}{4}' is one of the two solutions asked for (pi/4, 5pi/4)",
+    "test/precalculus/1227.json": "'2' is one of the two values asked for (-1, 2)",
+    "test/precalculus/1233.json": "'105^\\circ' is one of the three angles asked for (30, 45, 105 degrees)",
+}
 
 SHIPPED: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("dsr_sub", "dsr_sub.jsonl", 1209, known_invalid={
@@ -56,6 +81,7 @@ SHIPPED: dict[str, Benchmark] = {b.name: b for b in [
                                                   "inside a fraction, read only as text",
         "test/intermediate_algebra/1289.json": "gold '\\frac{7}{5} + \\frac{1}{5} i.' ends in a period, "
                                                "read only as text",
+        **{row_id: WRONG_GOLD + why for row_id, why in MATH_WRONG_GOLDS.items()},
     }),
 ]}
 

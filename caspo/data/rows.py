@@ -13,7 +13,7 @@ counted with the other invalid rows instead of stopping the load.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from caspo.data.examples import DataError
@@ -63,6 +63,18 @@ def parse_source(source: str) -> Source:
     raise DataError(f"unknown data source {source!r}: use {FORMS}")
 
 
+LOCAL = ("jsonl", "parquet", "datasets")  # kinds whose target is a path on this machine
+
+
+def same_source(a: str, b: str) -> bool:
+    """Whether two source strings name the same rows: the same shipped name, hub dataset, or file or folder
+    (by any path to it) with the same split."""
+    x, y = parse_source(a), parse_source(b)
+    if x.kind in LOCAL and y.kind in LOCAL:
+        x, y = (replace(src, target=str(Path(src.target).resolve())) for src in (x, y))
+    return x == y
+
+
 def read_rows(src: Source) -> list[RawRow]:
     if src.kind == "shipped":
         return _jsonl(SHIPPED[src.target].path)
@@ -82,11 +94,11 @@ def _label(src: Source) -> str:
 
 def _jsonl(path: Path) -> list[RawRow]:
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is not part of row 1
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of row 1
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e}); re-save the file as UTF-8") from None
     out = []
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, line in enumerate(jsonl_lines(text), start=1):
         if not line.strip():
             continue
         where, default_id = f"{path}:{lineno}", f"{path.stem}-{lineno}"
@@ -100,6 +112,12 @@ def _jsonl(path: Path) -> list[RawRow]:
             continue
         out.append(RawRow(where, default_id, row))
     return out
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL text, split at "\n" (a "\r" before it dropped) and nowhere else: str.splitlines
+    would also split at U+2028, U+2029 and U+0085, which JSON allows raw inside a string."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 def _table(label: str, rows: list[dict]) -> list[RawRow]:
