@@ -4,12 +4,14 @@ grouping, runs made under other conditions refused, a crashed run with a cut las
 import json
 import statistics
 import subprocess
+import time
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from caspo.config import load_config, to_yaml
 from caspo.report.compare import expand, group_runs, report
-from caspo.report.runs import mean_std, read_run
+from caspo.report.runs import age_s, mean_std, read_run
 from caspo.runlog import read_jsonl, record_start, run_start
 
 REWARDS = {("grpo", 0): [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], ("grpo", 1): [0.0, 0.1, 0.1, 0.3, 0.3, 0.5],
@@ -181,3 +183,20 @@ def test_refresh_labelling_counts_once_per_refresh_in_the_compute_table(tmp_path
         f.write(json.dumps({"step": 6, "refresh_value_model": "v", "t_refresh": 1.0}) + "\n")
     report(expand([str(folder)]), tmp_path / "report")
     assert "| not recorded |" in (tmp_path / "report" / "report.md").read_text()
+
+
+@pytest.fixture
+def new_york_time(monkeypatch):
+    """This machine's zone set to UTC-5 (a POSIX rule: no tz database needed), and set back after."""
+    monkeypatch.setenv("TZ", "EST5")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.parametrize("offset", [timedelta(0), timedelta(hours=5, minutes=30), timedelta(hours=-5)])
+def test_a_status_written_under_any_offset_is_aged_right_in_another_zone(new_york_time, offset):
+    written = datetime.now(timezone.utc) - timedelta(minutes=10)
+    stamp = written.astimezone(timezone(offset)).strftime("%Y-%m-%dT%H:%M:%S%z")  # as caspo.runlog.now() writes
+    assert age_s({"updated_at": stamp}) == pytest.approx(600, abs=5)

@@ -18,6 +18,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -125,11 +126,17 @@ def read_run(path: str | Path, label: str = "") -> Run:
                status=read_status(path), evals=evals, label=label)
 
 
+def stamp_seconds(stamp: str) -> float:
+    """Seconds since the epoch of a caspo.runlog.now() stamp, e.g. 2026-12-01T10:00:00-0500: at its own offset,
+    whatever this machine's time zone (the run may have been written under another)."""
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+
+
 def age_s(status: dict | None) -> float | None:
     """Seconds since status.json was last written (its updated_at), or None."""
     if not status or not status.get("updated_at"):
         return None
-    return time.time() - time.mktime(time.strptime(status["updated_at"], "%Y-%m-%dT%H:%M:%S%z"))
+    return time.time() - stamp_seconds(status["updated_at"])
 
 
 # ---------------------------------------------------------------- across seeds

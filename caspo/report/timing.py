@@ -1,28 +1,34 @@
 """The end-to-end timing report every run writes (`<run>/timing.json`, `<run>/timing.md`): where its time
-went (rollout, rewards, scoring, optimization, publications, checkpoints, evaluation, refreshes), what it
-ran on (source pins, packages, dtypes, device) and how busy the machine was (resource contention), read
-back from metrics.jsonl and run.json."""
+went (rollout, rewards, log-probs, values, value-model training, policy update, publications, checkpoints,
+evaluation, refreshes, and the rest of its wall time), what it ran on (source pins, packages, dtypes, device)
+and how busy the machine was (resource contention), read back from metrics.jsonl and run.json."""
 
 from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 from pathlib import Path
 
-from caspo.report.runs import read_run
+from caspo.report.runs import read_run, stamp_seconds
 
-# report line -> the metrics' phase timers summed into it
+# report line -> the metrics' phase timers summed into it (caspo/train/loop.py says what each times)
 PHASES = {
-    "rollout": ("t_roll",),
+    "rollout": ("t_roll",),  # its decode graphs' captures included
     "rewards": ("t_reward",),
-    "scoring (old, reference, values)": ("t_old", "t_ref", "t_value", "t_value_update"),
-    "optimization": ("t_pol",),
+    "old and reference log-probs": ("t_old", "t_ref"),
+    # t_value also holds the critic's training step where it trains on its own values (train.critic_values=auto,
+    # one minibatch, μ = 1): the step's first forward gives the values
+    "values (critic, Monte Carlo, prefix model; a critic trained on its own values: its step)": ("t_value",),
+    "value-model training after the advantages (CASPO's online step)": ("t_value_update",),
+    "policy update (and a critic trained with it)": ("t_pol",),
     "publications": ("t_sync",),
     "checkpoints": ("t_ckpt",),
     "evaluation": ("t_eval", "t_bench"),
     "value refreshes": ("t_refresh",),
 }
+# The wall time is from each process's start record, stamped once its models are loaded, to its end: what the
+# phases leave of it is the work between them (advantages, records, trackers, the reward workers' start, curves).
+OUTSIDE = "rest of the wall time (advantages, records, trackers, reward workers' start, curves; not model loading)"
 
 
 def wall_seconds(starts: list[dict]) -> float:
@@ -31,7 +37,7 @@ def wall_seconds(starts: list[dict]) -> float:
     for s in starts:
         end = s.get("end", {}).get("ended_at")
         if end:
-            total += (datetime.fromisoformat(end) - datetime.fromisoformat(s["started_at"])).total_seconds()
+            total += stamp_seconds(end) - stamp_seconds(s["started_at"])
     return total
 
 
@@ -78,8 +84,7 @@ def markdown(report: dict) -> str:
     for name, s in secs.items():
         lines.append(f"| {name} | {s:.1f} | {s / total:.0%} | {s / steps if steps else 0:.2f} |")
     if report["outside_phases_seconds"] is not None:
-        lines.append(f"| outside the phases (start-up, loading, graph capture) | "
-                     f"{report['outside_phases_seconds']:.1f} | | |")
+        lines.append(f"| {OUTSIDE} | {report['outside_phases_seconds']:.1f} | | |")
     for i, s in enumerate(report["starts"]):
         git, end = s.get("git") or {}, s.get("end") or {}
         packages = ", ".join(f"{k} {v}" for k, v in (s.get("packages") or {}).items())
