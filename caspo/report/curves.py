@@ -1,5 +1,5 @@
 """Training curves as PNGs, of one run or of groups of runs (seeds): the mean over a group's runs, with a
-band of ± one standard deviation where it has more than one.
+band of the 95% Student t interval of that mean where it has more than one run (`band`).
 
     plot_curves      reward, pass@G, held-out and benchmark accuracy, KL, length (against its cap), steps
                      per response, and (one group) its per-phase step times stacked
