@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from caspo.data import PromptCursor
 from caspo.data.cursor import pass_seed
@@ -77,3 +78,14 @@ def test_state_from_other_dataset_is_rejected():
 def test_empty_dataset():
     with pytest.raises(ValueError):
         PromptCursor(0, seed=0)
+
+
+def test_a_checkpoint_from_before_the_hashed_seeds_resumes_its_own_stream():
+    """Its state names no order: the stream goes on with seed + epoch, the order it began in."""
+    state = {"epoch": 2, "position": 3, "num_items": 10, "seed": 4}
+    cursor = PromptCursor(10, seed=4)
+    cursor.load_state_dict(state)
+    summed = [torch.randperm(10, generator=torch.Generator().manual_seed(4 + e)).tolist() for e in (2, 3)]
+    assert cursor.take(12) == summed[0][3:] + summed[1][:5]
+    assert cursor.state_dict()["order"] == "seed+epoch"  # and its checkpoints say so
+    assert PromptCursor(10, seed=4).state_dict()["order"] == "hashed"

@@ -8,6 +8,8 @@ import torch
 
 from caspo.config import ConfigError
 
+HASHED, SUMMED = "hashed", "seed+epoch"  # SUMMED: checkpoints written before the hash
+
 
 def pass_seed(seed: int, epoch: int) -> int:
     """The seed of one pass's shuffle. A hash, not seed + epoch: with that, run seed 1 would walk run seed 0's
@@ -19,7 +21,8 @@ def pass_seed(seed: int, epoch: int) -> int:
 class PromptCursor:
     """Yields item indices in a permutation reshuffled each epoch, seeded by a hash of (seed, epoch).
 
-    The state is just (epoch, position), so a checkpointed cursor resumes exactly where it was.
+    The state is just (epoch, position), so a checkpointed cursor resumes exactly where it was. A checkpoint
+    from before the hashed seeds (its state names no `order`) goes on with seed + epoch, as it began.
     """
 
     def __init__(self, num_items: int, seed: int):
@@ -30,6 +33,7 @@ class PromptCursor:
         self._epoch = 0
         self.position = 0  # items of the current epoch's permutation already taken
         self._perm = None  # permutation of the current epoch, built on demand
+        self.order = HASHED  # how a pass's seed is made
 
     @property
     def epoch(self) -> int:
@@ -38,7 +42,8 @@ class PromptCursor:
 
     def permutation(self, epoch: int) -> list[int]:
         # torch's CPU generator gives the same permutation on every platform and process
-        generator = torch.Generator().manual_seed(pass_seed(self.seed, epoch))
+        seed = pass_seed(self.seed, epoch) if self.order == HASHED else self.seed + epoch
+        generator = torch.Generator().manual_seed(seed)
         return torch.randperm(self.num_items, generator=generator).tolist()
 
     def take(self, n: int) -> list[int]:
@@ -57,7 +62,8 @@ class PromptCursor:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "position": self.position, "num_items": self.num_items, "seed": self.seed}
+        return {"epoch": self._epoch, "position": self.position, "num_items": self.num_items, "seed": self.seed,
+                "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("num_items", "seed"):
@@ -68,3 +74,4 @@ class PromptCursor:
         if not 0 <= state["position"] < self.num_items or state["epoch"] < 0:
             raise ValueError(f"invalid cursor state {state}")
         self._epoch, self.position, self._perm = state["epoch"], state["position"], None
+        self.order = state.get("order", SUMMED)
