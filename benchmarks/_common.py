@@ -17,6 +17,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from caspo.models.policy import attention_without_cudnn
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# shape flag -> the model config's field
+SHAPE_FIELDS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+                "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -41,19 +44,30 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="", help="append one JSON line of results to this file")
 
 
-def build_model(args) -> torch.nn.Module:
-    """`args.policy` loaded, or a random-init Qwen2 causal LM with tied embeddings, in `args.dtype` on `args.device`.
+def policy_shape(config) -> dict:
+    """The shape flags' values of a model config (kv_heads: the heads where it has none), and a looped model's
+    depth (its loops over the layers)."""
+    shape = {flag: getattr(config, field, None) for flag, field in SHAPE_FIELDS.items()}
+    shape["kv_heads"] = shape["kv_heads"] or shape["heads"]
+    return shape | ({"depth": config.depth} if hasattr(config, "depth") else {})
 
-    With a policy, `args.vocab` becomes its vocabulary size (random prompts are drawn from it).
+
+def build_model(args, dtype: str = "") -> torch.nn.Module:
+    """`args.policy` loaded, or a random-init Qwen2 causal LM with tied embeddings, in `dtype` (default
+    `args.dtype`) on `args.device`.
+
+    With a policy, its shape replaces the shape flags in `args`: what `environment` records, and the vocabulary
+    random prompts are drawn from.
     """
+    dtype = DTYPES[dtype or args.dtype]
     scale = getattr(args, "logit_scale", 1.0)
     if args.policy and scale != 1.0:
         raise ValueError("--logit-scale reshapes a random model's logits; a trained policy keeps its own")
     if args.policy:
         from caspo.models.policy import load_policy, resolve_model_path
 
-        model = load_policy(resolve_model_path(args.policy), torch.device(args.device)).to(DTYPES[args.dtype])
-        args.vocab = model.config.vocab_size
+        model = load_policy(resolve_model_path(args.policy), torch.device(args.device)).to(dtype)
+        vars(args).update(policy_shape(model.config))
         return model.eval().requires_grad_(False)
     config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -63,7 +77,7 @@ def build_model(args) -> torch.nn.Module:
     if torch.device(args.device).type == "cuda":  # attention as in the trainer's models (load_policy)
         attention_without_cudnn()
     with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         model.get_decoder().norm.weight.mul_(scale)  # logits = (g ⊙ normed h) · E: scaled by the same factor
     return model.eval().requires_grad_(False)
@@ -105,8 +119,7 @@ def environment(args) -> dict:
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(device), "card": card,
             "torch": torch.__version__, "commit": args.commit, "dtype": args.dtype, "policy": args.policy or None,
             "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-            "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-                      "intermediate": args.intermediate, "vocab": args.vocab}}
+            "model": {flag: getattr(args, flag) for flag in (*SHAPE_FIELDS, "depth") if hasattr(args, flag)}}
 
 
 def add_graph_timing_args(parser: argparse.ArgumentParser, copies: int = 4) -> None:

@@ -100,7 +100,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="caspo-smoke-"))
     policy = work / "policy"
-    model = build_model(argparse.Namespace(**{**vars(args), "dtype": "float32"}))  # fp32 masters
+    model = build_model(args, dtype="float32")  # fp32 masters
     tokenizer = load_tokenizer(resolve_model_path("embedded:tiny-arith"))
     newline = tokenizer.convert_tokens_to_ids("\n")
     rates = text_rates(tokenizer, args.text_rate) if args.newline_rate else {}

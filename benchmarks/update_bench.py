@@ -109,7 +109,7 @@ def main() -> None:
     device = torch.device(args.device)
     precision = "bf16" if args.dtype == "bfloat16" else "fp32"
 
-    model = build_model(argparse.Namespace(**{**vars(args), "dtype": "float32"})).requires_grad_(True)
+    model = build_model(args, dtype="float32").requires_grad_(True)
     if args.checkpointing:
         enable_recompute(model)
     if args.compile:

@@ -10,7 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from _common import build_model, plant_rates, planted_learning_rate, text_rates  # noqa: E402
+from _common import (  # noqa: E402
+    add_model_args,
+    build_model,
+    environment,
+    plant_rates,
+    planted_learning_rate,
+    text_rates,
+)
 
 
 @pytest.mark.parametrize("hidden, layers, dtype", [(64, 4, torch.float32), (1536, 2, torch.bfloat16)])
@@ -157,3 +164,26 @@ def test_blocks_of_a_graph_pool_are_named_as_such():
     inductor = {"filename": "/tmp/torchinductor_root/c3/c3ob.py", "line": 1161, "name": "call"}
     assert site([inductor]) == "c3ob.py:1161 call"
     assert site([]) == "(no stack)"
+
+
+def model_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    return parser.parse_args(["--device", "cpu", *flags])
+
+
+def test_a_policys_shape_replaces_the_default_shape_flags_in_what_is_recorded():
+    args = model_args("--dtype", "float32", "--policy", "embedded:tiny-arith")  # the flags keep the 1.5B shape
+    build_model(args)
+    assert environment(args)["model"] == {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 4, "intermediate": 256,
+                                          "vocab": 100}
+
+
+def test_the_weights_dtype_can_differ_from_the_compute_dtype_recorded():
+    args = model_args("--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--intermediate", "64",
+                      "--vocab", "50")
+    model = build_model(args, dtype="float32")  # fp32 master weights of a bf16 run
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert environment(args)["dtype"] == "bfloat16"
+    assert environment(args)["model"] == {"hidden": 32, "layers": 1, "heads": 4, "kv_heads": 2, "intermediate": 64,
+                                          "vocab": 50}
