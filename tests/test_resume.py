@@ -42,7 +42,8 @@ def test_a_kill_during_checkpoint_leaves_the_previous_one_loadable(tmp_path):
 
 
 def test_resume_restores_state_publishes_it_and_keeps_the_base_reference(tmp_path):
-    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "eval.before=false"])
+    # weight decay moves the weights even where a step's groups all score alike (zero advantages)
+    cfg = load_config("tests", [f"train.output_dir={tmp_path}", "eval.before=false", "optim.weight_decay=0.1"])
     tr = loop.build_trainer(cfg)
     with tr.pool:
         loop.outer_step(tr)
