@@ -1,4 +1,4 @@
-"""The decode step's GEMMs alone, at the rows of a rollout or a Monte Carlo step: how close to the card's peak.
+"""The decode step's GEMMs alone, at the rows of a rollout or a Monte Carlo step: how close to the card's GEMM rate.
 
 A decode step of M rows runs, per layer, the fused q/k/v projection, the output projection, the fused
 gate/up projection and the down projection, then the LM head once (Qwen2.5-1.5B by default). Each shape is
@@ -20,7 +20,14 @@ import math
 
 import torch
 import torch.nn.functional as F
-from _common import add_graph_timing_args, append_result, kernel_record, print_table
+from _common import (
+    DATASHEET_TFLOPS,
+    GEMM_TFLOPS,
+    add_graph_timing_args,
+    append_result,
+    kernel_record,
+    print_table,
+)
 from decode_attention_bench import graph_ms
 
 from caspo.rollout.native.linears import spans_fit, split_linear
@@ -45,7 +52,9 @@ def main() -> None:
     add_graph_timing_args(parser)
     parser.add_argument("--autotune", action="store_true", help="also time inductor's max-autotune GEMM")
     parser.add_argument("--partials", default="", help="spans of K, comma-separated: also time split_linear")
-    parser.add_argument("--peak", type=float, default=790e12, help="the card's dense bf16 FLOP/s")
+    parser.add_argument("--peak", type=float, default=GEMM_TFLOPS * 1e12,
+                        help="the dense bf16 GEMM rate of the compute-bound column, FLOP/s (default: the rate measured "
+                             "on H100/H200; their datasheet peak is 989e12)")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="the card's memory bandwidth, bytes/s")
     args = parser.parse_args()
     record = kernel_record("decode_gemm", args.commit)
@@ -79,7 +88,8 @@ def main() -> None:
         for variant, ms in step.items():
             table.append([m, "one step", f"{args.layers} layers + head", variant,
                           "–" if math.isnan(ms) else f"{ms * 1e3:.0f}", "", "", ""])
-    print(f"{torch.cuda.get_device_name()}; peak {args.peak / 1e12:.0f} TFLOP/s, {args.bandwidth / 1e12:.1f} TB/s")
+    print(f"{torch.cuda.get_device_name()}; compute bound at {args.peak / 1e12:.0f} TFLOP/s of bf16 GEMM (--peak; the "
+          f"datasheet's H100/H200 peak is {DATASHEET_TFLOPS:g}), {args.bandwidth / 1e12:.1f} TB/s")
     print_table(["rows", "GEMM", "in -> out", "kernel", "µs", "TFLOP/s", "compute bound µs", "weight read µs"], table)
 
 

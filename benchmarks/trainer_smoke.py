@@ -6,12 +6,14 @@ engine with CUDA graphs, bf16 compute with fp32 master weights, and the syntheti
 (`reward.synthetic`: the policy cannot see it, but advantages are non-zero). Two training
 steps of each method; prints the per-phase timers, the peak memory and what stays allocated after each
 step ("held": a rise step after step is memory held per step, which --memory-growth locates), the policy
-phase's model FLOP utilisation (6 · parameters · tokens / t_pol against --peak-tflops) and the post-publish
-parity (mean |behaviour − recomputed log-prob| of the sampled tokens), the graphs torch.compile built
-in each step ("compiled": train.compile meeting new shapes) and the allocator's retries, and appends
-one JSON line to --out. Memory knobs: --micro-tokens (token-budget micro-batches), --checkpointing,
---gpu-memory-fraction (the engine's KV share); --set passes any other config override. --nproc N runs
-each method as N FSDP2 ranks (`caspo train --nproc N`, one device each): the phases and the peak are rank 0's.
+phase's model FLOP utilisation (6 · parameters · tokens / t_pol against --peak-tflops, the dense bf16 GEMM rate
+measured on H100/H200, ~790 TFLOP/s, which the targets are stated against; beside it the share of the datasheet
+peak, --datasheet-tflops, 989 on H100/H200 SXM) and the post-publish parity (mean |behaviour − recomputed
+log-prob| of the sampled tokens), the graphs torch.compile built in each step ("compiled": train.compile meeting
+new shapes) and the allocator's retries, and appends one JSON line to --out. Memory knobs: --micro-tokens
+(token-budget micro-batches), --checkpointing, --gpu-memory-fraction (the engine's KV share); --set passes any
+other config override. --nproc N runs each method as N FSDP2 ranks (`caspo train --nproc N`, one device each):
+the phases and the peak are rank 0's.
 
 The step-level methods: --newline-rate / --eos-rate plant those next-token probabilities in the random
 policy (benchmarks/_common.plant_rates), and --text-rate the tokenizer's visible characters so that lines
@@ -47,9 +49,12 @@ from pathlib import Path
 
 from _common import (
     add_model_args,
+    add_peak_args,
     append_result,
     build_model,
     environment,
+    mfu_reference,
+    mfu_shares,
     plant_rates,
     planted_learning_rate,
     print_table,
@@ -80,7 +85,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--micro-tokens", type=int, default=0, help="train.micro_batch_tokens (0 = rows)")
     parser.add_argument("--checkpointing", action="store_true", help="train.activation_checkpointing=true")
-    parser.add_argument("--peak-tflops", type=float, default=790.0, help="the card's dense bf16 peak (H200: ~790)")
+    add_peak_args(parser)
     parser.add_argument("--set", action="append", default=[], help="another config override, KEY=VALUE")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode (CPU smoke tests)")
     parser.add_argument("--newline-rate", type=float, default=0.0, help="P(newline) planted at every position")
@@ -155,10 +160,13 @@ def main() -> None:
         # One table and one JSON line per method, so a run stopped midway keeps what finished.
         for s in steps:  # forward + backward of every (prompt + response) token, attention FLOPs left out
             tokens = cfg.responses_per_step * (prompt_len + s["response_len_mean"]) * cfg.train.epochs_per_rollout
-            s["policy_mfu"] = 6 * parameters * tokens / max(s["t_pol"], 1e-9) / (args.nproc * args.peak_tflops * 1e12)
+            s["policy_mfu"], s["policy_mfu_datasheet"] = mfu_shares(6 * parameters * tokens, s["t_pol"], args,
+                                                                    args.nproc)
         print_table(["method", "step", *PHASES, "roll graphs", "resp len", "steps", "MC tokens", "MC gen s",
                      "MC score s", "MC rounds (forwards)", "MC prefill/wait/host s", "MC rows/step of decoded",
-                     "MC grouped steps", "MC graphs", "MC shared", "|Δ logp|", "policy MFU", "peak GiB",
+                     "MC grouped steps", "MC graphs", "MC shared", "|Δ logp|",
+                     f"policy MFU (of {args.peak_tflops:g} measured GEMM)", f"of {args.datasheet_tflops:g} datasheet",
+                     "peak GiB",
                      "reserved GiB", "held GiB", "compiled", "retries"],
                     [[method, s["step"], *(f"{s.get(p, 0):.1f}" for p in PHASES),
                       f"{s['roll_graph_captures']} in {s['t_roll_capture']:.1f} s"
@@ -175,6 +183,7 @@ def main() -> None:
                       f"{s['mc_graph_captures']} in {s['t_mc_capture']:.1f} s" if "mc_graph_captures" in s else "-",
                       f"{s['mc_prefill_shared_frac']:.0%}" if "mc_prefill_shared_frac" in s else "-",
                       f"{s['behaviour_vs_old_logp_absdiff']:.2e}", f"{s['policy_mfu']:.0%}",
+                      f"{s['policy_mfu_datasheet']:.0%}",
                       f"{s['mem_peak_gb']:.1f}" if peak else "-",
                       f"{s['mem_peak_reserved_gb']:.1f}" if "mem_peak_reserved_gb" in s else "-",
                       f"{s['mem_allocated_gb']:.2f}" if "mem_allocated_gb" in s else "-",
@@ -182,6 +191,7 @@ def main() -> None:
                       s.get("mem_alloc_retries", "-")]
                      for s in steps])
         append_result(args.out, {"benchmark": "trainer_smoke", "method": method, **environment(args),
+                                 "mfu_reference": mfu_reference(args),
                                  "shape": {"prompts": args.prompts, "samples": args.samples,
                                            "new_tokens": args.new_tokens, "prompt_tokens_mean": prompt_len},
                                  "knobs": {"nproc": args.nproc, "micro_tokens": args.micro_tokens,

@@ -2,6 +2,7 @@
 the planted rates, which the step-level trainer smokes rely on for their step boundaries and lengths."""
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,11 +10,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 from _common import (  # noqa: E402
     add_model_args,
+    add_peak_args,
     build_model,
     environment,
+    mfu_shares,
     plant_rates,
     planted_learning_rate,
     text_rates,
@@ -187,3 +191,32 @@ def test_the_weights_dtype_can_differ_from_the_compute_dtype_recorded():
     assert environment(args)["dtype"] == "bfloat16"
     assert environment(args)["model"] == {"hidden": 32, "layers": 1, "heads": 4, "kv_heads": 2, "intermediate": 64,
                                           "vocab": 50}
+
+
+def test_mfu_is_a_share_of_the_measured_gemm_rate_and_the_datasheet_share_is_beside_it():
+    parser = argparse.ArgumentParser()
+    add_peak_args(parser)
+    args = parser.parse_args([])
+    assert (args.peak_tflops, args.datasheet_tflops) == (790.0, 989.0)
+    mfu, datasheet = mfu_shares(2 * 395e12, 1.0, args, devices=2)  # 395 TFLOP/s a card
+    assert mfu == pytest.approx(0.5) and datasheet == pytest.approx(395 / 989)
+
+
+@pytest.mark.parametrize("script", ["trainer_smoke.py", "update_bench.py"])
+def test_the_mfu_reference_is_named_for_what_it_is(script):
+    found = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True)
+    text = " ".join(found.stdout.split())
+    assert "--peak-tflops PEAK_TFLOPS MFU's reference: the dense bf16 GEMM rate measured on H100/H200" in text
+    assert "--datasheet-tflops DATASHEET_TFLOPS the card's datasheet dense bf16 peak (H100/H200 SXM: 989" in text
+
+
+def test_the_mfu_target_notes_its_reference_and_the_datasheet_share():
+    from seed_targets import report_rows
+
+    steps = [{"step": i + 1, "t_step": 12.0, "mem_peak_gb": 47.0, "policy_mfu": mfu}
+             for i, mfu in enumerate((0.17, 0.53, 0.51))]
+    record = {"benchmark": "trainer_smoke", "method": "grpo", "card": "NVIDIA H200", "commit": "abc",
+              "shape": {"prompts": 32, "samples": 8, "new_tokens": 1024}, "knobs": {"nproc": 1}, "steps": steps}
+    [row] = [r for r in report_rows([record]) if r[0] == "32 × 8 grpo: policy MFU"]
+    assert row[2:4] == ["51%", "met"]
+    assert row[6] == "of 790 TFLOP/s, the measured bf16 GEMM rate; 41% of the 989 TFLOP/s datasheet peak"
