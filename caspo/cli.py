@@ -115,7 +115,8 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
         if ray_address:
             from caspo.train.ray_launch import launch
 
-            raise typer.Exit(launch(ray_address, nproc, argv, cfg.model.device))
+            raise typer.Exit(launch(ray_address, nproc, argv, cfg.model.device,
+                                    shutdown_s=60 * cfg.train.collective_timeout_minutes))
         launcher = subprocess.Popen(distributed.launch_command(nproc, argv),
                                     env=distributed.launch_env(60 * cfg.train.collective_timeout_minutes))
         raise typer.Exit(wait_relaying(launcher))
