@@ -43,6 +43,7 @@ def test_the_suite_and_the_heldout_eval_count_the_boxes_the_extractor_reads():
     from types import SimpleNamespace
 
     from caspo.eval.heldout import greedy_accuracy
+    from caspo.reward import RewardResult
     from caspo.rollout.base import Completion
 
     cfg = load_config("tests")
@@ -58,7 +59,7 @@ def test_the_suite_and_the_heldout_eval_count_the_boxes_the_extractor_reads():
     engine = SimpleNamespace(generate=lambda requests, sampling: [
         Completion([r.prompt_ids[0]], [0.0], "stop", 0) for r in requests])
     tokenizer = SimpleNamespace(decode=lambda tokens, skip_special_tokens: BOX_TEXTS[tokens[0]])
-    pool = SimpleNamespace(score=lambda texts, labels, finished: SimpleNamespace(rewards=[0.0] * len(texts)))
+    pool = SimpleNamespace(score=lambda texts, labels, finished: RewardResult([0.0] * len(texts)))
     result = greedy_accuracy(engine, tokenizer, [[i] for i in range(n)], ["3"] * n, pool, max_new_tokens=4,
                              stop_token_ids=[])
     assert result.boxed_rate == pytest.approx(4 / 6)

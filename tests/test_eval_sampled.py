@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from caspo.eval.heldout import EVAL_RUN_SEED, EVAL_SEED_STEP, sampled_accuracy
+from caspo.reward import RewardResult
 from caspo.rollout.base import Completion, SamplingParams
 from caspo.rollout.sampling import sample_seed
 
@@ -23,8 +24,8 @@ class EchoEngine:
 def test_sampled_accuracy_averages_k_seeded_samples_per_problem():
     engine = EchoEngine()
     tokenizer = SimpleNamespace(decode=lambda tokens, skip_special_tokens: str(tokens[0]))
-    pool = SimpleNamespace(score=lambda texts, labels, finished: SimpleNamespace(
-        rewards=[float(t == label) for t, label in zip(texts, labels)]))
+    pool = SimpleNamespace(score=lambda texts, labels, finished: RewardResult(
+        [float(t == label) for t, label in zip(texts, labels)]))
     sampling = SamplingParams(temperature=0.7)
     result = sampled_accuracy(engine, tokenizer, [[10], [20]], ["10", "21"], pool,
                               samples=3, sampling=sampling, max_new_tokens=5)

@@ -3,10 +3,10 @@ problem (avg@k) from the training sampler, scored by the verifier."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from caspo.reward.extract import has_box
-from caspo.reward.pool import RewardPool
+from caspo.reward.pool import RewardPool, Unscored
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.sampling import sample_seed
 
@@ -22,10 +22,13 @@ class EvalResult:
     n: int
     texts: list[str]
     rewards: list[float]
+    unscored: Unscored = field(default_factory=Unscored)  # completions left without a verdict (reward 0)
 
     def summary(self) -> dict:
+        """The metrics, and the completions the verifier left without a verdict: reward_unscored and its causes
+        (reward_timeouts, reward_verifier_timeouts, reward_crashes, reward_over_budget)."""
         return {"accuracy": self.accuracy, "boxed_rate": self.boxed_rate,
-                "truncated_rate": self.truncated_rate, "n": self.n}
+                "truncated_rate": self.truncated_rate, "n": self.n, **self.unscored.counts("reward_")}
 
 
 def greedy_requests(prompt_ids: list[list[int]], max_new_tokens: int) -> list[Request]:
@@ -64,7 +67,8 @@ def _score(engine, tokenizer, requests: list[Request], sampling: SamplingParams,
     completions = engine.generate(requests, sampling)
     texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     finished = [c.finish_reason == "stop" for c in completions]
-    rewards = pool.score(texts, labels, finished).rewards
+    scored = pool.score(texts, labels, finished)
+    rewards = scored.rewards
     n = len(texts)
     return EvalResult(
         accuracy=sum(rewards) / n,
@@ -73,4 +77,5 @@ def _score(engine, tokenizer, requests: list[Request], sampling: SamplingParams,
         n=n,
         texts=texts,
         rewards=rewards,
+        unscored=Unscored().add(scored),
     )

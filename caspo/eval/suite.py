@@ -3,19 +3,22 @@ verifier, summarised by caspo.eval.metrics, overall and per subject and level wh
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from caspo.config import Config, RewardConfig
 from caspo.data.registry import level_name
 from caspo.eval.benchmarks import Suite
 from caspo.eval.heldout import greedy_requests, sample_requests
 from caspo.eval.metrics import sample_metrics
-from caspo.reward import extract_answer, has_box
+from caspo.reward import Unscored, extract_answer, has_box
 from caspo.rollout.base import Request, SamplingParams
 
 CHUNK = 1024  # requests per engine call, one progress step each
+
+log = logging.getLogger(__name__)
 
 
 def eval_samplers(cfg: Config, run_sampling: SamplingParams) -> tuple[SamplingParams, SamplingParams]:
@@ -35,6 +38,7 @@ class Outputs:
     finished: list[bool]
     tokens: int = 0  # generated tokens, the stop token included
     generate_s: float = 0.0  # inside engine.generate (scoring excluded)
+    unscored: Unscored = field(default_factory=Unscored)  # completions the pool left without a verdict (reward 0)
 
 
 def run_requests(engine, tokenizer, pool, requests: list[Request], labels: list[str], sampling: SamplingParams,
@@ -48,7 +52,9 @@ def run_requests(engine, tokenizer, pool, requests: list[Request], labels: list[
         out.tokens += sum(len(c.tokens) for c in completions)
         texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
         finished = [c.finish_reason == "stop" for c in completions]
-        out.rewards += pool.score(texts, labels[start:start + CHUNK], finished).rewards
+        scored = pool.score(texts, labels[start:start + CHUNK], finished)
+        out.rewards += scored.rewards
+        out.unscored.add(scored)
         out.texts += texts
         out.finished += finished
         advance(len(completions))
@@ -73,11 +79,24 @@ def evaluate_suite(engine, tokenizer, pool, cfg: Config, suite: Suite, run_sampl
         if fld:
             result[key] = breakdown(records, key.removeprefix("by_"), K)
     runs = [greedy] + ([sampled] if sampled is not None else [])
+    result["scoring"] = unscored_counts(suite.name, runs)
     tokens, generate_s = sum(o.tokens for o in runs), sum(o.generate_s for o in runs)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     result["generation"] = {"tokens": tokens, "seconds": round(generate_s, 2),
                             "tokens_per_s": round(tokens / generate_s, 1) if generate_s > 0 else None}
     return result, records
+
+
+def unscored_counts(name: str, runs: list[Outputs]) -> dict:
+    """The completions the verifier left without a verdict (counted wrong), by cause; a warning if any."""
+    unscored = Unscored()
+    for run in runs:
+        unscored.add(run.unscored)
+    if unscored.total:
+        log.warning("%s: %d of %d completions were not scored (%s) and count as wrong; raise reward.timeout_s or "
+                    "reward.batch_budget_s", name, unscored.total, sum(len(run.rewards) for run in runs),
+                    ", ".join(f"{n} {cause}" for cause, n in unscored.counts().items() if n and cause != "unscored"))
+    return unscored.counts()
 
 
 def answer_of(text: str, finished: bool, reward: RewardConfig) -> str | None:

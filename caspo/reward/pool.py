@@ -10,10 +10,10 @@ module, and with it torch when the training script imports torch at the top.
 
 The limits (docs/reliability.md, "Verifier"):
 
-- time per call: math-verify's own SIGALRM timeouts end most slow calls inside the worker; a call
-  still running KILL_GRACE_S after `timeout_s` (stuck in C code, where SIGALRM cannot interrupt
-  it, or several slow steps in a row) gets reward 0, is counted in `timeouts`, and its worker is
-  killed and replaced. The other calls are unaffected.
+- time per call: math-verify's own SIGALRM timeouts end most slow calls inside the worker (reward 0,
+  counted in `verifier_timeouts`); a call still running KILL_GRACE_S after `timeout_s` (stuck in C
+  code, where SIGALRM cannot interrupt it, or several slow steps in a row) gets reward 0, is counted
+  in `timeouts`, and its worker is killed and replaced. The other calls are unaffected.
 - time per batch: calls not finished `batch_budget_s` after the batch began get reward 0 and are
   counted in `over_budget`; the workers still busy are killed and replaced. The clock starts once
   the replacements left by the previous batch are ready, so a restart is never charged to a batch.
@@ -30,13 +30,13 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 from multiprocessing.connection import wait
 
 from caspo.reward.extract import EXTRACTORS, FALLBACKS
-from caspo.reward.verify import score
-from caspo.reward.worker import KILL_GRACE_S, Worker
+from caspo.reward.verify import judge
+from caspo.reward.worker import KILL_GRACE_S, Worker, verdict_of
 
 DEFAULT_WORKER_MEMORY_MB = 2048  # used where the platform can limit it (memory_mb=None)
 DEFAULT_RECYCLE_AFTER = 1000
@@ -50,11 +50,49 @@ log = logging.getLogger(__name__)
 class RewardResult:
     rewards: list[float]  # in input order
     timeouts: int = 0  # calls stopped at the pool's time limit (reward 0)
+    verifier_timeouts: int = 0  # calls that math-verify's own alarm ended inside the worker (reward 0)
     crashes: int = 0  # calls whose worker died, e.g. a segfault (reward 0)
     over_budget: int = 0  # calls not finished when the batch's time budget ran out (reward 0)
     recycled: int = 0  # workers replaced after recycle_after calls or above recycle_rss_mb
     max_call_s: float = 0.0  # the longest call, from its submission to its reward (or its worker's kill)
     max_rss_mb: float = 0.0  # the largest peak resident set a worker reported
+
+
+@dataclass
+class Unscored:
+    """Calls that scored 0 for want of a verdict, by cause (RewardResult's counters of them), summed over the
+    batches `add` is given: answers an evaluation or a Monte Carlo estimate counts as wrong without a check."""
+
+    timeouts: int = 0
+    verifier_timeouts: int = 0
+    crashes: int = 0
+    over_budget: int = 0
+
+    def add(self, result: "RewardResult | Unscored") -> "Unscored":
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(result, f.name))
+        return self
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+    def counts(self, prefix: str = "") -> dict[str, int]:
+        """Each cause and the total ("unscored"), their keys prefixed (`mc_reward_` gives mc_reward_timeouts, ...)."""
+        return {f"{prefix}{key}": n for key, n in (asdict(self) | {"unscored": self.total}).items()}
+
+
+class TallyingScorer:
+    """`pool.score` for callers that take only the rewards (a caspo.reward.scoring_thread.Scorer, as Monte Carlo
+    continuations are scored), with the calls left without a verdict summed in `unscored`."""
+
+    def __init__(self, pool):
+        self.pool, self.unscored = pool, Unscored()
+
+    def __call__(self, texts: list[str], labels: list[str], finished: list[bool]) -> list[float]:
+        result = self.pool.score(texts, labels, finished)
+        self.unscored.add(result)
+        return result.rewards
 
 
 class RewardPool:
@@ -64,9 +102,10 @@ class RewardPool:
               debugging: then only math-verify's own SIGALRM timeouts (main thread only) and the
               batch budget apply, with no memory limit, and nothing can stop a hang in C code.
     timeout_s: time limit of one call (see the module docstring).
-    score_fn: `score_fn(response, label, finished, timeout_s=...) -> float`, run in the
-              workers; a module-level function of an importable module (not __main__), or a
-              functools.partial of one. Defaults to caspo.reward.verify.score; `from_config` binds
+    score_fn: `score_fn(response, label, finished, timeout_s=...)`, run in the workers, returning
+              the reward or a (reward, timed_out) pair (caspo.reward.verify.Verdict; timed_out counts
+              in `verifier_timeouts`); a module-level function of an importable module (not __main__),
+              or a functools.partial of one. Defaults to caspo.reward.verify.judge; `from_config` binds
               its options; tests pass caspo.reward.testing.faulty_score to inject hangs and crashes.
     memory_mb: each worker's address-space limit; None = DEFAULT_WORKER_MEMORY_MB where the
               platform can limit it (a warning where it cannot), 0 = no limit, > 0 = that limit
@@ -78,7 +117,7 @@ class RewardPool:
     One batch at a time: `score` is not meant to be called from several threads at once.
     """
 
-    def __init__(self, workers: int = 2, timeout_s: float = 5.0, score_fn: Callable[..., float] = score, *,
+    def __init__(self, workers: int = 2, timeout_s: float = 5.0, score_fn: Callable = judge, *,
                  memory_mb: int | None = None, recycle_after: int = DEFAULT_RECYCLE_AFTER,
                  recycle_rss_mb: float = DEFAULT_RECYCLE_RSS_MB, batch_budget_s: float = DEFAULT_BATCH_BUDGET_S):
         if workers < 0 or timeout_s <= 0:
@@ -95,7 +134,7 @@ class RewardPool:
         self._warned = False
 
     @classmethod
-    def from_config(cls, cfg, score_fn: Callable[..., float] = score) -> "RewardPool":
+    def from_config(cls, cfg, score_fn: Callable = judge) -> "RewardPool":
         """The pool a `reward:` config section (caspo.config.RewardConfig) describes."""
         if cfg.extractor not in EXTRACTORS or cfg.fallback not in FALLBACKS:
             raise ValueError(f"reward.extractor must be one of {EXTRACTORS} and reward.fallback one of "
@@ -185,8 +224,9 @@ class RewardPool:
         result.max_call_s = max(result.max_call_s, elapsed)
         reply = worker.receive() if readable else None
         if reply is not None:
-            reward, rss, peak = reply
+            reward, timed_out, rss, peak = reply
             result.rewards[task] = reward
+            result.verifier_timeouts += timed_out
             result.max_rss_mb = max(result.max_rss_mb, peak / 2**20)
             if (self.recycle_after and worker.calls >= self.recycle_after) or \
                     (self.recycle_rss_mb and rss / 2**20 > self.recycle_rss_mb):
@@ -217,7 +257,8 @@ class RewardPool:
                 result.over_budget = len(responses) - i
                 break
             start = time.monotonic()
-            result.rewards[i] = float(self.score_fn(*call, timeout_s=self.timeout_s))
+            result.rewards[i], timed_out = verdict_of(self.score_fn(*call, timeout_s=self.timeout_s))
+            result.verifier_timeouts += timed_out
             result.max_call_s = max(result.max_call_s, time.monotonic() - start)
         return result
 

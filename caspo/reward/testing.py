@@ -4,7 +4,7 @@ import os
 import signal
 import time
 
-from caspo.reward.verify import score
+from caspo.reward.verify import Verdict, judge
 
 HANG = "<caspo-test-hang>"
 CRASH = "<caspo-test-crash>"
@@ -12,8 +12,8 @@ ALLOCATE = "<caspo-test-allocate-mb>"  # + a number: allocate that many MB, then
 
 
 def faulty_score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0,
-                 **options) -> float:
-    """caspo.reward.verify.score (with its keyword options), except that response HANG hangs,
+                 **options) -> Verdict | float:
+    """caspo.reward.verify.judge (with its keyword options), except that response HANG hangs,
     response CRASH kills the process and response ALLOCATE + "N" allocates N MB.
 
     The hang blocks SIGALRM first, like a call stuck in C code that math-verify's alarm
@@ -28,4 +28,4 @@ def faulty_score(response: str, label: str, finished: bool = True, timeout_s: fl
     if response.startswith(ALLOCATE):
         block = bytearray(int(response[len(ALLOCATE):]) * 2**20)  # MemoryError past the worker's limit
         return float(len(block) > 0)
-    return score(response, label, finished, timeout_s, **options)
+    return judge(response, label, finished, timeout_s, **options)

@@ -14,8 +14,11 @@ caspo.reward's own light modules (never torch).
 import math
 import re
 import threading
+from collections.abc import Sequence
 from functools import lru_cache
 from importlib.metadata import version
+from itertools import product
+from typing import NamedTuple
 
 from math_verify import LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
@@ -51,9 +54,24 @@ _FORMULA_AND_PERIOD = re.compile(r"\$([^$]+)\$\s*\.")
 _DIGIT_GROUP_SPACE = re.compile(r"(?<=[0-9])(?:\\[,:; !]|~)(?=[0-9]{3}(?![0-9]))")
 
 
+class Verdict(NamedTuple):
+    """A response's reward, and whether math-verify's alarm ended one of its steps (then the reward is 0 for
+    want of a verdict, not because the answer is wrong)."""
+
+    reward: float
+    timed_out: bool = False
+
+
 def score(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0, *,
           extractor: str = "boxed", fallback: str = "none", max_answer_chars: int = MAX_ANSWER_CHARS) -> float:
-    """Reward of one response: 1.0 if its final answer matches `label`, else 0.0.
+    """Reward of one response: 1.0 if its final answer matches `label`, else 0.0 (`judge`'s reward)."""
+    return judge(response, label, finished, timeout_s, extractor=extractor, fallback=fallback,
+                 max_answer_chars=max_answer_chars).reward
+
+
+def judge(response: str, label: str, finished: bool = True, timeout_s: float | None = 5.0, *,
+          extractor: str = "boxed", fallback: str = "none", max_answer_chars: int = MAX_ANSWER_CHARS) -> Verdict:
+    """Reward of one response (1.0 if its final answer matches `label`, else 0.0), and whether it timed out.
 
     A response cut off by the length limit (finished=False) scores 0 whatever it says, and so
     does one without an answer (caspo.reward.extract.extract_answer with `extractor`, `fallback`)
@@ -64,38 +82,68 @@ def score(response: str, label: str, finished: bool = True, timeout_s: float | N
     timeout_s bounds each math-verify step (parsing the gold, parsing the answer, each
     comparison). math-verify enforces it with SIGALRM, in whole seconds, so it only works in
     the main thread; calling from another thread raises RuntimeError instead of silently
-    scoring 0. timeout_s=None switches the alarms off (any thread, but no time limit).
+    scoring 0. timeout_s=None switches the alarms off (any thread, but no time limit). A step
+    its alarm ends scores 0 with `timed_out` set, so that callers can count it.
     """
     if not isinstance(label, str):
         raise TypeError(f"label must be a str, got {type(label).__name__}: {label!r}")
     if timeout_s is not None:
         _require_main_thread()
     if not finished:
-        return 0.0
+        return Verdict(0.0)
     answer = extract_answer(response, extractor, fallback)  # raises only on an unknown option
     if answer is None or too_costly(answer, max_answer_chars):
-        return 0.0
+        return Verdict(0.0)
     gold = _strip_dollars(label)
     if text_label(gold) or letter_word(gold):
-        return 1.0 if same_text(answer, gold) else 0.0
+        return Verdict(1.0 if same_text(answer, gold) else 0.0)
     if hedged(answer):
-        return 0.0
+        return Verdict(0.0)
     try:
         answer = _normalized(answer)
         fast = _integer_verdict(answer, gold)
         if fast is not None:
-            return fast
+            return Verdict(fast)
         seconds = _alarm_seconds(timeout_s)
         parsed_gold = _parse_gold(_normalized(gold), seconds)
         # Unescaped "$" inside the box ("\boxed{$18$}") would close the math environment early.
         answer = re.sub(r"(?<!\\)\$", "", answer)
-        prediction = parse("$\\boxed{" + answer + "}$", extraction_config=_LATEX_ONLY, extraction_mode="first_match",
-                           parsing_timeout=seconds)
-        if not verify(list(parsed_gold), prediction, timeout_seconds=seconds):
-            return 0.0
-        return 0.0 if _states_a_false_equation(prediction, seconds) else 1.0
-    except (Exception, TimeoutException):  # TimeoutException is a BaseException
-        return 0.0
+        prediction = _parse("$\\boxed{" + answer + "}$", seconds)
+        if not _equal(parsed_gold, prediction, seconds):
+            return Verdict(0.0)
+        return Verdict(0.0 if _states_a_false_equation(prediction, seconds) else 1.0)
+    except TimeoutException:  # a BaseException, which math-verify raises from its alarm
+        return Verdict(0.0, timed_out=True)
+    except Exception:
+        return Verdict(0.0)
+
+
+def _parse(latex: str, seconds: int | None) -> list:
+    """math-verify's parse of `latex` read whole (_LATEX_ONLY), [] where it fails, as math-verify's own default;
+    but a parse its alarm ends raises TimeoutException, where math-verify would only log it and return []."""
+    try:
+        return parse(latex, extraction_config=_LATEX_ONLY, extraction_mode="first_match", parsing_timeout=seconds,
+                     raise_on_error=True)
+    except Exception:
+        return []
+
+
+def _equal(golds: Sequence, predictions: Sequence, seconds: int | None) -> bool:
+    """math-verify's verify(golds, predictions): whether some pair of them is equal, compared pair by pair as it
+    does, a pair that fails to compare counting as unequal; but when no pair is equal and its alarm ended a
+    comparison, raises TimeoutException, where math-verify would only log it and return False."""
+    timed_out = False
+    for gold, prediction in product(golds, predictions):
+        try:
+            if verify(gold, prediction, timeout_seconds=seconds, raise_on_error=True):
+                return True
+        except TimeoutException:
+            timed_out = True
+        except Exception:
+            pass
+    if timed_out:
+        raise TimeoutException("a comparison ran past reward.timeout_s")
+    return False
 
 
 def _braced_fractions(latex: str) -> str:
@@ -145,7 +193,7 @@ def _states_a_false_equation(prediction: list, seconds: int | None) -> bool:
                if all(isinstance(r, Eq) for r in chain)]
     for chain in chains:
         numbers = [side for r in chain for side in (r.lhs, r.rhs) if side.is_number]
-        if any(not verify([numbers[0]], [n], timeout_seconds=seconds) for n in numbers[1:]):
+        if any(not _equal([numbers[0]], [n], seconds) for n in numbers[1:]):
             return True
     return False
 
@@ -178,6 +226,8 @@ def check_label(label: str) -> None:
             parsed = _parse_gold(_normalized(gold), _alarm_seconds(5.0))
         except ValueError:
             raise ValueError(f"math-verify cannot parse label {label!r}") from None
+        except TimeoutException:
+            raise ValueError(f"math-verify did not parse label {label!r} within 5 s; simplify the label") from None
         if all(isinstance(p, str) for p in parsed):  # math-verify only echoed the text back
             raise ValueError(f"math-verify cannot parse label {label!r} as math (only as a string)")
     refused = too_costly(gold)
@@ -212,10 +262,9 @@ def _as_integer(text: str) -> int | None:
 def _parse_gold(gold: str, seconds: int | None) -> tuple:
     """Parsed gold, cached: each prompt's label is scored once per sampled response.
 
-    Raises ValueError if nothing parses; a failure (possibly a timeout) is not cached.
+    Raises ValueError if nothing parses, TimeoutException if the parse ran past its alarm; a failure is not cached.
     """
-    parsed = parse("$" + gold + "$", extraction_config=_LATEX_ONLY, extraction_mode="first_match",
-                   parsing_timeout=seconds)
+    parsed = _parse("$" + gold + "$", seconds)
     if not parsed:
         raise ValueError(f"math-verify cannot parse {gold!r}")
     return tuple(parsed)

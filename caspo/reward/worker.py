@@ -37,7 +37,7 @@ def serve(fd: int) -> None:
     scoring imports is loaded; limits its address space to memory_bytes
     (None: no limit) and answers ("ready", limited) or ("error", message) when a required limit
     cannot be set. Then answers each (response, label, finished) task with
-    (reward, rss_bytes, peak_rss_bytes), until it receives None or the other end closes.
+    (reward, timed_out, rss_bytes, peak_rss_bytes), until it receives None or the other end closes.
     """
     from multiprocessing.connection import Connection
 
@@ -63,15 +63,24 @@ def serve(fd: int) -> None:
         if task is None:
             return
         try:
-            reward = float(score_fn(*task, timeout_s=timeout_s))
+            reward, timed_out = verdict_of(score_fn(*task, timeout_s=timeout_s))
         except MemoryError:
             logging.getLogger(__name__).warning("a reward call reached the worker's memory limit "
                                                 "(reward.worker_memory_mb); reward 0")
-            reward = 0.0
+            reward, timed_out = 0.0, False
         except Exception:
             logging.getLogger(__name__).exception("score_fn raised; reward 0")
-            reward = 0.0
-        conn.send((reward, rss_bytes(), peak_rss_bytes()))
+            reward, timed_out = 0.0, False
+        conn.send((reward, timed_out, rss_bytes(), peak_rss_bytes()))
+
+
+def verdict_of(returned) -> tuple[float, bool]:
+    """(reward, timed out) of what a score_fn returned: a reward, or a (reward, timed_out) pair such as
+    caspo.reward.verify.Verdict, whose timed_out says that the verifier's own alarm ended the call."""
+    if isinstance(returned, tuple):
+        reward, timed_out = returned
+        return float(reward), bool(timed_out)
+    return float(returned), False
 
 
 def limit_memory(memory_bytes: int | None) -> tuple[bool, str | None]:
@@ -179,15 +188,15 @@ class Worker:
         self.deadline = self.submitted + limit_s
         return True
 
-    def receive(self) -> tuple[float, int, int] | None:
-        """(reward, rss bytes, peak rss bytes) of the call in flight, or None if the worker died."""
+    def receive(self) -> tuple[float, bool, int, int] | None:
+        """(reward, timed out, rss bytes, peak rss bytes) of the call in flight, or None if the worker died."""
         try:
-            reward, rss, peak = self.conn.recv()
+            reward, timed_out, rss, peak = self.conn.recv()
         except (EOFError, OSError, ValueError, TypeError):
             return None
         self.busy, self.deadline = False, math.inf
         self.calls += 1
-        return float(reward), rss, peak
+        return float(reward), bool(timed_out), rss, peak
 
     def kill(self) -> None:
         self.process.kill()

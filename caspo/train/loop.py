@@ -136,8 +136,9 @@ def reward(tr: Trainer, batch: RolloutBatch) -> torch.Tensor:
         batch.texts, batch.labels, batch.finished.tolist())  # each rank its own generated rows
     rewards = torch.tensor(result.rewards, dtype=torch.float32, device=tr.device)
     # the pool's counters; the slowest call and the largest worker are measurements (t_, mem_ keys)
-    batch.stats["reward"] = {"reward_timeouts": result.timeouts, "reward_crashes": result.crashes,
-                             "reward_over_budget": result.over_budget, "reward_recycled": result.recycled,
+    batch.stats["reward"] = {"reward_timeouts": result.timeouts, "reward_verifier_timeouts": result.verifier_timeouts,
+                             "reward_crashes": result.crashes, "reward_over_budget": result.over_budget,
+                             "reward_recycled": result.recycled,
                              "t_reward_max_call": result.max_call_s, "mem_reward_worker_peak_mb": result.max_rss_mb}
     if tr.cfg.reward.shuffle_within_batch:  # the control: same rewards, no longer tied to the samples
         g = torch.Generator().manual_seed(control_seed(tr.cfg, tr.step))
@@ -152,7 +153,8 @@ def batch_stats(batch: RolloutBatch) -> dict:
         "reward_mean": float(batch.rewards.mean()),
         "response_len_mean": float(lengths.mean()),
         "truncated_frac": float((~batch.finished).float().mean()),
-        "reward_timeouts": 0, "reward_crashes": 0, "reward_over_budget": 0, "reward_recycled": 0,
+        "reward_timeouts": 0, "reward_verifier_timeouts": 0, "reward_crashes": 0, "reward_over_budget": 0,
+        "reward_recycled": 0,
         **batch.stats.get("reward", {}),
         **batch.stats.get("rollout", {}),
         "behaviour_vs_old_logp_absdiff": float(

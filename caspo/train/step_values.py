@@ -28,6 +28,7 @@ from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_
 from caspo.models.provenance import label_provenance
 from caspo.models.tokenizer import batch_decoder
 from caspo.precision import LossScaler, autocast
+from caspo.reward.pool import TallyingScorer
 from caspo.runlog import console
 from caspo.segment import batch_step_splitter, pad_step_ids
 from caspo.train import distributed, fsdp
@@ -77,20 +78,22 @@ class MonteCarloValues(MethodState):
         starts = [step_start_indices(batch.step_ids[b, :lengths[b]].tolist()) for b in rows]
         engine_stats = getattr(tr.engine, "stats", None)  # the native engine's prefill counters
         before = dataclasses.replace(engine_stats) if engine_stats else None
+        scorer = TallyingScorer(tr.pool)  # the continuations the pool left without a verdict: mc_reward_unscored
         mc = mc_step_values(
             tr.engine, [batch.prompt_ids[b] for b in rows], responses, starts, [batch.labels[b] for b in rows],
             k=cfg.method.vineppo_k,
             sampling=tr.sampling, max_new_tokens=cfg.rollout.max_new_tokens,
             context_tokens=cfg.method.vineppo_context_tokens,
             seed_fn=partial(continuation_seed, cfg.train.seed, tr.step),
-            scorer=lambda texts, labels, finished: tr.pool.score(texts, labels, finished).rewards,
+            scorer=scorer,
             decode=partial(tr.tokenizer.decode, skip_special_tokens=True),
             score_while_generating=tr.pool.workers > 0,  # inline scoring's timeouts need the main thread
         )
         device = batch.responses.device
         batch.step_values = distributed.gather_ragged(mc.values).to(device)
         batch.step_mask = distributed.gather_ragged(mc.step_mask).to(device)
-        counts = {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes}
+        counts = {"mc_tokens": mc.mc_tokens, "mc_requests": mc.mc_requests, "mc_unique_prefixes": mc.unique_prefixes,
+                  **scorer.unscored.counts("mc_reward_")}
         times = {"t_mc_generate": mc.generate_s, "t_mc_score": mc.score_s}  # this rank's
         if before is not None:  # the engine's counters over the continuations' generation
             during = engine_stats.since(before)
