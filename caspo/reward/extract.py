@@ -29,9 +29,11 @@ _UNSIGNED = r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|(?<![0-9
 # A minus sign counts only where it cannot be subtraction: not right after a word, ")", "]" or "}".
 _NUMBER = re.compile(rf"(?:(?<![\w)\]}}])[-\u2212])?(?:{_UNSIGNED})")
 
-# Minerva's closing formula, and the phrase itself (a colon after "is" is allowed).
+# Minerva's closing formula, and the phrase itself (a colon after "is" is allowed). The period and spaces before
+# "I hope" are stripped off the text before it: a leading `\.?\s*` here would rescan every run of spaces from
+# each of its characters, quadratic in its length.
 _FINAL = re.compile(r"final\s+answer\s+is\s*:?", re.IGNORECASE)
-_HOPE = re.compile(r"\.?\s*I\s+hope\s+it\s+is\s+correct", re.IGNORECASE)
+_HOPE = re.compile(r"I\s+hope\s+it\s+is\s+correct", re.IGNORECASE)
 
 
 def last_boxed(text: str) -> str | None:
@@ -77,8 +79,8 @@ def minerva_answer(text: str) -> str | None:
         answer = rest.split("\n", 1)[0]
         hope = _HOPE.search(answer)
         if hope:
-            answer = answer[:hope.start()]
-        answer = re.sub(r"\.\s*$", "", answer.strip())
+            answer = _without_final_period(answer[:hope.start()].rstrip())
+        answer = _without_final_period(answer.strip())
     answer = answer.strip()
     if has_box(answer):
         return last_boxed(answer)
@@ -147,6 +149,10 @@ def _box_body(text: str, after: int) -> str | None:
             depth -= 1
             if depth == 0:
                 return text[start:pos - 1].strip() or None
+
+
+def _without_final_period(text: str) -> str:
+    return text[:-1] if text.endswith(".") else text
 
 
 def _closing_dollar(text: str, start: int, fence: str) -> int | None:
