@@ -79,3 +79,48 @@ def test_sample_metrics_on_a_planted_set():
     assert list(m) == ["avg@4", "pass@1", "pass@2", "pass@3", "pass@4", "maj@4"]
     with pytest.raises(ValueError, match="same number of samples"):
         sample_metrics([[1, 0], [1]], [["1", "2"], ["1"]])
+
+
+def former_outer_braces_removed(text: str) -> str:
+    """The brace peeling normalize_answer did before, one pair and one check of the rest at a time."""
+    def balanced(inner: str) -> bool:
+        depth = 0
+        for ch in inner:
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            if depth < 0:
+                return False
+        return depth == 0
+
+    while text.startswith("{") and text.endswith("}") and balanced(text[1:-1]):
+        text = text[1:-1]
+    return text
+
+
+def test_outer_braces_come_off_as_before():
+    import random
+
+    from caspo.eval.metrics import _without_outer_braces
+
+    rng = random.Random(0)
+    cases = ["", "{}", "{{}}", "{}}", "{{}", "}{", "{a}{b}", "{{a}{b}}", "{{{x}}}", "{{x}+{y}}", "{x}}{{y}"]
+    cases += ["".join(rng.choice("{{}}ab") for _ in range(rng.randrange(12))) for _ in range(5000)]
+    for text in cases:
+        assert _without_outer_braces(text) == former_outer_braces_removed(text), repr(text)
+
+
+def test_deeply_nested_and_overlong_answers_are_cheap_to_vote_on():
+    import time
+
+    nested = "{" * 8000 + "1" + "}" * 8000  # peeling it pair by pair took 14 s
+    start = time.perf_counter()
+    assert normalize_answer(nested) == "1"
+    assert majority_vote([nested] * 16) is None  # longer than reward.max_answer_chars: the verifier refuses it
+    assert time.perf_counter() - start < 0.5
+
+
+def test_answers_longer_than_the_verifier_reads_do_not_vote():
+    long = "1" * 301  # past the default reward.max_answer_chars (300), so it scores 0
+    assert majority_vote([long, long, "7"]) == 2
+    assert majority_vote([long, long, "7"], max_answer_chars=400) == 0
+    m = sample_metrics([[0, 0, 1]], [[long, long, "7"]], max_answer_chars=300)
+    assert m["maj@3"] == 1.0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from caspo.reward.prefilter import MAX_ANSWER_CHARS
+
 _SPACING = re.compile(r"\\[,;:!> ]|\\(?:left|right|displaystyle|textstyle)(?![A-Za-z])|\s+")
 _WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\{([^{}]*)\}")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
@@ -46,8 +48,7 @@ def normalize_answer(answer: str) -> str:
     text = answer.strip().rstrip(".").strip("$")
     text = _WRAPPERS.sub(r"\1", text)
     text = _SPACING.sub("", text).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").rstrip(".")
-    while text.startswith("{") and text.endswith("}") and _balanced(text[1:-1]):
-        text = text[1:-1]
+    text = _without_outer_braces(text)
     if _THOUSANDS.match(text):
         text = text.replace(",", "")
     if _DECIMAL.match(text):
@@ -55,25 +56,37 @@ def normalize_answer(answer: str) -> str:
     return text
 
 
-def _balanced(text: str) -> bool:
-    depth = 0
-    for ch in text:
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth < 0:
-            return False
-    return depth == 0
+def _without_outer_braces(text: str) -> str:
+    """`{{x}}` -> `x`: every pair of braces around the whole text taken off, in one pass (peeling them one
+    at a time, checking the rest each time, is quadratic in their depth). `{a}{b}` keeps its braces.
+
+    k pairs wrap the text when it opens with k `{` and closes with k `}`, its braces balance, and between
+    those runs the depth never falls below k: so k is the least of the two runs and that lowest depth."""
+    opening, closing = len(text) - len(text.lstrip("{")), len(text) - len(text.rstrip("}"))
+    if not opening or not closing:
+        return text
+    depth, lowest = 0, opening
+    for i, char in enumerate(text):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if opening <= i + 1 <= len(text) - closing:  # the depths between the runs
+            lowest = min(lowest, depth)
+    if depth != 0:
+        return text
+    pairs = max(0, min(opening, closing, lowest))
+    return text[pairs:len(text) - pairs]
 
 
-def majority_vote(answers: Sequence[str | None]) -> int | None:
+def majority_vote(answers: Sequence[str | None], max_answer_chars: int = MAX_ANSWER_CHARS) -> int | None:
     """Index of the first sample of the most common normalised answer; None where no sample has one.
 
-    None entries (no answer, or a truncated sample) do not vote. Ties go to the answer whose first
-    sample comes first, so the vote is deterministic given the samples.
+    None entries (no answer, or a truncated sample) do not vote, nor do answers longer than
+    `max_answer_chars` (reward.max_answer_chars: the verifier refuses them, and normalising them costs time).
+    Ties go to the answer whose first sample comes first, so the vote is deterministic given the samples.
     """
     counts: dict[str, int] = {}
     first: dict[str, int] = {}
     for i, answer in enumerate(answers):
-        if answer is None:
+        if answer is None or len(answer) > max_answer_chars:
             continue
         key = normalize_answer(answer)
         if not key:
@@ -86,11 +99,13 @@ def majority_vote(answers: Sequence[str | None]) -> int | None:
     return first[best]
 
 
-def sample_metrics(rewards: Sequence[Sequence[float]], answers: Sequence[Sequence[str | None]]) -> dict:
+def sample_metrics(rewards: Sequence[Sequence[float]], answers: Sequence[Sequence[str | None]],
+                   max_answer_chars: int = MAX_ANSWER_CHARS) -> dict:
     """avg@K, pass@k for every k <= K, and maj@K over problems with K samples each.
 
     rewards[i][s] is 1.0 when sample s of problem i is correct; answers[i][s] is its extracted answer
-    (None when it has none or was truncated). The voted answer is judged by its first sample's reward.
+    (None when it has none or was truncated; answers longer than `max_answer_chars` do not vote either).
+    The voted answer is judged by its first sample's reward.
     """
     if not rewards or len(rewards) != len(answers):
         raise ValueError(f"need as many problems of rewards as of answers (> 0), got {len(rewards)}, {len(answers)}")
@@ -100,6 +115,6 @@ def sample_metrics(rewards: Sequence[Sequence[float]], answers: Sequence[Sequenc
     counts = [sum(1 for x in r if x > 0.5) for r in rewards]
     out = {f"avg@{K}": avg_at_k(rewards)}
     out |= {f"pass@{k}": mean_pass_at_k(counts, K, k) for k in range(1, K + 1)}
-    votes = [majority_vote(a) for a in answers]
+    votes = [majority_vote(a, max_answer_chars) for a in answers]
     out[f"maj@{K}"] = sum(r[v] > 0.5 for r, v in zip(rewards, votes) if v is not None) / len(rewards)
     return out

@@ -14,6 +14,7 @@ from caspo.eval.benchmarks import Suite
 from caspo.eval.heldout import greedy_requests, sample_requests
 from caspo.eval.metrics import sample_metrics
 from caspo.reward import Unscored, extract_answer, has_box
+from caspo.reward.prefilter import MAX_ANSWER_CHARS
 from caspo.rollout.base import Request, SamplingParams
 
 CHUNK = 1024  # requests per engine call, one progress step each
@@ -74,10 +75,12 @@ def evaluate_suite(engine, tokenizer, pool, cfg: Config, suite: Suite, run_sampl
         sampled = run_requests(engine, tokenizer, pool, sample_requests(suite.prompts, K, n_tok),
                                [x for x in labels for _ in range(K)], sampled_sp, advance)
     records = problem_records(suite, greedy, sampled, K, cfg.reward)
-    result = {"source": suite.source, "n": len(records), "metrics": metrics_of(records, K), "data": suite.load}
+    longest = cfg.reward.max_answer_chars  # longer answers do not vote in maj@K: the verifier refuses them
+    result = {"source": suite.source, "n": len(records), "metrics": metrics_of(records, K, longest),
+              "data": suite.load}
     for key, fld in (("by_subject", suite.subject_field), ("by_level", suite.level_field)):
         if fld:
-            result[key] = breakdown(records, key.removeprefix("by_"), K)
+            result[key] = breakdown(records, key.removeprefix("by_"), K, longest)
     runs = [greedy] + ([sampled] if sampled is not None else [])
     result["scoring"] = unscored_counts(suite.name, runs)
     tokens, generate_s = sum(o.tokens for o in runs), sum(o.generate_s for o in runs)
@@ -126,21 +129,21 @@ def problem_records(suite: Suite, greedy: Outputs, sampled: Outputs | None, K: i
     return records
 
 
-def metrics_of(records: list[dict], K: int) -> dict:
+def metrics_of(records: list[dict], K: int, max_answer_chars: int = MAX_ANSWER_CHARS) -> dict:
     n = len(records)
     out = {"greedy": sum(r["greedy_reward"] for r in records) / n,
            "greedy_boxed_rate": sum(r["greedy_boxed"] for r in records) / n,
            "greedy_truncated_rate": sum(not r["greedy_finished"] for r in records) / n}
     if K:
-        out |= sample_metrics([r["rewards"] for r in records], [r["answers"] for r in records])
+        out |= sample_metrics([r["rewards"] for r in records], [r["answers"] for r in records], max_answer_chars)
         out["sampled_boxed_rate"] = sum(sum(r["boxed"]) for r in records) / (n * K)
         out["sampled_truncated_rate"] = sum(K - sum(r["finished"]) for r in records) / (n * K)
     return out
 
 
-def breakdown(records: list[dict], key: str, K: int) -> dict:
+def breakdown(records: list[dict], key: str, K: int, max_answer_chars: int = MAX_ANSWER_CHARS) -> dict:
     """The metrics of each value of records[key] (a subject or a level), in sorted order."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         groups[r[key]].append(r)
-    return {name: {"n": len(rs), **metrics_of(rs, K)} for name, rs in sorted(groups.items())}
+    return {name: {"n": len(rs), **metrics_of(rs, K, max_answer_chars)} for name, rs in sorted(groups.items())}
