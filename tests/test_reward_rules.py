@@ -121,6 +121,15 @@ def test_fractions_without_braces_and_golds_read_whole(answer, label, expected):
     assert score(f"\\boxed{{{answer}}}", label) == expected
 
 
+def test_the_configured_answer_length_limit_holds_for_labels():
+    label = r"\frac{1}{2} + \frac{1}{3} + \frac{1}{4} + \frac{1}{5} + \frac{1}{6} + \frac{1}{7} + \frac{1}{8}"
+    assert 60 < len(label) < MAX_ANSWER_CHARS
+    check_label(label)  # the default limit lets a box of it through
+    assert score(f"\\boxed{{{label}}}", label, max_answer_chars=60) == 0.0  # no answer could match it
+    with pytest.raises(ValueError, match="longer than 60 characters"):
+        check_label(label, max_answer_chars=60)
+
+
 def test_a_gold_read_only_as_text_is_rejected_at_load():
     with pytest.raises(ValueError, match="only as a string"):
         check_label("4:40 a.m.")

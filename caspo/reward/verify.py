@@ -198,14 +198,15 @@ def _states_a_false_equation(prediction: list, seconds: int | None) -> bool:
     return False
 
 
-def check_label(label: str) -> None:
+def check_label(label: str, max_answer_chars: int = MAX_ANSWER_CHARS) -> None:
     """Raise ValueError unless `label` is a usable gold answer (for validating dataset rows).
 
     Usable means: a non-empty string that is either marked as text (`\\text{...}`, see
     caspo.reward.labels) or math that math-verify parses (not only as a raw string) and that is
     not just a word, which math-verify would read as a product of letters; and a response boxing
-    exactly that label scores 1.0 against it (otherwise no response could ever earn reward).
-    Runs math-verify with its SIGALRM timeouts, so call it from the main thread.
+    exactly that label scores 1.0 against it (otherwise no response could ever earn reward), under the
+    run's answer length limit (`max_answer_chars`, reward.max_answer_chars). Runs math-verify with its
+    SIGALRM timeouts, so call it from the main thread.
     """
     _require_main_thread()
     if not isinstance(label, str):
@@ -230,13 +231,13 @@ def check_label(label: str) -> None:
             raise ValueError(f"math-verify did not parse label {label!r} within 5 s; simplify the label") from None
         if all(isinstance(p, str) for p in parsed):  # math-verify only echoed the text back
             raise ValueError(f"math-verify cannot parse label {label!r} as math (only as a string)")
-    refused = too_costly(gold)
+    refused = too_costly(gold, max_answer_chars)
     if refused:
         raise ValueError(f"label {label!r} is refused by the verifier's pre-filter ({refused}), "
                          "so no answer could match it; simplify the label")
     sentence = _FORMULA_AND_PERIOD.fullmatch(label.strip())
     boxed = sentence.group(1) if sentence else gold  # a response boxes the formula, not the sentence's period
-    if score("\\boxed{" + boxed + "}", label) != 1.0:
+    if score("\\boxed{" + boxed + "}", label, max_answer_chars=max_answer_chars) != 1.0:
         raise ValueError(f"label {label!r} does not match itself: a response boxing it would score 0")
 
 
