@@ -40,6 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
         (r"answer: \boxed 42.", "42"),
         (r"\boxed{\boxed{9}}", "9"),
         (r"\boxed{\$18}", r"\$18"),
+        (r"\boxed{42.}", "42"),  # the period ending a sentence, as \boxed 42. loses it
+        (r"\boxed{\frac{1}{2},}", r"\frac{1}{2}"),
+        (r"\boxed{(1, 2).}", "(1, 2)"),
+        (r"\boxed{4:40 a.m.}", "4:40 a.m."),  # after a letter it may be the answer's own
+        (r"\boxed{5\,}", r"5\,"),  # a LaTeX space
         (r"\boxed{3} then \boxed{\frac{1}{2}", None),  # last box cut off: no earlier box instead
         (r"\boxed{}", None),
         (r"ends with \boxed", None),

@@ -75,6 +75,13 @@ HEDGES = [  # (answer, refused as a hedge)
     ("42", False), ("|-3|", False), ("|x|+|y|", False), ("5 | B", False), (r"30^\circ", False), (r"30^{\circ}", False),
     (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", False), (r"\text{(A)}", False), (r"10\text{ cm}", False),
     (r"(0,1) \cup (2,3)", False), ("41, 42", False),  # a set: math-verify never equals it to a number
+    # a unit in parentheses ending the answer, the only text group, words only: math-verify drops it
+    (r"12 \text{ (cm)}", False), (r"60 \text{(minutes)}", False), (r"x = 42 \text{ (square units)}", False),
+    # anything else in parentheses inside a text group still joins candidates
+    (r"41 \text{ (or 42)}", True), (r"41 \text{ (not 42)}", True), (r"41 \text{ (or)}", True),
+    (r"41 \text{ (and)}", True), (r"41 \text{ (cm, m)}", True), (r"41 \text{ (cm)} 42", True),
+    (r"\text{(cm)} 42", True), (r"41 \text{ (cm)}^2", True), (r"41 \text{ then } 42 \text{ (cm)}", True),
+    (r"41 \text{ (cm)} 42 \text{ (cm)}", True), (r"41 \text{ (41)}", True),
 ]
 
 
@@ -119,6 +126,18 @@ def test_true_equations_and_whole_unions_still_score(answer, label):
 ])
 def test_fractions_without_braces_and_golds_read_whole(answer, label, expected):
     assert score(f"\\boxed{{{answer}}}", label) == expected
+
+
+@pytest.mark.parametrize("response", [r"\boxed{42.}", r"\boxed{42,}", r"\boxed 42.", r"\boxed{42}."])
+def test_a_period_ending_the_sentence_inside_the_box_does_not_matter(response):
+    assert score(response, "42") == 1.0 and score(response, "41") == 0.0
+
+
+@pytest.mark.parametrize("answer, label", [(r"12 \text{ (cm)}", "12"), (r"60 \text{ (minutes)}", "60"),
+                                           (r"60\text{(minutes)}", "60")])
+def test_a_unit_in_parentheses_scores_as_upstream_math_verify_does(answer, label):
+    assert score(f"\\boxed{{{answer}}}", label) == 1.0
+    assert score(f"\\boxed{{{answer}}}", "13") == 0.0
 
 
 def test_the_configured_answer_length_limit_holds_for_labels():

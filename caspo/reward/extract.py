@@ -23,6 +23,7 @@ FALLBACKS = ("none", "last_number")
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _BARE_BOX = re.compile(r"\s+([^\s$]+)")  # "\boxed 42": one token, up to a space or "$"
 _BRACE_OR_ESCAPE = re.compile(r"[{}\\]")
+_FINAL_PUNCTUATION = re.compile(r"(?<=[0-9)\]}])[.,]$")
 
 # A number: "1,450,000" (only well-formed thousands groups), "12", "3.5", ".5"; ASCII digits only.
 _UNSIGNED = r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?|(?<![0-9])\.[0-9]+"
@@ -37,7 +38,8 @@ _HOPE = re.compile(r"I\s+hope\s+it\s+is\s+correct", re.IGNORECASE)
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} / \\fbox{...} (or \\boxed 42), stripped.
+    """Content of the last \\boxed{...} / \\fbox{...} (or \\boxed 42), stripped, without a period or comma
+    ending it after a number or a bracket (`\\boxed{42.}` is 42, as `\\boxed 42.` is).
 
     Only the last box counts, and it must close: a final box that is cut off or unbalanced
     gives None rather than an earlier box. Escaped braces (\\{, \\}) do not count towards the
@@ -148,11 +150,18 @@ def _box_body(text: str, after: int) -> str | None:
         else:
             depth -= 1
             if depth == 0:
-                return text[start:pos - 1].strip() or None
+                return _without_final_punctuation(text[start:pos - 1].strip()) or None
 
 
 def _without_final_period(text: str) -> str:
     return text[:-1] if text.endswith(".") else text
+
+
+def _without_final_punctuation(box: str) -> str:
+    """A box's content without one period or comma ending a sentence inside it after a number or a bracket
+    (`\\boxed{42.}`, `\\boxed{\\frac{1}{2},}`), as the unbraced box loses it (`\\boxed 42.`). One after a letter
+    stays: it may be part of a text answer (`4:40 a.m.`)."""
+    return _FINAL_PUNCTUATION.sub("", box)
 
 
 def _closing_dollar(text: str, start: int, fence: str) -> int | None:

@@ -29,8 +29,10 @@ only the right-hand side (`41 \\lor 42`, `41 \\to 42`, `41 \\\\ 42` all read as 
 against 42): the commands in HEDGE_COMMANDS, `||`, a single `|` between two numbers (`41 | 42`;
 an odd count of `|`, so not an absolute value), `\\circ` other than a degree sign (`^\\circ`),
 a line break `\\\\` outside a matrix or array, and a text group holding a comma or a parenthesis
-beside other content (`41 \\text{ (or } 42)`). Candidates math-verify reads as a set
-(`41, 42`, `41 \\text{ or } 42`, `42 \\pm 1`) need no rule: a set never equals a number.
+beside other content (`41 \\text{ (or } 42)`), unless it is a unit in parentheses ending the answer, the
+answer's only text group, of words none of which is "or" or "and" (`12 \\text{ (cm)}`, which math-verify reads
+as 12). Candidates math-verify reads as a set (`41, 42`, `41 \\text{ or } 42`, `42 \\pm 1`) need no rule: a set
+never equals a number.
 """
 
 import math
@@ -50,7 +52,11 @@ HEDGE_COMMANDS = ("lor", "vee", "land", "wedge", "mid", "to", "rightarrow", "lon
 _HEDGE = re.compile(rf"\\(?:{'|'.join(HEDGE_COMMANDS)})(?![A-Za-z])|\|\|")
 _CIRC = re.compile(r"\\circ(?![A-Za-z])")
 _MATRIX = re.compile(r"\\begin\{((?:[pbvVB]|small)?matrix|array)\}.*?\\end\{\1\}", re.DOTALL)
-_TEXT_WITH_PUNCTUATION = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm)\s*\{[^{}]*[(),][^{}]*\}")
+_TEXT_GROUP = r"\\(?:text|textbf|textit|textrm|mbox|mathrm)\s*\{"
+_TEXT_WITH_PUNCTUATION = re.compile(_TEXT_GROUP + r"([^{}]*[(),][^{}]*)\}")
+# A unit in parentheses at the end of the answer (`12 \text{ (cm)}`): words only, none of them "or" or "and".
+_UNIT_IN_PARENTHESES = re.compile(r"\s*\(\s*[A-Za-z][A-Za-z ]*\)\s*")
+_OR_AND = re.compile(r"\b(?:or|and)\b", re.IGNORECASE)
 
 _SEPARATOR = r"(?:\{,\}|\\[,!; ]|[,~ ])"
 _TOKEN = re.compile(
@@ -104,10 +110,19 @@ def hedged(answer: str) -> str | None:
         return "a hedge: a line break outside a matrix"
     if answer.count("|") % 2 and re.search(r"[0-9]\s*\|\s*-?[0-9]", answer):
         return "a hedge: | between two numbers (math-verify would keep only its right-hand side)"
-    text = _TEXT_WITH_PUNCTUATION.search(answer)
-    if text and text.group(0) != answer.strip():
-        return "a hedge: a text group with a comma or a parenthesis beside other content"
+    answer = answer.strip()
+    for text in _TEXT_WITH_PUNCTUATION.finditer(answer):
+        if text.group(0) != answer and not _unit_at_the_end(answer, text):
+            return "a hedge: a text group with a comma or a parenthesis beside other content"
     return None
+
+
+def _unit_at_the_end(answer: str, text: re.Match) -> bool:
+    """Whether a text group is a unit in parentheses ending the answer (`12 \\text{ (cm)}`), which math-verify
+    drops: no digit, comma or "or"/"and" that could join a second candidate, and no text group before it
+    (math-verify would drop everything from that one on: `41 \\text{ then } 42 \\text{ (cm)}` reads as 41)."""
+    return (text.end() == len(answer) and _UNIT_IN_PARENTHESES.fullmatch(text.group(1)) is not None
+            and not _OR_AND.search(text.group(1)) and re.search(_TEXT_GROUP, answer[:text.start()]) is None)
 
 
 class _Factor(NamedTuple):
