@@ -9,8 +9,8 @@ from caspo.data.cursor import pass_seed
 
 def test_pinned_permutation():
     # The stream must not depend on the process or platform; a change here breaks resumed runs.
-    assert PromptCursor(10, seed=0).take(10) == [8, 2, 9, 7, 0, 6, 3, 1, 4, 5]
-    assert pass_seed(0, 0) == 2662770217592746310
+    assert PromptCursor(10, seed=0).take(10) == [4, 1, 7, 5, 3, 9, 0, 8, 6, 2]
+    assert pass_seed(0, 0) == 0 and pass_seed(0, 1) == 3336512721778491498
 
 
 def test_run_seeds_walk_different_passes():

@@ -12,14 +12,18 @@ HASHED, SUMMED = "hashed", "seed+epoch"  # SUMMED: checkpoints written before th
 
 
 def pass_seed(seed: int, epoch: int) -> int:
-    """The seed of one pass's shuffle. A hash, not seed + epoch: with that, run seed 1 would walk run seed 0's
-    passes one pass later, and the replicates of an experiment would share their data order."""
+    """The seed of one pass's shuffle: the run seed for the first pass, a hash of (seed, epoch) for each later
+    one. Not seed + epoch: with that, run seed 1 would walk run seed 0's passes one pass later, and the
+    replicates of an experiment would share their data order. The hashes are 63-bit, so no later pass of one
+    run takes another run's first-pass seed."""
+    if epoch == 0:
+        return seed
     key = f"prompt-cursor/{seed}/{epoch}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # fits int64
 
 
 class PromptCursor:
-    """Yields item indices in a permutation reshuffled each epoch, seeded by a hash of (seed, epoch).
+    """Yields item indices in a permutation reshuffled each epoch (seeded by `pass_seed`).
 
     The state is just (epoch, position), so a checkpointed cursor resumes exactly where it was. A checkpoint
     from before the hashed seeds (its state names no `order`) goes on with seed + epoch, as it began.
