@@ -1,6 +1,8 @@
 import typing
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from caspo.config import PRESET_DIR, ConfigError, LossAgg, load_config, resolve_preset, to_yaml
 from caspo.config.load import literal_from_yaml_bool
@@ -107,7 +109,9 @@ def test_sft_eval_batch_size_reaches_the_engine(monkeypatch):
     monkeypatch.setattr(sft, "HFEngine", Engine)
     monkeypatch.setattr(sft, "greedy_accuracy", lambda *a, **k: Result())
     cfg = load_config("tests", ["sft.eval_batch_size=3"])
-    sft.evaluate(None, Tokenizer(), sft.arith_task(cfg), cfg, None, "cpu")
+    model = torch.nn.Linear(1, 1)
+    model.config = SimpleNamespace(eos_token_id=0)  # what the stop ids are read from
+    sft.evaluate(model, Tokenizer(), sft.arith_task(cfg), cfg, None, "cpu")
     assert seen["max_batch"] == 3
     assert load_config(None).sft.eval_batch_size == 250
 

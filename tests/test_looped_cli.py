@@ -63,7 +63,7 @@ def test_a_run_through_the_command_is_the_preset_with_the_flags(tmp_path):
     cfg = load_config(str(tmp_path / "run" / "config.yaml"))
     assert (cfg.method.name, cfg.rollout.prompts_per_step, cfg.train.minibatch_size) == ("grpo", 2, 4)
     assert (cfg.optim.name, cfg.train.seed, cfg.rollout.max_new_tokens) == ("sgd", 42, 48)  # the preset's
-    assert "| optimization |" in (tmp_path / "run" / "timing.md").read_text()
+    assert "| policy update (and a critic trained with it) |" in (tmp_path / "run" / "timing.md").read_text()
     assert looped(tmp_path, tmp_path / "bad", "--algorithm", "grpo", "--n-samples-per-prompt", "1").exit_code == 2
 
 

@@ -8,6 +8,7 @@ copied into two datasets with different spacing (`a^3 + b^3` and `a^{3}+b^{3}`) 
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from caspo.config import Config
 from caspo.data.examples import Example
@@ -28,14 +29,13 @@ def shared_prompts(train: list[Example], other: list[str]) -> int:
     return len({problem_key(e.query) for e in train} & {problem_key(text) for text in other})
 
 
-def benchmark_problems(cfg: Config, source: str) -> list[str]:
+def benchmark_problems(cfg: Config, source: str, arith_heldout: Callable[[], list[str]]) -> list[str]:
     """The problem texts of a benchmark's first eval.limit rows (0 = all), without validating the rows:
-    a shipped file less its known invalid rows, arith's held-out split, or a data source's query field."""
-    from caspo.data.task import load_examples  # task imports this module
-
+    a shipped file less its known invalid rows, arith's held-out split (`arith_heldout()`), or a data
+    source's query field."""
     limit = cfg.eval.limit or None
     if source == ARITH:
-        return [e.query for e in load_examples(cfg, ARITH, "heldout", cfg.eval.limit).examples]
+        return arith_heldout()[:limit]
     bench = SHIPPED.get(source)
     query_field = bench.query_field if bench else cfg.data.query_field
     left_out = set(bench.known_invalid) if bench else set()
@@ -50,8 +50,8 @@ def benchmark_problems(cfg: Config, source: str) -> list[str]:
     return texts[:limit]
 
 
-def benchmark_overlap(cfg: Config, train: list[Example]) -> dict[str, int]:
+def benchmark_overlap(cfg: Config, train: list[Example], arith_heldout: Callable[[], list[str]]) -> dict[str, int]:
     """For each benchmark of eval.benchmarks, how many distinct training prompts are its problems (`heldout`,
     the run's own held-out set, is counted by the summary's `overlap`)."""
-    return {name: shared_prompts(train, benchmark_problems(cfg, name))
+    return {name: shared_prompts(train, benchmark_problems(cfg, name, arith_heldout))
             for name in cfg.eval.benchmarks if name != HELDOUT}

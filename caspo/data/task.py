@@ -47,6 +47,7 @@ def load_examples(cfg: Config, source: str, split: str = "heldout", limit: int =
         n = min(limit, task.size(split)) if limit else task.size(split)
         return LoadResult(f"arith/{split}", arith_examples(task, split, n), rows=n)
     return load_source(source, query_field=d.query_field, label_field=d.label_field, id_field=d.id_field,
+                       max_answer_chars=cfg.reward.max_answer_chars,
                        skip_invalid=d.skip_invalid, limit=limit)
 
 
@@ -91,7 +92,8 @@ def summarize_use(cfg: Config, summary: dict, train: list[Example], held: list[E
     prompts, and for each of eval.benchmarks the training prompts that are its problems), then prints it."""
     summary["train"]["used"], summary["heldout"]["used"] = len(train), len(held)
     summary["overlap"] = shared_prompts(train, [e.query for e in held])
-    summary["benchmark_overlap"] = benchmark_overlap(cfg, train)
+    summary["benchmark_overlap"] = benchmark_overlap(
+        cfg, train, lambda: [e.query for e in load_examples(cfg, ARITH, "heldout", cfg.eval.limit).examples])
     print_summary(cfg, summary)
 
 
