@@ -147,6 +147,7 @@ def main(out: str) -> None:
     facts["split_generated"], facts["split_scored"] = engine.seen, pool.seen
     facts["split_completions"] = [c.tokens for c in completions]
     facts["split_rewards"], facts["split_timeouts"] = result.rewards, result.timeouts
+    facts["split_verifier_timeouts"] = result.verifier_timeouts
     # the outer step's: whole groups (3 prompts of G = 2 samples) stay on one rank
     engine, pool = RecordingEngine(), RecordingPool()
     grouped = RankSplitEngine(engine, group=2).generate([Request([i], seed=i, max_new_tokens=1) for i in range(6)],
@@ -182,7 +183,7 @@ class RecordingPool:
 
     def score(self, texts, labels, finished):
         self.seen += texts
-        return RewardResult([float(len(t)) for t in texts], timeouts=1)
+        return RewardResult([float(len(t)) for t in texts], timeouts=1, verifier_timeouts=2)
 
 
 class distributed_off:

@@ -147,7 +147,7 @@ def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_pat
     assert [r["split_scored"] for r in facts["per_rank"]] == [["0", "11", "222"], ["3333", "44444"]]
     assert all(r["split_completions"] == [[i, i] for i in range(5)] for r in facts["per_rank"])
     assert all(r["split_rewards"] == [1.0, 2.0, 3.0, 4.0, 5.0] for r in facts["per_rank"])
-    assert facts["split_timeouts"] == 2
+    assert facts["split_timeouts"] == 2 and facts["split_verifier_timeouts"] == 4  # each rank's counts, summed
     # the outer step's split keeps a prompt's G = 2 samples together: groups 0-1 on rank 0, group 2 on rank 1
     assert [r["grouped_generated"] for r in facts["per_rank"]] == [[0, 1, 2, 3], [4, 5]]
     assert [r["grouped_scored"] for r in facts["per_rank"]] == [["0", "1", "2", "3"], ["4", "5"]]

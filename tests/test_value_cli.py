@@ -56,6 +56,7 @@ def test_collect_pairing_labels_the_first_right_and_wrong_rollouts(tmp_path, lab
     for r in labels.rows:
         by_prompt.setdefault(r.prompt_index, {})[r.sample] = r.base_reward
     assert by_prompt and header["stats"]["mixed_prompts"] == len(by_prompt)
+    assert header["stats"]["mc_reward_unscored"] == 0  # every rollout and continuation had a verdict
     expected = set()  # (prompt, sample) that the pairing picks, read off the `all` collection's outcomes
     for prompt, outcomes in by_prompt.items():
         right = sorted(s for s, r in outcomes.items() if r > 0.5)

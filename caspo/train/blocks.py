@@ -32,6 +32,7 @@ def gathered_result(mine: RewardResult) -> RewardResult:
     parts = distributed.gather_objects(mine)
     return RewardResult(rewards=[r for part in parts for r in part.rewards],
                         timeouts=sum(p.timeouts for p in parts), crashes=sum(p.crashes for p in parts),
+                        verifier_timeouts=sum(p.verifier_timeouts for p in parts),
                         over_budget=sum(p.over_budget for p in parts), recycled=sum(p.recycled for p in parts),
                         max_call_s=max(p.max_call_s for p in parts), max_rss_mb=max(p.max_rss_mb for p in parts))
 

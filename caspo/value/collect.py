@@ -175,6 +175,7 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
             progress.update(task, advance=len(chunk),
                             status=f"mixed {stats['mixed_prompts']}  rows {len(rows)}  mc tokens {stats['mc_tokens']}")
 
+    stats.update(scorer.unscored.counts("mc_reward_"))  # rollouts and continuations scored 0 without a verdict
     header = {"shard": f"{shard[0]}/{shard[1]}", **asdict(spec), "splitter": splitter, "seed": cfg.train.seed,
               "seed_step": seed_step, "policy_source": cfg.model.policy, "provenance": provenance, "stats": stats}
     header.pop("chunk")

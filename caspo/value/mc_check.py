@@ -107,6 +107,7 @@ def run_check(cfg: Config, prompts: int, k: int = 9, m: int = 64, planted: int =
         "planted_frac_exactly_zero": sum(v == 0 for v in after_wrong) / planted,
         "planted_v_prompt_matches": bool(torch.equal(mc.values[:, 0], torch.tensor(est.means[:planted]))),
         "mc_tokens": est.tokens + mc.mc_tokens, "seconds": round(time.monotonic() - t0, 1),
+        **scorer.unscored.counts("mc_reward_"),  # samples scored 0 without a verdict
     }
     console.print(report)
     return report

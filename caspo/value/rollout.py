@@ -15,7 +15,7 @@ import torch
 from caspo.config import Config
 from caspo.models.policy import load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
-from caspo.reward.pool import RewardPool
+from caspo.reward.pool import RewardPool, TallyingScorer
 from caspo.rollout.base import SamplingParams
 from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
 
@@ -28,8 +28,9 @@ class RolloutSetup:
     sampling: SamplingParams
     decode: Callable[[list[int]], str]  # response text as the verifier reads it
 
-    def scorer(self, pool: RewardPool) -> Callable[[list[str], list[str], list[bool]], list[float]]:
-        return lambda texts, labels, finished: pool.score(texts, labels, finished).rewards
+    def scorer(self, pool: RewardPool) -> TallyingScorer:
+        """The rewards of a batch, with the calls left without a verdict summed in its `unscored`."""
+        return TallyingScorer(pool)
 
 
 def rollout_setup(cfg: Config) -> RolloutSetup:
