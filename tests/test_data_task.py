@@ -11,7 +11,7 @@ from caspo.config import load_config
 from caspo.data import SHIPPED, DataError
 from caspo.data.build import load_task_data
 from caspo.data.overlap import problem_key
-from caspo.data.task import task_examples
+from caspo.data.task import load_examples, task_examples
 from caspo.runlog import console
 
 OLYMPIAD_1930 = "Find all triples $(a, b, c)$ of positive integers such that $a^{3}+b^{3}+c^{3}=(a b c)^{2}$."
@@ -107,3 +107,17 @@ def test_more_prompts_per_step_than_training_examples_is_an_error(tmp_path):
     skipping = [*fields, "data.max_prompt_tokens=20", "data.long_prompts=skip", "rollout.prompts_per_step=7"]
     with pytest.raises(DataError, match="prompts_per_step=7 is more than the 6 training examples"):
         load_task_data(load_config("tests", skipping), char_tokenizer())  # counted after the long ones are left out
+
+
+def test_a_gold_longer_than_the_answer_limit_is_an_invalid_row(tmp_path):
+    """reward.max_answer_chars bounds what the verifier reads of an answer: a gold past it could never be
+    matched, so the row is refused at load, under the run's limit and not the default."""
+    gold = "\\frac{x_{0}+x_{1}+x_{2}+x_{3}+x_{4}+x_{5}}{2}"  # 44 characters
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"problem": "p", "answer": gold}) + "\n" + json.dumps({"problem": "q", "answer": "3"}))
+    loose = load_config("tests", [f"data.source={rows}", "data.eval_source=arith", "reward.max_answer_chars=300"])
+    assert len(load_examples(loose, str(rows), "train").examples) == 2
+    tight = load_config("tests", [f"data.source={rows}", "data.eval_source=arith", "reward.max_answer_chars=20",
+                                  "data.skip_invalid=true"])
+    result = load_examples(tight, str(rows), "train")
+    assert [e.label for e in result.examples] == ["3"] and len(result.invalid) == 1

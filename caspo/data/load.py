@@ -21,10 +21,12 @@ BOXED = "boxed:"  # data.label_field=boxed:FIELD reads the label off the last \b
 
 
 def load_source(source: str, *, query_field: str = "problem", label_field: str = "answer",
-                id_field: str | None = None, skip_invalid: bool = False, limit: int = 0) -> LoadResult:
+                id_field: str | None = None, skip_invalid: bool = False, limit: int = 0,
+                max_answer_chars: int | None = None) -> LoadResult:
     """Examples of a shipped benchmark, file, datasets folder or hub dataset (forms: caspo.data.rows).
 
-    A shipped benchmark brings its own field names. `limit` > 0 stops after that many examples.
+    A shipped benchmark brings its own field names. `limit` > 0 stops after that many examples. A label must
+    be an answer the verifier can match within `max_answer_chars` (reward.max_answer_chars; None: its default).
     """
     src = parse_source(source)
     known: dict[str, str] = {}
@@ -33,7 +35,8 @@ def load_source(source: str, *, query_field: str = "problem", label_field: str =
         query_field, label_field, id_field, known = bench.query_field, bench.label_field, bench.id_field, \
             bench.known_invalid
     return validate_rows(source, read_rows(src), query_field=query_field, label_field=label_field,
-                         id_field=id_field, skip_invalid=skip_invalid, known_invalid=known, limit=limit)
+                         id_field=id_field, skip_invalid=skip_invalid, known_invalid=known, limit=limit,
+                         max_answer_chars=max_answer_chars)
 
 
 def load_jsonl(path, *, query_field: str = "problem", label_field: str = "answer",
@@ -46,7 +49,8 @@ def load_jsonl(path, *, query_field: str = "problem", label_field: str = "answer
 
 
 def validate_rows(source: str, raw: list[RawRow], *, query_field: str, label_field: str, id_field: str | None,
-                  skip_invalid: bool, known_invalid: dict[str, str] | None = None, limit: int = 0) -> LoadResult:
+                  skip_invalid: bool, known_invalid: dict[str, str] | None = None, limit: int = 0,
+                  max_answer_chars: int | None = None) -> LoadResult:
 
     known = known_invalid or {}
     result = LoadResult(source, [])
@@ -55,7 +59,8 @@ def validate_rows(source: str, raw: list[RawRow], *, query_field: str, label_fie
         if limit and len(result.examples) >= limit:
             break
         result.rows += 1
-        example, bad = parse_row(r, query_field, label_field, id_field, checked_label)
+        example, bad = parse_row(r, query_field, label_field, id_field,
+                                 functools.partial(checked_label, max_answer_chars=max_answer_chars))
         if bad is None and example.id in first_of:
             bad = InvalidRow(example.id, r.where, id_field or "id", f"duplicate id (first at {first_of[example.id]})")
         if bad is None and known.get(example.id, "").startswith(WRONG_GOLD):  # readable, but not the answer
@@ -80,12 +85,15 @@ def invalid_message(result: LoadResult) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def checked_label(label: str) -> None:
-    """`check_label`, once per distinct label in a process: benchmarks load again at every checkpoint and
-    the check parses every gold (a label it rejects raises, which is not cached)."""
+def checked_label(label: str, max_answer_chars: int | None = None) -> None:
+    """`check_label`, once per distinct label and limit in a process: benchmarks load again at every
+    checkpoint and the check parses every gold (a label it rejects raises, which is not cached)."""
     from caspo.reward.verify import check_label  # imported here so that importing caspo.data stays light
 
-    check_label(label)
+    if max_answer_chars is None:
+        check_label(label)
+    else:
+        check_label(label, max_answer_chars)
 
 
 def parse_row(r: RawRow, query_field: str, label_field: str, id_field: str | None,
