@@ -31,7 +31,7 @@ from caspo.reward.prefilter import MAX_ANSWER_CHARS, hedged, too_costly
 # Names this verifier and the libraries that decide its verdicts; bump the first part
 # whenever extraction or scoring changes, so results can be traced to the code that made them.
 VERIFIER_VERSION = (
-    "caspo-final-answer-3"
+    "caspo-final-answer-4"
     f"+math-verify-{version('math-verify')}"
     f"+latex2sympy2_extended-{version('latex2sympy2_extended')}"
 )
