@@ -46,7 +46,7 @@ class JsonlWriter:
 
             tmp = path.with_name(f".{path.name}.tmp")
             try:
-                with tmp.open("w") as out:
+                with tmp.open("w", encoding="utf-8") as out:
                     for record, line in iter_jsonl(path):
                         if kept(record):
                             out.write(line if line.endswith("\n") else line + "\n")
@@ -56,7 +56,7 @@ class JsonlWriter:
                 tmp.unlink(missing_ok=True)
                 raise
             os.replace(tmp, path)
-        self.file = path.open("a")
+        self.file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -70,7 +70,7 @@ def iter_jsonl(path: str | Path):
     """(record, line) of each line of a JSONL file, read as it streams, as a running or crashed run left it: a
     last line cut short by a crash is left out; a bad line anywhere else is an error naming the file and line."""
     bad = None  # (line number, error) of a line that is not JSON: an error unless nothing follows it
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue

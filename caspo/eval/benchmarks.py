@@ -13,10 +13,8 @@ from pathlib import Path
 from caspo.config import Config
 from caspo.data.build import fitting, load_examples
 from caspo.data.examples import DataError, Example
-from caspo.data.registry import ARITH, SHIPPED
+from caspo.data.registry import ARITH, HELDOUT, SHIPPED
 from caspo.data.task import task_examples
-
-HELDOUT = "heldout"
 
 
 @dataclass
