@@ -201,6 +201,25 @@ def test_an_online_value_model_cannot_continue_as_another(tmp_path, value_model_
         loop.restore(loop.build_trainer(caspo_config(tmp_path / "run", other, "method.caspo.online=true")), folder)
 
 
+def test_an_online_value_model_exports_as_a_value_model(tmp_path, value_model_folder):
+    """<checkpoint>/value holds φ as trained, with its value_config.json: it loads on its own (a probe, a frozen
+    run from it), saying it was trained online from the value model the run started with."""
+    from caspo.models.prefix_value import load_prefix_value, read_value_config
+    from caspo.rollout.publication import weights_digest
+
+    tr = loop.build_trainer(caspo_config(tmp_path / "run", value_model_folder, "method.caspo.online=true"))
+    with tr.pool:
+        loop.outer_step(tr)
+        folder = loop.save(tr)
+    exported = load_prefix_value(folder / "value", None)
+    trained = tr.method_state.model
+    assert weights_digest(dict(exported.policy.named_parameters())) == \
+        weights_digest(dict(trained.policy.named_parameters()))
+    assert exported.beta == trained.beta and exported.provenance == trained.provenance
+    assert read_value_config(folder / "value")["trained_online"] == {"from": str(value_model_folder)}
+    ckpt.verify_checkpoint(folder)  # the manifest covers it
+
+
 def test_state_continues_across_a_refresh_as_without_one(refreshed_run, plain_run):
     cfg = plain_run[0]
     a = ckpt.load_trainer_state(refreshed_run[1] / "checkpoints" / "step_000003")

@@ -210,16 +210,21 @@ class PrefixValueModel:
         φ's whole tensors when φ itself is sharded."""
         from caspo.models.tokenizer import save_tokenizer
 
-        if self.provenance is None or self.provenance.reference is None:
-            raise ProvenanceError("a value model needs a provenance with its reference identity before it is saved")
+        config = self.config_text()  # before any file: a value model without its provenance is refused
         path = Path(path)
         self.policy.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             save_tokenizer(tokenizer, path)
-        config = {"format": FORMAT, "beta": self.beta, "reference_source": self.reference_source,
-                  "provenance": self.provenance.to_dict()}
-        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (path / CONFIG_FILE).write_text(config)
         return path
+
+    def config_text(self, **notes) -> str:
+        """value_config.json: the format, β, the reference's source and the provenance (and `notes`)."""
+        if self.provenance is None or self.provenance.reference is None:
+            raise ProvenanceError("a value model needs a provenance with its reference identity before it is saved")
+        config = {"format": FORMAT, "beta": self.beta, "reference_source": self.reference_source,
+                  "provenance": self.provenance.to_dict(), **notes}
+        return json.dumps(config, indent=2) + "\n"
 
 
 def read_value_config(path: str | Path) -> dict:

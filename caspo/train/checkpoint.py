@@ -67,15 +67,17 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, *, models: dict, tokenizer, trainer_state: dict,
-                    counters: dict, config_yaml: str | None = None, state_dicts: dict | None = None) -> Path:
+                    counters: dict, config_yaml: str | None = None, state_dicts: dict | None = None,
+                    extra_files: dict | None = None) -> Path:
     """Write `models` (name -> HF module; `state_dicts`, name -> tensors, replaces a model's own, as its export
-    in the compute dtype) and the trainer state; returns the checkpoint folder.
+    in the compute dtype; `extra_files`, name -> file name -> text, go beside it) and the trainer state; returns
+    the checkpoint folder.
     A write that fails (a full disk, a lost mount) removes the partial folder and raises CheckpointError;
     the previous checkpoint and `latest` are untouched."""
     root, final, tmp = checkpoint_paths(run_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_folder(tmp, models, tokenizer, trainer_state, counters, config_yaml, state_dicts)
+        write_folder(tmp, models, tokenizer, trainer_state, counters, config_yaml, state_dicts, extra_files)
     except Exception as err:  # OSError, and the writers' own (torch's RuntimeError, SafetensorError) on a full disk
         raise write_error(err, root, final, tmp) from err
     publish_folder(root, final, tmp)
@@ -147,7 +149,7 @@ def record_dtype(folder: Path, state_dict: dict[str, torch.Tensor]) -> None:
 
 
 def write_folder(folder: Path, models: dict, tokenizer, trainer_state: dict, counters: dict,
-                 config_yaml: str | None, state_dicts: dict | None = None) -> None:
+                 config_yaml: str | None, state_dicts: dict | None = None, extra_files: dict | None = None) -> None:
     """`state_dicts` (name -> whole state dict) replaces a model's own, as an export in the compute dtype."""
     folder.mkdir(exist_ok=True)  # a sharded checkpoint's folder holds its shards already
     for name, model in models.items():
@@ -157,6 +159,8 @@ def write_folder(folder: Path, models: dict, tokenizer, trainer_state: dict, cou
             record_dtype(folder / name, state_dict)
         if tokenizer is not None:
             save_tokenizer(tokenizer, folder / name)
+        for file_name, text in (extra_files or {}).get(name, {}).items():
+            (folder / name / file_name).write_text(text)
     torch.save(trainer_state, folder / "trainer_state.pt")
     (folder / "trainer_state.json").write_text(json.dumps(counters, indent=2) + "\n")
     if config_yaml is not None:

@@ -67,5 +67,10 @@ class MethodState:
         """What a checkpoint's trainer state records beyond the learners."""
         return {}
 
+    def export_files(self) -> dict[str, dict[str, str]]:
+        """Files beside a learner's exported model (learner name -> file name -> text), so that the folder
+        loads on its own as what it is."""
+        return {}
+
     def load_state_dict(self, tr: "Trainer", state: dict) -> None:
         pass

@@ -46,7 +46,8 @@ def whole_state(model: torch.nn.Module, precision: str) -> dict[str, torch.Tenso
 
 
 def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: str, tokenizer,
-         trainer_state: dict, rank_state: dict, counters: dict, config_yaml: str) -> Path:
+         trainer_state: dict, rank_state: dict, counters: dict, config_yaml: str,
+         extra_files: dict | None = None) -> Path:
     """Every rank writes its shards and `rank_state` (what it alone holds: its RNG, its shards of old versions);
     rank 0 the HF exports, the trainer state and the manifest."""
     root, final, tmp = ckpt.checkpoint_paths(run_dir, step)
@@ -71,7 +72,7 @@ def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: s
     if distributed.is_main():
         try:
             ckpt.write_folder(tmp, {name: lr.model for name, lr in learners.items()}, tokenizer, trainer_state,
-                              counters, config_yaml, state_dicts=exports)
+                              counters, config_yaml, state_dicts=exports, extra_files=extra_files)
             ckpt.publish_folder(root, final, tmp)
         except Exception as err:  # as in ckpt.save_checkpoint
             error = str(ckpt.write_error(err, root, final, tmp))

@@ -24,7 +24,7 @@ from caspo.algo import ipvrm
 from caspo.batch import RolloutBatch
 from caspo.config import Config, ConfigError
 from caspo.models.policy import compile_if_asked, load_policy, recompute_if_asked
-from caspo.models.prefix_value import PrefixValueModel, load_prefix_value, step_values, transform_values
+from caspo.models.prefix_value import CONFIG_FILE, PrefixValueModel, load_prefix_value, step_values, transform_values
 from caspo.models.provenance import label_provenance
 from caspo.models.tokenizer import batch_decoder
 from caspo.precision import LossScaler, autocast
@@ -163,6 +163,14 @@ class PrefixValues(MethodState):
     @classmethod
     def build(cls, cfg: Config, policy_path: str, policy: torch.nn.Module, tokenizer, device: torch.device):
         return cls(cfg, tokenizer, ValueSource(cfg.method.caspo.value_model, cfg.model.policy), policy, device)
+
+    def export_files(self) -> dict[str, dict[str, str]]:
+        """An online φ's value_config.json beside its export, so that `<checkpoint>/value` loads as a value model
+        (`load_prefix_value`). Its provenance is that of the labels φ started from; `trained_online` says the
+        run trained it further on its own rollouts."""
+        if self.online is None:
+            return {}
+        return {"value": {CONFIG_FILE: self.model.config_text(trained_online={"from": self.source.path})}}
 
     def shard(self, precision: str) -> None:
         """φ and its reference sharded as the policy is (every read a collective), the online learner's optimizer

@@ -211,13 +211,14 @@ def save(tr: Trainer) -> Path:
                             precision=tr.cfg.train.precision, tokenizer=tr.tokenizer,
                             trainer_state=sharded_trainer_state(tr),
                             rank_state={"rng": ckpt.rng_state(), "snapshots": tr.snapshots}, counters=counters,
-                            config_yaml=to_yaml(tr.cfg))
+                            config_yaml=to_yaml(tr.cfg), extra_files=tr.method_state.export_files())
     models = {k: lr.model for k, lr in learners(tr).items()}
     exports = {k: export_state(lr.model, tr.cfg.train.precision) for k, lr in learners(tr).items()}
     return ckpt.save_checkpoint(
         tr.run_dir, tr.step, models=models, tokenizer=tr.tokenizer,
         trainer_state=trainer_state(tr), config_yaml=to_yaml(tr.cfg),
         counters=counters, state_dicts={k: v for k, v in exports.items() if v is not None},
+        extra_files=tr.method_state.export_files(),
     )
 
 
