@@ -161,12 +161,13 @@ def looped(ctx: typer.Context, overrides: Optional[List[str]] = OVERRIDES,
 @app.command()
 def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         output: str = typer.Option(..., help="folder for the trained policy and tokenizer"),
-        init: Optional[str] = typer.Option(None, help="continue from this policy instead of from scratch")):
+        init: Optional[str] = typer.Option(None, help="continue from this policy instead of from scratch"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="replace an SFT run already in --output")):
     """Supervised fine-tuning of a tiny policy on the arithmetic task."""
     from caspo.train.sft import run_sft
 
     cfg = checked_config(preset, overrides, policy=False, data=False)  # a policy from scratch, arith
-    typer.echo(json.dumps(run_sft(cfg, output, init=init), indent=2))
+    typer.echo(json.dumps(run_sft(cfg, output, init=init, overwrite=overwrite), indent=2))
 
 
 @app.command()

@@ -53,3 +53,18 @@ def test_sft_continues_from_an_embedded_policy(tmp_path):
     cfg = load_config("tests", ["sft.steps=1", "sft.batch_size=2", "sft.eval_every=1", "eval.heldout_size=2"])
     run_sft(cfg, tmp_path / "more", init="embedded:tiny-arith")
     assert load_tokenizer(tmp_path / "more").get_vocab() == build_char_tokenizer().get_vocab()
+
+
+def test_a_second_run_into_the_same_folder_needs_overwrite(tmp_path):
+    """Its log would hold both runs' steps; --overwrite replaces the run, log included."""
+    import pytest
+
+    from caspo.config import ConfigError
+
+    cfg = load_config("tests", ["sft.steps=2", "sft.batch_size=2", "sft.eval_every=0"])
+    run_sft(cfg, tmp_path / "p")
+    with pytest.raises(ConfigError, match="holds an SFT run already .*--overwrite"):
+        run_sft(cfg, tmp_path / "p")
+    run_sft(cfg, tmp_path / "p", overwrite=True)
+    log = [json.loads(line) for line in (tmp_path / "p" / "sft_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2]

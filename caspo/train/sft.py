@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from caspo.config import Config
+from caspo.config import Config, ConfigError
 from caspo.data.build import arith_task
 from caspo.data.templates import render_prompt
 from caspo.eval.heldout import greedy_accuracy
@@ -33,6 +33,7 @@ from caspo.rollout.hf import HFEngine
 from caspo.runlog import JsonlWriter, console, progress_bar
 from caspo.train.optim import build_scheduler
 
+LOG = "sft_log.jsonl"  # one line a step
 
 def sft_batch(tokenizer, pairs: list[tuple[str, str]], device) -> tuple[torch.Tensor, ...]:
     """Right-padded prompt+target+EOS; labels are -100 except on the target and EOS."""
@@ -73,8 +74,12 @@ def evaluate(model, tokenizer, task, cfg: Config, pool: RewardPool, device) -> d
     return result.summary()
 
 
-def run_sft(cfg: Config, output: str | Path, init: str | None = None) -> dict:
+def run_sft(cfg: Config, output: str | Path, init: str | None = None, overwrite: bool = False) -> dict:
     s = cfg.sft
+    output = Path(output)
+    if (output / LOG).exists() and not overwrite:  # its log would hold two runs, its policy the second
+        raise ConfigError(f"{output} holds an SFT run already ({LOG}); pass --overwrite to replace it, or "
+                          "another --output")
     torch.manual_seed(s.seed)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
@@ -90,9 +95,9 @@ def run_sft(cfg: Config, output: str | Path, init: str | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
     scheduler = build_scheduler(optimizer, warmup=s.warmup_steps, total=s.steps, schedule="cosine",
                                 min_ratio=s.min_lr_ratio)
-    output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    log = JsonlWriter(output / "sft_log.jsonl")
+    (output / LOG).unlink(missing_ok=True)  # --overwrite: the new run's log alone
+    log = JsonlWriter(output / LOG)
     n_train = task.size("train")
     with RewardPool.from_config(cfg.reward) as pool, progress_bar() as progress:
         bar = progress.add_task("sft", total=s.steps, status="")
