@@ -6,6 +6,7 @@ import re
 import shutil
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from caspo.cli import app
@@ -157,6 +158,41 @@ def test_checkpoint_selection(tmp_path):
         resolve("embedded:tiny-arith", "step_3")
     with pytest.raises(FileNotFoundError, match="not a run folder"):
         resolve(str(tmp_path / "nothing"))
+    # a hub id is one policy, read from the hub cache; a run's base keeps the revision the run pinned
+    (hub,), _ = resolve("Qwen/Qwen2.5-Math-1.5B")
+    assert (hub.name, hub.policy, hub.revision) == ("Qwen2.5-Math-1.5B", "Qwen/Qwen2.5-Math-1.5B", None)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"].update(policy="Qwen/Qwen2.5-Math-1.5B", revision="a" * 40)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (base,) = resolve(str(run), "base")[0]
+    assert (base.policy, base.revision) == ("Qwen/Qwen2.5-Math-1.5B", "a" * 40)
+
+
+def test_a_result_of_another_policy_is_not_added_to(tmp_path, bench, scripted):
+    """Two policies of one name (two runs' step_50, or two folders called tiny-arith) into one --out: the
+    second is refused, not filed under the first's numbers."""
+    out, other = tmp_path / "out", tmp_path / "elsewhere" / "tiny-arith"
+    shutil.copytree(ASSETS / "tiny-arith", other)
+    common = ["data.id_field=id", "reward.workers=0", "--benchmarks", bench, "--out", out]
+    assert invoke("embedded:tiny-arith", *common).exit_code == 0
+    result = invoke(other, *common)
+    assert result.exit_code == 2 and "holds results of embedded:tiny-arith, not of" in result.output
+    # the reward settings are settings: a result scored with a fallback is another result
+    result = invoke("embedded:tiny-arith", *common, "reward.fallback=last_number")
+    assert result.exit_code == 2 and "fallback" in result.output
+
+
+def test_checkpoints_saved_without_their_benchmarks_are_named(tmp_path):
+    from types import SimpleNamespace
+
+    from caspo.train.run_eval import unevaluated
+
+    run = make_run(tmp_path, steps=(1, 2, 3))
+    (run / "eval").mkdir()
+    (run / "eval" / "step_000001.json").write_text(json.dumps({"benchmarks": {"a": {}, "b": {}}}))
+    (run / "eval" / "step_000002.json").write_text(json.dumps({"benchmarks": {"a": {}}}))  # b never ran
+    suites = [SimpleNamespace(name="a"), SimpleNamespace(name="b")]
+    assert unevaluated(run, suites) == ["step_000002", "step_000003"]
 
 
 def test_eval_errors_are_one_line(tmp_path):

@@ -28,18 +28,22 @@ from caspo.models.policy import load_policy, resolve_device, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
 from caspo.reward import VERIFIER_VERSION, RewardPool
 from caspo.rollout.base import SamplingParams, publish
-from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
+from caspo.rollout.factory import build_engine, engine_dtype, max_seq_len, sampling_params
 from caspo.runlog import console, progress_bar
 
 
 def settings(cfg: Config, run_sampling: SamplingParams) -> dict:
     """What the numbers depend on besides the weights."""
     s = eval_samplers(cfg, run_sampling)[1]
+    r = cfg.reward
     return {"template": cfg.data.template, "max_prompt_tokens": cfg.data.max_prompt_tokens,
+            "long_prompts": cfg.data.long_prompts,
             "max_new_tokens": cfg.eval.max_new_tokens, "limit": cfg.eval.limit, "samples": cfg.eval.samples,
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "stop_token_ids": list(s.stop_token_ids), "stop": list(s.stop_strings),
-            "backend": cfg.rollout.backend, "verifier": VERIFIER_VERSION,
+            "backend": cfg.rollout.backend, "engine_dtype": str(engine_dtype(cfg)).removeprefix("torch."),
+            "verifier": VERIFIER_VERSION,
+            "reward": {"extractor": r.extractor, "fallback": r.fallback, "max_answer_chars": r.max_answer_chars},
             "seeds": "greedy: 0; sample s of problem i: sample_seed(0, -2**31, i, s)"}
 
 
@@ -56,7 +60,7 @@ def evaluate_checkpoint(engine, tokenizer, pool: RewardPool, cfg: Config, suites
               "settings": settings(cfg, run_sampling), "benchmarks": {}}
     if out is not None:
         if merge:
-            result["benchmarks"] = earlier_benchmarks(out / f"{checkpoint}.json", result["settings"])
+            result["benchmarks"] = earlier_benchmarks(out / f"{checkpoint}.json", result["settings"], policy)
         (out / checkpoint).mkdir(parents=True, exist_ok=True)
     with (nullcontext(progress) if progress is not None else progress_bar()) as bars:
         for suite in suites:
@@ -75,16 +79,27 @@ def evaluate_checkpoint(engine, tokenizer, pool: RewardPool, cfg: Config, suites
     return result
 
 
-def earlier_benchmarks(path: Path, now: dict) -> dict:
-    """The benchmarks of an earlier result at `path` (none if absent), refused if made with other settings."""
+def earlier_benchmarks(path: Path, now: dict, policy: str) -> dict:
+    """The benchmarks of an earlier result at `path` (none if absent), refused if made of another policy or
+    with other settings."""
     if not path.is_file():
         return {}
     earlier = json.loads(path.read_text())
+    if not same_policy(earlier.get("policy", ""), policy):
+        raise ConfigError(f"{path} holds results of {earlier.get('policy')}, not of {policy}; evaluate into another "
+                          "--out, or remove it to replace it")
     changes = describe_changes(config_changes(earlier.get("settings", {}), now))
     if changes:
         raise ConfigError(f"{path} holds results made with other settings ({'; '.join(changes)}); evaluate into "
                           "another --out, or remove it to replace it")
     return earlier.get("benchmarks", {})
+
+
+def same_policy(a: str, b: str) -> bool:
+    """The same folder however it is written (runs/x, ./runs/x, /abs/runs/x), or the same name."""
+    if Path(a).exists() and Path(b).exists():
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b
 
 
 def refresh(out_dir: str | Path) -> list[dict]:
@@ -103,12 +118,12 @@ def evaluate_targets(cfg: Config, targets: list[Target], out_dir: str | Path) ->
         torch.set_num_threads(cfg.model.threads)
     device = resolve_device(cfg.model.device)
     limit_device_memory(device, cfg.model.device_memory_gib)
-    tokenizer = load_tokenizer(resolve_model_path(targets[0].policy))
+    tokenizer = load_tokenizer(resolve_model_path(targets[0].policy, targets[0].revision))
     suites = load_suites(cfg, tokenizer, cfg.eval.benchmarks or [HELDOUT])
     engine, results = None, []
     with RewardPool.from_config(cfg.reward) as pool, progress_bar() as bars:
         for version, target in enumerate(targets):
-            policy = load_policy(resolve_model_path(target.policy), device).eval()
+            policy = load_policy(resolve_model_path(target.policy, target.revision), device).eval()
             sampling = sampling_params(cfg, tokenizer, policy)
             if engine is None:
                 engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from caspo.models.hub import looks_like_folder
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -22,7 +24,8 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 class Target:
     name: str  # the results' file stem: step_000010, base, or the policy's name
     step: int | None  # the x of the accuracy plot; None for a lone policy
-    policy: str  # a policy folder or embedded:NAME
+    policy: str  # a policy folder, a hub id or embedded:NAME
+    revision: str | None = None  # the hub commit of a run's base policy (its model.revision)
 
 
 def checkpoint_dirs(run: Path) -> list[Path]:
@@ -51,8 +54,10 @@ def resolve(policy_or_run: str, checkpoints: str | None = None) -> tuple[list[Ta
             return _lone(Target(parent.name, _step(parent), str(path)), checkpoints,
                          config if config.is_file() else None)
         return _lone(Target(path.resolve().name, None, str(path)), checkpoints, None)
+    if not looks_like_folder(policy_or_run):  # a hub id (ORG/NAME): loaded from the local hub cache
+        return _lone(Target(policy_or_run.rsplit("/", 1)[-1], None, policy_or_run), checkpoints, None)
     raise FileNotFoundError(f"{policy_or_run}: not a run folder (with checkpoints/), a checkpoint (step_N/policy/), "
-                            "a policy folder (with config.json) or embedded:NAME")
+                            "a policy folder (with config.json), a hub id (ORG/NAME) or embedded:NAME")
 
 
 def select(run: Path, spec: str) -> list[Target]:
@@ -69,7 +74,7 @@ def select(run: Path, spec: str) -> list[Target]:
                 raise FileNotFoundError(f"{run}: no latest checkpoint (checkpoints/latest missing or stale)")
             picked = [_target(by_name[name])]
         elif item == "base":
-            picked = [Target("base", 0, _base_policy(run))]
+            picked = [Target("base", 0, *_base_policy(run))]
         elif STEP_DIR.match(item):
             name = f"step_{int(STEP_DIR.match(item).group(1)):06d}"
             if name not in by_name:
@@ -91,14 +96,15 @@ def _step(ckpt: Path) -> int:
     return int(STEP_DIR.match(ckpt.name).group(1))
 
 
-def _base_policy(run: Path) -> str:
+def _base_policy(run: Path) -> tuple[str, str | None]:
+    """The run's model.policy and model.revision: the base exactly as the run loaded it."""
     config = run / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(f"{run}: no config.yaml, so no base policy; evaluate model.policy directly")
-    policy = ((yaml.safe_load(config.read_text()) or {}).get("model") or {}).get("policy")
-    if not policy:
+    model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
+    if not model.get("policy"):
         raise ValueError(f"{config}: no model.policy, so no base policy; evaluate the base policy directly")
-    return policy
+    return model["policy"], model.get("revision")
 
 
 def _lone(target: Target, checkpoints: str | None, config: Path | None) -> tuple[list[Target], Path | None]:

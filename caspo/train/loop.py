@@ -50,7 +50,7 @@ from caspo.train.advantages import compute_advantages
 from caspo.train.blocks import RankSplitEngine, RankSplitPool, logprobs
 from caspo.train.health import HealthWatch, step_health, trailing_bad_steps
 from caspo.train.health import check_config as check_health_config
-from caspo.train.run_eval import evaluate, evaluate_benchmarks, sampled_note
+from caspo.train.run_eval import evaluate, evaluate_benchmarks, missing_benchmarks_note, sampled_note, unevaluated
 from caspo.train.run_files import RunStopped, load_during, prepare_run_dir
 from caspo.train.scoring import score
 from caspo.train.signals import StopRequest
@@ -308,6 +308,9 @@ def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords
     bad_steps = trailing_bad_steps(watch.history)  # outer steps in a row with an update skipped (non-finite)
     with tr.pool, StopRequest() as stop, Watchdog(status, cfg.train.health.watchdog_s) as watchdog:
         suites = load_suites(cfg, tr.tokenizer, cfg.eval.benchmarks) if cfg.eval.benchmarks else []
+        missing = unevaluated(tr.run_dir, suites) if suites and distributed.is_main() else []
+        if missing:  # a resumed run does not go back to them
+            console.print(missing_benchmarks_note(tr.run_dir, missing))
         if cfg.eval.before and tr.step == 0:
             timer = PhaseTimer()
             with timer("t_eval"):
@@ -359,6 +362,8 @@ def run_steps(tr: Trainer, cfg: Config, refresh, checkpoint, metrics: RunRecords
                         with timer("t_bench"):
                             record |= evaluate_benchmarks(tr, suites, checkpoint.name, str(checkpoint / "policy"),
                                                           progress)
+                    elif suites and checkpoint is not None:  # stopping: no time for them
+                        console.print(missing_benchmarks_note(tr.run_dir, [checkpoint.name]))
                 final = cfg.eval.after and tr.step == cfg.train.steps  # evaluated once, below
                 if cfg.eval.every and tr.step % cfg.eval.every == 0 and not final and not stops:
                     with timer("t_eval"):

@@ -3,11 +3,14 @@ eval.benchmarks written as `caspo eval` writes them."""
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
+from pathlib import Path
 
 from caspo.eval.heldout import greedy_accuracy, sampled_accuracy
 from caspo.eval.run import evaluate_checkpoint
 from caspo.eval.suite import eval_samplers
+from caspo.eval.targets import checkpoint_dirs
 from caspo.rollout.base import publish
 from caspo.train import distributed
 from caspo.train.blocks import evaluation_engine_and_pool
@@ -66,3 +69,20 @@ def evaluate_benchmarks(tr: Trainer, suites: list, checkpoint: str, policy: str,
     return {f"bench_{name}_greedy": bench["metrics"]["greedy"] for name, bench in result["benchmarks"].items()}
 
 
+
+
+def unevaluated(run_dir: Path, suites: list) -> list[str]:
+    """The run's checkpoints whose result lacks one of `suites`: a stop request, or a crash during their
+    evaluation, saved them without it, and nothing later goes back."""
+    missing = []
+    for ckpt in checkpoint_dirs(run_dir) if (run_dir / "checkpoints").is_dir() else []:
+        result = run_dir / "eval" / f"{ckpt.name}.json"
+        have = json.loads(result.read_text()).get("benchmarks", {}) if result.is_file() else {}
+        if any(suite.name not in have for suite in suites):
+            missing.append(ckpt.name)
+    return missing
+
+
+def missing_benchmarks_note(run_dir: Path, names: list[str]) -> str:
+    return (f"[yellow]{', '.join(names)} saved without eval.benchmarks' results: `caspo eval {run_dir} "
+            f"--checkpoints {','.join(names)}` evaluates them into {run_dir / 'eval'}[/]")
