@@ -179,3 +179,21 @@ def test_the_hf_engine_in_bf16_keeps_rope_in_float32(tiny_model):
     assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
     kept = dict(engine.model.named_buffers())["model.rotary_emb.inv_freq"]
     assert kept.dtype == torch.float32 and torch.equal(kept, inv_freq)
+
+
+def test_a_stop_string_begun_in_the_prompts_context_ends_the_completion(tiny_model):
+    """A continuation's response prefix (Request.stop_context) is text the stop strings read: a stop string
+    whose start the prefix's last token carries ends the continuation at the token that completes it."""
+    decode = lambda ids: "".join(chr(65 + i % 26) for i in ids)  # noqa: E731
+    engine = HFEngine(tiny_model, pad_token_id=0, decode=decode)
+    free = SamplingParams(temperature=1.0, stop_token_ids=[])
+    request = requests(1, max_new=8)[0]
+    first = engine.generate([request], free)[0]
+    stop = decode(request.prompt_ids[-1:]) + decode(first.tokens[:1])  # the prompt's last text, then the first
+    sampling = SamplingParams(temperature=1.0, stop_token_ids=[], stop_strings=[stop])
+    request.stop_context = 1
+    cut = engine.generate([request], sampling)[0]
+    assert (cut.finish_reason, cut.tokens) == ("stop", first.tokens[:1])
+    request.stop_context = 0  # generated text alone: the stop string is not there (unless it comes again later)
+    alone = engine.generate([request], sampling)[0]
+    assert alone.tokens[:2] == first.tokens[:2] and len(alone.tokens) > 1

@@ -82,3 +82,16 @@ def test_a_stop_string_longer_than_the_window_in_single_characters():
     assert next(u for u in range(1, len(tokens) + 1) if stops.ended(tokens[:u])) == 10 + len(stop)
     # a stop string already in the text before the last token is not found again (it stopped the sequence then)
     assert not stops.ended(tokens)
+
+
+def test_a_stop_string_begun_in_the_context_is_found(tokenizer):
+    """A Monte Carlo continuation of a step boundary: the response prefix ends in a token holding "\n\n" (BPE
+    merges ".\n\n"), and the continuation writes "\nProblem:". The check reads the prefix as context."""
+    stop = "\n\n\nProblem:"
+    prefix = tokenizer.encode("We get $x=2$.\n\n")
+    assert tokenizer.decode(prefix[-1:]).endswith("\n\n")  # the newlines sit inside the prefix's last token
+    continuation = tokenizer.encode("\nProblem: next one")
+    stops = StopStrings([stop], tokenizer.decode)
+    at = first_stop(prefix + continuation, [stop], tokenizer.decode) - len(prefix)
+    assert next(t for t in range(1, len(continuation) + 1) if stops.ended(continuation[:t], prefix)) == at
+    assert not any(stops.ended(continuation[:t]) for t in range(1, len(continuation) + 1))  # without the context

@@ -61,6 +61,9 @@ def test_identical_prefixes_are_estimated_once():
     assert out.unique_prefixes == 4
     assert out.mc_requests == len(engine.requests) == 4 * 4
     assert sorted({tuple(r.prompt_ids) for r in engine.requests}) == [(50, 51), (50, 51, 2, 3), (60,), (60, 2, 3)]
+    # the response prefix is the stop strings' context: a stop string it began ends the continuation
+    assert {(tuple(r.prompt_ids), r.stop_context) for r in engine.requests} == {
+        ((50, 51), 0), ((50, 51, 2, 3), 2), ((60,), 0), ((60, 2, 3), 2)}
     assert out.mc_tokens == 16  # one token per scripted continuation
     # k = 0, 2 win and k = 1, 3 lose: every V is 2/4
     assert torch.equal(out.values, torch.full((3, 2), 0.5))

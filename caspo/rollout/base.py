@@ -13,6 +13,9 @@ class Request:
     prompt_ids: list[int]
     seed: int  # the sample seed: all randomness of this completion derives from it
     max_new_tokens: int
+    # the prompt's last tokens that stop strings read with the generated ones: a continuation's response prefix,
+    # so that a stop string begun at its end (a newline merged into its last token) still ends the continuation
+    stop_context: int = 0
 
 
 @dataclass

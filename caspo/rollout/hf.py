@@ -18,7 +18,7 @@ from caspo.models.policy import cast_parameters
 from caspo.rollout.base import Completion, OnFinish, Request, SamplingParams, asleep_error
 from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
-from caspo.rollout.stop_strings import StopStrings
+from caspo.rollout.stop_strings import StopStrings, stop_context
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -117,7 +117,8 @@ class HFEngine(PublishedWeights):
                     continue
                 tokens[i].append(tok_list[i])
                 logps[i].append(lp_list[i])
-                if stop_list[i] or (stop_strings is not None and stop_strings.ended(tokens[i])):
+                if stop_list[i] or (stop_strings is not None and
+                                    stop_strings.ended(tokens[i], stop_context(requests[i]))):
                     finish[i] = "stop"
                 elif len(tokens[i]) >= requests[i].max_new_tokens:
                     finish[i] = "length"

@@ -43,8 +43,9 @@ class StopStrings:
         self.lasts = lasts
         self._may_end: dict[int, bool] = {}  # token id -> its text contains a stop string's last character
 
-    def ended(self, tokens: list[int]) -> bool:
-        """Whether the text of `tokens` holds a stop string that reaches into the last token's text."""
+    def ended(self, tokens: list[int], context: Sequence[int] = ()) -> bool:
+        """Whether the text of `context` + `tokens` holds a stop string that reaches into the last token's
+        text (`context`: tokens before the generated ones that the text continues, Request.stop_context)."""
         if not self.every_step:
             token = tokens[-1]
             may_end = self._may_end.get(token)
@@ -54,6 +55,13 @@ class StopStrings:
             if not may_end:
                 return False
         window = tokens[-self.window:]
+        if len(window) < self.window and context:
+            window = list(context[len(window) - self.window:]) + window
         tail = self.decode(window)
         kept = len(os.path.commonprefix([self.decode(window[:-1]), tail]))  # the text before the last token's
         return any(tail.find(s, max(0, kept - len(s) + 1)) >= 0 for s in self.strings)
+
+
+def stop_context(request) -> list[int]:
+    """The tokens of `request`'s prompt that its stop strings read as text the completion continues."""
+    return request.prompt_ids[len(request.prompt_ids) - request.stop_context:] if request.stop_context else []

@@ -124,8 +124,10 @@ def estimate_prefixes(engine, prefixes: Sequence[Prefix], *, k: int, sampling: S
             raise ValueError(f"a prefix of {len(prefix.prompt)} prompt and {len(prefix.response)} response tokens "
                              f"leaves no room in {room}; values are only estimated before a response's last step")
     order = list(unique)
+    # the response prefix is text the stop strings read: a stop string its last token began ends the continuation
     requests = [Request(list(unique[key].prompt) + list(unique[key].response), seed_fn(key, j),
-                        continuation_budget(unique[key], max_new_tokens, context_tokens))
+                        continuation_budget(unique[key], max_new_tokens, context_tokens),
+                        stop_context=len(unique[key].response))
                 for key in order for j in range(k)]
 
     def scored_call(i: int, completion: Completion) -> tuple[str, str, bool]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from caspo.rollout.base import Request, SamplingParams
 from caspo.rollout.native.prefix import PrefixIndex, SharedPrefix
-from caspo.rollout.stop_strings import StopStrings
+from caspo.rollout.stop_strings import StopStrings, stop_context
 
 
 @dataclass
@@ -224,6 +224,6 @@ class Scheduler:
     def _finish_reason(self, seq: SequenceState) -> str:
         if seq.tokens[-1] in self.stop_ids:
             return "stop"
-        if self.stop_strings is not None and self.stop_strings.ended(seq.tokens):
+        if self.stop_strings is not None and self.stop_strings.ended(seq.tokens, stop_context(seq.request)):
             return "stop"
         return "length" if len(seq.tokens) >= seq.request.max_new_tokens else ""
