@@ -225,8 +225,9 @@ def test_the_summary_shows_every_column_and_names_settings_that_differ(tmp_path)
     greedy_only = result("step_10", 10, {"greedy": 0.2}, 0)
     sampled = result("step_20", 20, {"greedy": 0.4, "avg@4": 0.3, "pass@1": 0.3, "pass@4": 0.6, "maj@4": 0.35}, 4)
     text = write_markdown([greedy_only, sampled], tmp_path / "summary.md").read_text()
-    assert "| benchmark | checkpoint | n | greedy | avg@4 | pass@1 | pass@4 | maj@4 |" in text
-    assert "| b | step_10 | 5 | 0.200 |  |  |  |  |" in text and "| b | step_20 | 5 | 0.400 | 0.300 |" in text
+    assert "| benchmark | checkpoint | n | greedy | avg@4 | pass@1 | pass@4 | maj@4 | greedy s.e. |" in text
+    assert "| b | step_10 | 5 | 0.200 |  |  |  |  | 0.179 |" in text  # √(0.2 · 0.8 / 5)
+    assert "| b | step_20 | 5 | 0.400 | 0.300 | 0.300 | 0.600 | 0.350 | 0.219 |" in text  # √(0.4 · 0.6 / 5)
     assert "- samples: step_10 0; step_20 4" in text and "template" not in text
 
 

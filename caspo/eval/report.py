@@ -4,6 +4,7 @@ summary.md), and accuracy over checkpoints as a PNG."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import matplotlib
@@ -74,9 +75,14 @@ def group_table(benchmark: str, checkpoint: str, key: str, groups: dict) -> Tabl
 def write_markdown(results: list[dict], path: Path) -> Path:
     rows = summary_rows(results)
     keys = columns([row[3] for row in rows])
-    lines = ["| benchmark | checkpoint | n | " + " | ".join(keys) + " |", "|---|---|---:|" + "---:|" * len(keys)]
+    lines = ["| benchmark | checkpoint | n | " + " | ".join(keys) + " | greedy s.e. |",
+             "|---|---|---:|" + "---:|" * (len(keys) + 1)]
     for name, ckpt, n, m in sorted(rows, key=lambda row: row[0]):
-        lines.append(f"| {name} | {ckpt} | {n} | " + " | ".join(f"{m[k]:.3f}" if k in m else "" for k in keys) + " |")
+        cells = [f"{m[k]:.3f}" if k in m else "" for k in keys] + [f"{greedy_se(m['greedy'], n):.3f}"]
+        lines.append(f"| {name} | {ckpt} | {n} | " + " | ".join(cells) + " |")
+    lines += ["", "greedy s.e.: the binomial standard error √(p(1−p)/n) of one checkpoint's greedy accuracy; two "
+              "checkpoints scored on the same problems differ by less noise than their s.e. suggest (a paired "
+              "comparison of the per-problem records is the test)."]
     differ = differing_settings(results)
     if differ:
         lines += ["", "The results were made with different settings:", ""]
@@ -84,6 +90,11 @@ def write_markdown(results: list[dict], path: Path) -> Path:
                   for key, by_checkpoint in differ.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def greedy_se(p: float, n: int) -> float:
+    """The binomial standard error of an accuracy p over n problems."""
+    return math.sqrt(p * (1 - p) / n) if n else float("nan")
 
 
 def differing_settings(results: list[dict]) -> dict[str, dict[str, object]]:
