@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from caspo.config import Config
 from caspo.data.examples import SHOWN, DataError, Example
 from caspo.data.prompts import encode_prompts
-from caspo.data.task import arith_task, load_examples, summarize_use, task_examples
+from caspo.data.task import arith_task, load_examples, skipped_long_note, summarize_use, task_examples
 from caspo.data.templates import prompt_bos, render_prompt
 from caspo.runlog import console
 
@@ -48,8 +48,7 @@ def fitting(cfg: Config, tokenizer, examples: list[Example], summary: dict,
     if long:
         summary.update(skipped_long=len(long), skipped_long_ids=long[:SHOWN])
     if long and announce:
-        console.print(f"  {len(long)} prompts over data.max_prompt_tokens={cfg.data.max_prompt_tokens} left out "
-                      f"(data.long_prompts=skip): {', '.join(long[:SHOWN])}")
+        console.print(skipped_long_note(cfg, len(long), long[:SHOWN]))
     return [examples[i] for i in keep], [prompts[i] for i in keep]
 
 

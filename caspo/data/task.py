@@ -110,11 +110,15 @@ def print_summary(cfg: Config, summary: dict) -> None:
             for problem in s["invalid_first"]:
                 console.print(f"    {problem}")
         if s.get("skipped_long"):
-            console.print(f"  {s['skipped_long']} prompts over data.max_prompt_tokens={cfg.data.max_prompt_tokens} "
-                          f"left out (data.long_prompts=skip): {', '.join(s['skipped_long_ids'])}")
+            console.print(skipped_long_note(cfg, s["skipped_long"], s["skipped_long_ids"]))
     if summary["overlap"]:
         console.print(f"[yellow]data: {summary['overlap']} held-out prompts are also training prompts[/yellow]")
     for name, shared in summary["benchmark_overlap"].items():
         if shared:
             console.print(f"[yellow]data: benchmark {name} (eval.benchmarks) shares {shared} "
                           f"problem{'s' if shared > 1 else ''} with the training prompts[/yellow]")
+
+
+def skipped_long_note(cfg: Config, count: int, ids: list[str]) -> str:
+    return (f"  {count} prompts over data.max_prompt_tokens={cfg.data.max_prompt_tokens} left out "
+            f"(data.long_prompts=skip): {', '.join(ids)}")

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from caspo.models.tokenizer import save_tokenizer
+from caspo.precision import compute_dtype
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -134,6 +135,17 @@ def sync_tree(folder: Path) -> None:
                 os.fsync(f.fileno())
     for path in folders:
         sync_dir(path)
+
+
+def export_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
+    """`state` (the model's whole tensors) as the model is published: on the CPU, a tensor at a time, in the
+    compute dtype, and a tied parameter (the LM head that is the embedding) once, under its first name, as
+    save_pretrained writes a whole model (copies gathered from shards no longer share storage to tell it)."""
+    first = {name for name, _ in model.named_parameters()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
+    dtype = compute_dtype(precision)
+    return {k: v.detach().cpu().to(dtype) if v.is_floating_point() else v.detach().cpu()
+            for k, v in state.items() if k not in tied}
 
 
 def record_dtype(folder: Path, state_dict: dict[str, torch.Tensor]) -> None:

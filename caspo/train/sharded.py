@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from caspo.precision import compute_dtype
 from caspo.train import checkpoint as ckpt
 from caspo.train import distributed
 from caspo.train.optim import Learner
@@ -37,12 +36,7 @@ def sharded_state(learners: dict[str, Learner]) -> dict:
 def whole_state(model: torch.nn.Module, precision: str) -> dict[str, torch.Tensor]:
     """The model's whole tensors on rank 0 (on the CPU, in the compute dtype; empty on the other ranks)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # a tied parameter (the LM head that is the embedding) once, under its first name, as save_pretrained
-    # writes a whole model; the gathered copies no longer share storage, so it could not tell
-    first = {name for name, _ in model.named_parameters()}
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
-    dtype = compute_dtype(precision)
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in tied}
+    return ckpt.export_tensors(model, state, precision)
 
 
 def save(run_dir: Path, step: int, *, learners: dict[str, Learner], precision: str, tokenizer,

@@ -21,7 +21,7 @@ from caspo.methods import Method, resolve_method
 from caspo.models.policy import compile_if_asked, load_policy, recompute_if_asked, resolve_device, resolve_model_path
 from caspo.models.provenance import model_identity, tokenizer_hash
 from caspo.models.tokenizer import load_tokenizer
-from caspo.precision import LossScaler, compute_dtype
+from caspo.precision import LossScaler
 from caspo.reward.pool import RewardPool
 from caspo.rollout.base import Engine, SamplingParams, publish
 from caspo.rollout.factory import build_engine, max_seq_len, sampling_params
@@ -159,16 +159,9 @@ def publish_current(tr: Trainer) -> None:
 
 
 def export_state(model: torch.nn.Module, precision: str) -> dict[str, torch.Tensor] | None:
-    """The model's tensors as it is published, in the compute dtype, on the CPU: a tensor at a time, with no
-    second copy of the model on the card (None at fp32: the model's own). A tied tensor (the LM head that is
-    the embedding) once, under its first name, as save_pretrained writes a whole model."""
-    if precision == "fp32":
-        return None
-    first = {name for name, _ in model.named_parameters()}
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
-    dtype = compute_dtype(precision)
-    return {k: v.detach().to("cpu").to(dtype) if v.is_floating_point() else v.detach().cpu()
-            for k, v in model.state_dict().items() if k not in tied}
+    """The model's tensors as it is published (`ckpt.export_tensors`), with no second copy of the model on the
+    card; None at fp32, where the model's own are."""
+    return None if precision == "fp32" else ckpt.export_tensors(model, model.state_dict(), precision)
 
 
 def learners(tr: Trainer) -> dict[str, Learner]:
