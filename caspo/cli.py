@@ -205,9 +205,10 @@ def evaluate(
     out: str = typer.Option(..., help="folder for <checkpoint>.json, summary.md and accuracy.png"),
 ):
     """Greedy accuracy, avg@K, pass@k and maj@K of a policy or a run's checkpoints on benchmarks."""
-    from caspo.data.registry import SHIPPED
+    from caspo.data.registry import ARITH, HELDOUT, SHIPPED
     from caspo.eval.run import evaluate_targets
     from caspo.eval.targets import resolve
+    from caspo.models.policy import EMBEDDED
 
     try:
         targets, run_config = resolve(policy_or_run, checkpoints)
@@ -216,7 +217,9 @@ def evaluate(
     flags = {"samples": samples, "limit": limit, "temperature": temperature, "top_p": top_p,
              "max_new_tokens": max_new_tokens,
              "benchmarks": [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else None}
-    named = [b for b in flags["benchmarks"] or [] if b in SHIPPED]
+    # the shipped math sets; and data files, unless the policy is an embedded one, whose preset is arith-tiny
+    named = [b for b in flags["benchmarks"] or [] if b in SHIPPED or
+             (b not in (ARITH, HELDOUT) and not policy_or_run.startswith(EMBEDDED))]
     if named and preset is None and run_config is None:  # else arith-tiny's template and 96 tokens, silently
         raise ConfigError(f"{', '.join(named)} need(s) a real run's template and token budget: add --preset "
                           "qwen-math-dsr (or rho1b-math, or a YAML); without it a policy gets arith-tiny's settings")

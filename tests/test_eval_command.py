@@ -195,9 +195,32 @@ def test_checkpoints_saved_without_their_benchmarks_are_named(tmp_path):
     assert unevaluated(run, suites) == ["step_000002", "step_000003"]
 
 
+def test_the_command_that_fills_in_missing_benchmarks_runs_as_printed(tmp_path, monkeypatch):
+    from caspo.train.run_eval import missing_benchmarks_note
+
+    run = make_run(tmp_path, steps=(1, 2))
+    command = re.search(r"`caspo (.*?)`", missing_benchmarks_note(run, ["step_000002"])).group(1).split()
+    seen = {}
+    monkeypatch.setattr("caspo.eval.run.evaluate_targets",
+                        lambda cfg, targets, out: seen.update(targets=[t.name for t in targets], out=out) or [])
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert seen == {"targets": ["step_000002"], "out": str(run / "eval")}
+
+
 def test_eval_errors_are_one_line(tmp_path):
     result = invoke("embedded:tiny-arith", "--benchmarks", "math5000", "--out", tmp_path)
     assert result.exit_code == 2 and "eval error: unknown data source 'math5000'" in result.output
+
+
+def test_a_policy_folder_on_a_data_file_needs_a_preset(tmp_path, bench):
+    """Without a preset a policy would be evaluated with arith-tiny's template and 96 tokens: fine for the embedded
+    policies (the tests here), refused for a folder or a hub id, as for a shipped benchmark."""
+    folder = tmp_path / "policy"
+    shutil.copytree(ASSETS / "tiny-arith", folder)
+    result = invoke(folder, "data.id_field=id", "--benchmarks", bench, "--out", tmp_path / "out")
+    assert result.exit_code == 2
+    assert f"{bench} need(s) a real run's template and token budget: add --preset qwen-math-dsr" in result.output
 
 
 def test_eval_adds_its_benchmarks_to_a_result_of_the_same_settings(tmp_path, bench, scripted):

@@ -91,7 +91,7 @@ NAMES = (*SHIPPED, ARITH)
 NOT_SHIPPED = dict.fromkeys(
     ("collegemath", "college_math", "college-math"),
     "College Math does not ship (its rows carry their textbooks' licences); evaluate your copy: --benchmarks "
-    "/path/college_math_test.jsonl data.id_field=id data.skip_invalid=true (docs/data.md)")
+    "/path/college_math_test.jsonl --preset qwen-math-dsr data.id_field=id data.skip_invalid=true (docs/data.md)")
 
 
 def level_name(value) -> str:

@@ -85,4 +85,4 @@ def unevaluated(run_dir: Path, suites: list) -> list[str]:
 
 def missing_benchmarks_note(run_dir: Path, names: list[str]) -> str:
     return (f"[yellow]{', '.join(names)} saved without eval.benchmarks' results: `caspo eval {run_dir} "
-            f"--checkpoints {','.join(names)}` evaluates them into {run_dir / 'eval'}[/]")
+            f"--checkpoints {','.join(names)} --out {run_dir / 'eval'}` evaluates them into the run's results[/]")
