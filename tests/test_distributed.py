@@ -1,5 +1,6 @@
 """Data parallelism on the CPU: 2 gloo processes against one (caspo.train.distributed, fsdp, sharded)."""
 
+import copy
 import json
 import os
 import subprocess
@@ -79,6 +80,41 @@ def test_a_cpu_run_shards_on_the_cpu_where_the_host_has_an_accelerator(tmp_path,
         assert {(type(p).__name__, p.device.type) for p in model.parameters()} == {("DTensor", "cpu")}
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_a_parameter_outside_every_group_is_refused_by_name(tmp_path):
+    """A parameter of no FSDP group would stay whole where it was read (the host, for a sharded run's models) and
+    its gradient would not be summed over the ranks: sharding refuses it, naming it."""
+    from caspo.models.critic import load_critic
+    from caspo.train import fsdp
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        critic = load_critic("embedded:tiny-arith")
+        assert fsdp.shard_called(copy.deepcopy(critic), "fp32") is not None  # every parameter in a group
+        critic.register_parameter("value_scale", torch.nn.Parameter(torch.ones(1)))  # on the model itself
+        with pytest.raises(RuntimeError, match="parameters value_scale are in no FSDP group"):
+            fsdp.shard_called(critic, "fp32")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_several_processes_read_their_models_on_the_host(monkeypatch):
+    """Sharding moves each group to the rank's card; read there first, every rank would hold whole models on it.
+    On CUDA, attention runs without cuDNN even where the models are read on the host."""
+    from caspo.train import fsdp
+
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        assert fsdp.read_device("cuda:0") == torch.device("cuda", 0)  # one process: read where it runs
+        monkeypatch.setattr(distributed, "active", lambda: True)
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert fsdp.read_device("cpu") == torch.device("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert fsdp.read_device("cuda") == torch.device("cpu")
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
 def test_value_training_refuses_one_card_for_several_ranks(tmp_path):

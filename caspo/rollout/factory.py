@@ -40,8 +40,11 @@ def max_seq_len(cfg: Config) -> int:
     return longest
 
 
-def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: int):
-    """The engine of rollout.backend; refused when a sequence could run past the policy's context."""
+def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: int,
+                 device: torch.device | None = None):
+    """The engine of rollout.backend on `device` (the policy's by default: a sharded run reads its models on the
+    host); refused when a sequence could run past the policy's context."""
+    device = torch.device(device) if device is not None else next(policy.parameters()).device
     r = cfg.rollout
     context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
     if context and max_seq_len > context:
@@ -52,11 +55,10 @@ def build_engine(cfg: Config, policy: torch.nn.Module, tokenizer, max_seq_len: i
         from caspo.rollout.hf import HFEngine
 
         return HFEngine(policy, pad_token_id=tokenizer.pad_token_id, max_batch=r.max_batch,
-                        decode=tokenizer.decode, dtype=engine_dtype(cfg))
+                        decode=tokenizer.decode, dtype=engine_dtype(cfg), device=device)
     if r.backend == "native":
         from caspo.rollout.native import NativeEngine
 
-        device = next(policy.parameters()).device
         if device.type != "cuda":  # options of the engine's CUDA path: refused before anything is built
             named = [name for name, on in (("rollout.cuda_graphs", r.cuda_graphs),
                                            ("rollout.shared_prefix_attention", r.shared_prefix_attention)) if on]

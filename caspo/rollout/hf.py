@@ -28,10 +28,12 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 
 class HFEngine(PublishedWeights):
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch: int = 0, decode=None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | None = None):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         if dtype is not None:  # the engine computes in its own dtype; publications are cast to it
             cast_parameters(self.model, dtype)
+        if device is not None:  # the model's own device by default
+            self.model.to(device)
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.decode = decode  # token ids -> text, needed only for stop strings

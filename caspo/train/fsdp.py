@@ -13,6 +13,9 @@ How a model is sharded depends on how the code calls it:
 A looped model runs its layers `depth` times per token, so its layers are not groups of their own: the
 whole model is one group. Every group reshards after its forward (no-grad passes leave nothing gathered).
 
+Placement: the models are read into host memory (`read_device`) and `fully_shard` moves each group to the
+rank's card as it wraps it, so a card never holds a whole model beside its shards.
+
 Precision: bf16 keeps fp32 parameters (the optimizer's masters), gathers them in bf16 for compute and
 reduces gradients in fp32; fp32 is fp32 throughout. Gradients are *summed* over ranks (divide factor 1,
 SUM collectives): each rank's loss is already normalised by the whole minibatch's counts, so the sum is
@@ -32,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from caspo.batch import RolloutBatch
 from caspo.models.looped import LoopedPreTrainedModel
+from caspo.models.policy import attention_without_cudnn
 from caspo.precision import autocast
 from caspo.train import distributed
 from caspo.train.optim import Learner
@@ -51,6 +55,16 @@ class Root(torch.nn.Module):
         return fn(self.model, *args)
 
 
+def read_device(device: torch.device | str) -> torch.device:
+    """Where the run's models are read: its device, or with several processes the host, from where sharding moves
+    each rank's shards to its card a layer at a time. Read on the card, a 7B policy and its reference would take
+    61 GB there whole before any sharding. On CUDA, attention runs without cuDNN either way."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        attention_without_cudnn()
+    return torch.device("cpu") if distributed.active() else device
+
+
 def mixed_precision(precision: str, cast_inputs: bool = True) -> MixedPrecisionPolicy:
     if precision == "fp32":
         return MixedPrecisionPolicy()
@@ -60,10 +74,12 @@ def mixed_precision(precision: str, cast_inputs: bool = True) -> MixedPrecisionP
     raise ValueError(f"train.precision={precision!r}; use fp32, bf16 or fp16")
 
 
-def _mesh(model: torch.nn.Module) -> DeviceMesh:
-    """Every rank, on the device type of the model's parameters. FSDP2's default mesh is on the host's
-    accelerator, which would move the models of a CPU run onto a GPU that the host happens to have."""
-    return init_device_mesh(next(model.parameters()).device.type, (distributed.size(),))
+def _mesh() -> DeviceMesh:
+    """Every rank, on the process group's device: the rank's card under NCCL, the CPU under gloo. A model read
+    into host memory moves to the card one group at a time as `fully_shard` wraps it, so no rank holds a whole
+    model there. (FSDP2's default mesh is on the host's accelerator, which would move the models of a CPU run
+    onto a GPU that the host happens to have.)"""
+    return init_device_mesh(distributed.collective_device().type, (distributed.size(),))
 
 
 def _group(module, precision: str, mesh: DeviceMesh, cast_inputs: bool = True) -> None:
@@ -82,19 +98,19 @@ def _layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard_routed(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """Shard a causal LM (the policy, the reference) in place; its calls then go through `call`."""
-    mesh = _mesh(model)
+    mesh = _mesh()
     if not isinstance(model, LoopedPreTrainedModel):
         for layer in _layers(model.get_decoder()):
             _group(layer, precision, mesh)
     root = Root(model)
     _group(root, precision, mesh, cast_inputs=False)  # the arguments are batches: their float tensors stay fp32
     _ROOTS[model] = root
-    return model
+    return check_sharded(model)
 
 
 def shard_called(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """Shard a model called as modules (a critic: `base_model`, then its head) in place."""
-    backbone, mesh = model.base_model, _mesh(model)
+    backbone, mesh = model.base_model, _mesh()
     if not isinstance(model, LoopedPreTrainedModel):
         for layer in _layers(backbone):
             _group(layer, precision, mesh)
@@ -102,6 +118,17 @@ def shard_called(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     for child in model.children():
         if child is not backbone and any(True for _ in child.parameters()):
             _group(child, precision, mesh)
+    return check_sharded(model)
+
+
+def check_sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, once every parameter is in a group: one outside all of them would stay whole and where it was
+    read (on the host, for a model read there), and its gradient would not be reduced over the ranks."""
+    whole = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if whole:
+        raise RuntimeError(f"{type(model).__name__}'s parameters {', '.join(whole[:3])}"
+                           f"{f' (and {len(whole) - 3} more)' if len(whole) > 3 else ''} are in no FSDP group; "
+                           "shard the modules that hold them")
     return model
 
 

@@ -86,7 +86,7 @@ def build_trainer(cfg: Config) -> Trainer:
     limit_device_memory(device, cfg.model.device_memory_gib)  # before anything is allocated on it
     path = resolve_model_path(cfg.model.policy, cfg.model.revision)
     tokenizer = load_tokenizer(path)
-    policy = load_policy(path, device).eval()
+    policy = load_policy(path, fsdp.read_device(device)).eval()
     base = base_identity(policy, tokenizer)
     recompute_if_asked(cfg.train, policy)
     data = load_task_data(cfg, tokenizer)
@@ -94,10 +94,10 @@ def build_trainer(cfg: Config) -> Trainer:
     actor = learner(policy, cfg)
     ref = copy.deepcopy(policy).requires_grad_(False) if needs_ref else None
     compile_if_asked(cfg.train, policy, ref)
-    method_state = method.state.build(cfg, path, policy, tokenizer, device)
+    method_state = method.state.build(cfg, path, policy, tokenizer, fsdp.read_device(device))
     engine = None
     if distributed.active():  # the engine reads the whole policy, then sleeps while the models are sharded
-        engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg))
+        engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg), device=device)
         engine.sleep(weights=True)
         actor, ref = shard(cfg, actor, ref, method_state)
         gc.collect()  # the optimizers replaced by `shard` sit in cycles with their schedulers, holding whole weights

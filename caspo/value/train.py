@@ -117,7 +117,7 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
         distributed.join(device)
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"  # this rank's card
-    reference = load_policy(path, device)
+    reference = load_policy(path, fsdp.read_device(device))
     model = PrefixValueModel.from_reference(reference, spec.beta, provenance.with_reference(model_identity(reference)),
                                             reference_source=policy)
     if distributed.active():  # φ and the reference sharded with FSDP2; each rank trains on its block of a batch
