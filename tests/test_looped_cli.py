@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from caspo.cli import app
 from caspo.cli_looped import recipe_overrides
 from caspo.config import ConfigError, load_config
+from caspo.methods import resolve_method
 
 ROWS = [{"prompt": f"Calculate {a}-{b}. Reply with only \\boxed{{answer}}.\n###Response\n", "label": str(a - b)}
         for a in range(5, 13) for b in range(1, 4)]
@@ -34,8 +35,15 @@ def test_each_algorithm_is_its_method_row_with_one_update_per_rollout_and_flow_d
     o = overrides("dppo", 3, 2, precision="fp16", recompute=True, graphs=True)
     assert (o["rollout.prompts_per_step"], o["rollout.samples_per_prompt"], o["train.precision"]) == ("3", "2", "fp16")
     assert (o["train.activation_checkpointing"], o["rollout.cuda_graphs"]) == ("true", "true")
-    for algorithm in ("ppo", "flow-dppo"):  # the method table's own checks accept what the flags make
-        load_config("looped-recipe", [f"{k}={v}" for k, v in overrides(algorithm).items()])
+    for algorithm in ("ppo", "grpo", "dppo", "flow-dppo"):  # the method table's own checks accept what flags make
+        for samples in (4, None):
+            cfg = load_config("looped-recipe", [f"{k}={v}" for k, v in overrides(algorithm, 4, samples).items()])
+            method = resolve_method(cfg)
+            steps_per_rollout = 2 if algorithm == "flow-dppo" else 1
+            assert method.name == {"ppo": "ppo_critic", "flow-dppo": "flow_dppo"}.get(algorithm, algorithm)
+            assert (method.schedule == "halves") == (algorithm == "flow-dppo")
+            assert cfg.train.epochs_per_rollout == 1
+            assert cfg.train.minibatch_size * steps_per_rollout == cfg.responses_per_step
 
 
 @pytest.mark.parametrize("args, message", [

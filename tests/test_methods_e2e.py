@@ -96,10 +96,29 @@ def test_with_staleness_the_held_out_eval_reads_the_policy_the_run_holds(tmp_pat
     assert seen == [2] and tr.engine.version == 1  # evaluated the current policy, then served the stale one again
 
 
-def test_flow_dppo_gate_blocks_tokens(tmp_path):
+def test_flow_dppo_gate_blocks_tokens(tmp_path, monkeypatch):
+    """The gate blocks tokens; the logged categorical KL(π_old ‖ π) is 0 on the first half of each rollout (π is
+    still π_old), positive on the second (one step later), and the step's value is their token-weighted mean."""
+    from caspo.train import update as update_module
+
+    minibatches, accumulate = [], update_module.accumulate_gradients
+
+    def recording(*args, **kwargs):
+        out = accumulate(*args, **kwargs)
+        if "categorical_kl" in out[0]:  # the policy's minibatches, not the critic's
+            minibatches.append([(float(m["tokens"]), float(m["categorical_kl"])) for m in out])
+        return out
+
+    monkeypatch.setattr(update_module, "accumulate_gradients", recording)
     cfg, rows = run(tmp_path, "method.name=flow_dppo", "optim.lr=3e-3", "method.gate_threshold=1e-5", steps=3)
     assert any(r["blocked_frac"] > 0 for r in rows)
-    assert all(r["categorical_kl"] >= 0 for r in rows)
+    assert len(minibatches) == 2 * len(rows)  # two optimizer steps per rollout
+    for step, row in enumerate(rows):
+        first, second = minibatches[2 * step], minibatches[2 * step + 1]
+        assert all(kl == 0.0 for _, kl in first)
+        assert all(kl > 0.0 for tokens, kl in second if tokens)
+        micro = first + second
+        assert row["categorical_kl"] == pytest.approx(sum(t * kl for t, kl in micro) / sum(t for t, _ in micro))
 
 
 def test_flow_dppo_needs_two_half_batches():
@@ -147,10 +166,36 @@ def test_vineppo_runs_and_counts_monte_carlo_tokens(tmp_path):
     assert all(r["steps_mean"] >= 1 for r in rows)
 
 
-def test_vineppo_whitens_minibatch_by_minibatch_in_a_run(tmp_path):
+def test_vineppo_whitens_minibatch_by_minibatch_in_a_run(tmp_path, monkeypatch):
+    """In a run's update each optimizer step reads the advantages whitened over its own rows and clipped at
+    method.adv_clip σ, not the batch's raw (or batch-whitened) advantages."""
+    import torch
+
+    from caspo.train import update as update_module
+    from caspo.train.advantages import minibatch_advantages
+
+    raw, seen = [], []
+    accumulate, real_update = update_module.accumulate_gradients, loop.update
+
+    def recording_update(actor, batch, *args, **kwargs):
+        raw.append((batch.advantages.clone(), batch.response_mask.clone()))
+        return real_update(actor, batch, *args, **kwargs)
+
+    def recording(model, batch, rows, *args, **kwargs):
+        seen.append((rows.clone(), batch.advantages.clone()))
+        return accumulate(model, batch, rows, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "update", recording_update)
+    monkeypatch.setattr(update_module, "accumulate_gradients", recording)
     cfg, rows = run(tmp_path, "method.name=vineppo", "method.vineppo_k=2", "method.step_adv_scope=minibatch",
                     "method.adv_clip=3", steps=1)
     assert rows[0]["grad_norm"] > 0 and rows[0]["mc_tokens"] > 0
+    (advantages, mask), = raw
+    assert len(seen) == cfg.responses_per_step // cfg.train.minibatch_size == 2
+    assert sorted(torch.cat([r for r, _ in seen]).tolist()) == list(range(cfg.responses_per_step))
+    for rows_read, read in seen:
+        assert torch.equal(read, minibatch_advantages(advantages, mask, rows_read, 3.0))
+        assert not torch.equal(read[rows_read], advantages[rows_read])
 
 
 # prob frozen and online in the default run; the value and logprob transforms with -m slow
@@ -179,14 +224,29 @@ def test_caspo_refuses_a_value_model_from_other_conditions(tmp_path, value_model
             "rollout.temperature=0.7", steps=1)
 
 
-def test_compare_caspo_and_vineppo_step_advantages(tmp_path, value_model_folder):
+def test_compare_caspo_and_vineppo_step_advantages(tmp_path, value_model_folder, monkeypatch):
+    """The comparison pairs each step's CASPO advantage with the same step's VinePPO one: with CASPO's step values
+    replaced by the Monte Carlo estimates, and its whitening and clip off, the two agree step for step, so both
+    correlations are 1; the steps counted are those of the batch's step mask."""
+    from caspo.train.step_values import MonteCarloValues, PrefixValues
     from caspo.value.compare import compare_step_advantages
 
+    masks = []
+
+    def monte_carlo_values(state, tr, batch):
+        stats = MonteCarloValues.values(state, tr, batch)
+        masks.append(batch.step_mask.clone())
+        return stats
+
+    monkeypatch.setattr(PrefixValues, "values", monte_carlo_values)
     cfg = load_config("tests", ["method.name=caspo", f"method.caspo.value_model={value_model_folder}",
-                                "method.vineppo_k=2", f"train.output_dir={tmp_path}"])
+                                "method.vineppo_k=2", f"train.output_dir={tmp_path}", "method.step_adv_scope=off",
+                                "method.caspo.step_adv_clip=0"])
     out = compare_step_advantages(cfg)
-    assert out["steps"] >= cfg.responses_per_step  # every response has at least one step
-    assert -1.0 <= out["spearman"] <= 1.0 and out["mc_tokens"] > 0
+    assert len(masks) == 1 and out["steps"] == int(masks[0].sum())
+    assert out["steps"] >= out["responses"] == cfg.responses_per_step  # every response has at least one step
+    assert out["spearman"] == pytest.approx(1.0, abs=1e-12) and out["pearson"] == pytest.approx(1.0, abs=1e-12)
+    assert out["mc_tokens"] > 0
 
 
 def test_shuffled_values_keep_their_multiset():

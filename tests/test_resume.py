@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 import textwrap
@@ -77,6 +78,62 @@ def test_bf16_checkpoint_exports_bf16_and_keeps_fp32_masters(tmp_path):
 
 def test_verify_resume_is_identical_on_the_tests_preset(tmp_path):
     assert verify_resume("tests", [], tmp_path)
+
+
+# `caspo train` in a process whose resume restores everything but the update RNG: it keeps a fresh run's
+RESUME_WITHOUT_UPDATE_RNG = textwrap.dedent("""
+    import sys
+    from caspo.train import trainer
+    restore_counters = trainer.restore_counters
+
+    def without_update_rng(tr, state, **kwargs):
+        fresh = tr.update_rng.get_state()
+        restore_counters(tr, state, **kwargs)
+        tr.update_rng.set_state(fresh)
+
+    trainer.restore_counters = without_update_rng
+    from caspo.cli import app
+    app(["train", *sys.argv[1:]], prog_name="caspo")
+""")
+
+
+def verdicts(table: str) -> dict[str, str]:
+    """item -> its "identical" cell (yes / NO), from the table verify-resume prints."""
+    out = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃|]", line)]
+        if len(cells) == 6 and cells[4] in ("yes", "NO"):
+            out[cells[1]] = cells[4]
+    return out
+
+
+@pytest.mark.slow
+def test_verify_resume_fails_and_names_the_update_rng_when_a_resume_does_not_restore_it(tmp_path, monkeypatch):
+    """The check can fail: a resumed run whose update RNG restarts from its seed shuffles step 3's minibatches
+    otherwise. `caspo verify-resume` exits 1, and its table says NO on the update RNG and on what step 3's update
+    made of other minibatches (the weights, the optimizer state, the step's loss metrics), yes on the rest (the
+    cursor, and the samples step 3 drew before its update)."""
+    from typer.testing import CliRunner
+
+    from caspo.cli import app
+    from caspo.train import verify_resume as module
+
+    real_run_cli = module.run_cli
+
+    def run_cli(args):
+        if "--resume" not in args:
+            return real_run_cli(args)
+        result = subprocess.run([sys.executable, "-c", RESUME_WITHOUT_UPDATE_RNG, *args], capture_output=True,
+                                text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    monkeypatch.setattr(module, "run_cli", run_cli)
+    result = CliRunner().invoke(app, ["verify-resume", "tests", "--workdir", str(tmp_path)])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.output
+    rows = verdicts(result.output)
+    assert {item for item, same in rows.items() if same == "NO"} == {"update rng", "policy weights", "optimizers",
+                                                                     "per-step metrics"}
+    assert {"cursor", "rng", "sampled tokens", "rewards", "step / version"} <= rows.keys()
 
 
 @pytest.mark.slow

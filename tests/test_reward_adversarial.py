@@ -11,7 +11,6 @@ scores 0, and the pool scores a normal batch correctly afterwards.
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
@@ -94,9 +93,25 @@ def check(result, cases, canary: Path) -> None:
     assert result.max_rss_mb < MEMORY_MB, f"a worker reached {result.max_rss_mb:.0f} MB"
 
 
+def run_as_python(response: str, label: str, finished: bool = True, timeout_s: float | None = None) -> float:
+    """An unsafe score function: it runs the response as Python code (reward 0 whatever it does)."""
+    try:
+        exec(response, {})
+    except Exception:
+        pass
+    return 0.0
+
+
 def test_the_canary_can_be_written(tmp_path):
-    """The check is not vacuous: code that ran in a worker could create the canary."""
-    assert os.access(tmp_path, os.W_OK)
+    """The check is not vacuous: the corpus's injections, run as code in a worker of a pool with the same limits,
+    create the canary where the tests look for it."""
+    canary = tmp_path / "canary"
+    injections = [response for kind, response, *_ in expand(load_rows(), canary) if kind == "injection/bare"]
+    assert len(injections) >= 10
+    with RewardPool(workers=2, timeout_s=TIMEOUT_S, score_fn=run_as_python, memory_mb=MEMORY_MB) as pool:
+        result = pool.score(injections, ["42"] * len(injections), [True] * len(injections))
+    assert result.rewards == [0.0] * len(injections) and (result.timeouts, result.crashes) == (0, 0)
+    assert canary.exists(), "no injection of the corpus created the canary when run"
 
 
 def test_hostile_responses_through_the_pool(tmp_path):

@@ -1,4 +1,6 @@
 
+import hashlib
+
 import pytest
 import torch
 from publication_checks import check_failed_publications_keep_old_weights, perturbed
@@ -7,7 +9,7 @@ from caspo.rollout.base import EngineAsleepError, Request, SamplingParams, publi
 from caspo.rollout.hf import HFEngine
 from caspo.rollout.native import NativeEngine
 from caspo.rollout.publication import PublicationError
-from caspo.rollout.sampling import sample_next, sample_seed, uniform_noise
+from caspo.rollout.sampling import _fmix32, sample_next, sample_seed, uniform_noise
 
 SAMPLING = SamplingParams(temperature=1.0, stop_token_ids=[1])
 
@@ -18,9 +20,77 @@ def requests(n, max_new=12):
 
 
 def test_sample_seed_is_a_function_of_its_counters():
-    assert sample_seed(1, 2, 3, 4) == sample_seed(1, 2, 3, 4)
+    """The seed is blake2b-8 of "run/step/prompt/sample", little-endian, shifted into int64: a fixed function of
+    its counters in every process and version (never the salted hash()), and distinct across counters."""
+    for counters in [(1, 2, 3, 4), (0, 0, 0, 0), (42, 7, 10**6, 15), (2**40, 3, 5, 0)]:
+        digest = hashlib.blake2b("/".join(map(str, counters)).encode(), digest_size=8).digest()
+        assert sample_seed(*counters) == int.from_bytes(digest, "little") >> 1
+        assert 0 <= sample_seed(*counters) < 2**63
     seeds = {sample_seed(1, s, p, j) for s in range(3) for p in range(3) for j in range(3)}
     assert len(seeds) == 27
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def murmur3_x86_32(data: bytes, seed: int, fmix32) -> int:
+    """MurmurHash3_x86_32 (Appleby's reference) with its finalizer `fmix32` given."""
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & MASK32
+
+    def mix(k):
+        return rotl(k * 0xCC9E2D51 & MASK32, 15) * 0x1B873593 & MASK32
+
+    h, blocks = seed, len(data) // 4
+    for i in range(blocks):
+        h = rotl(h ^ mix(int.from_bytes(data[4 * i:4 * i + 4], "little")), 13)
+        h = (h * 5 + 0xE6546B64) & MASK32
+    if len(data) % 4:
+        h ^= mix(int.from_bytes(data[4 * blocks:], "little"))
+    return fmix32(h ^ len(data))
+
+
+def test_the_noise_finalizer_is_murmurhash3s():
+    """_fmix32 is MurmurHash3's finalizer: as the finalizer of the whole hash it gives the reference test vectors
+    (an empty input hashes to fmix32(seed) alone), also for 32-bit values whose int64 products overflow."""
+    def fmix32(h):
+        return int(_fmix32(torch.tensor([h], dtype=torch.int64))[0])
+
+    vectors = [(b"", 0, 0), (b"", 1, 0x514E28B7), (b"", 0xFFFFFFFF, 0x81F16F39), (b"\0\0\0\0", 0, 0x2362F9DE),
+               (b"aaaa", 0x9747B28C, 0x5A97808A), (b"abc", 0, 0xB3DD93FA), (b"Hello, world!", 1234, 0xFAF6CDB3),
+               (b"The quick brown fox jumps over the lazy dog", 0x9747B28C, 0x2FA826CD)]
+    for data, seed, want in vectors:
+        assert murmur3_x86_32(data, seed, fmix32) == want, (data, seed)
+
+
+def reference_noise(seed: int, position: int, token: int) -> float:
+    """U of (seed, position, token) in Python's unbounded integers, from uniform_noise's documented mixing: the
+    seed's two 32-bit halves, then the position, then the token id, each through MurmurHash3's finalizer; the top
+    24 bits of the hash, centred in their interval."""
+    def fmix32(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & MASK32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & MASK32
+        return h ^ (h >> 16)
+
+    row = fmix32((seed & MASK32) ^ fmix32(((seed >> 32) & MASK32) ^ 0x9E3779B9))
+    row = fmix32(row ^ ((position * 0x27D4EB2F) & MASK32))
+    h = fmix32(row ^ ((token * 0x165667B1 + 0x61C88647) & MASK32))
+    return ((h >> 8) + 0.5) / 2**24
+
+
+def test_noise_is_the_documented_hash_of_seed_position_and_token():
+    """Every token's noise equals the hash computed without int64 tensors, for seeds across both 32-bit halves
+    and positions whose products with the mixing constant pass 32 bits."""
+    seeds = [0, 11, 2**32 - 1, 2**32, sample_seed(1, 2, 3, 4), 2**63 - 1]
+    positions = [0, 3, 7, 1000, 39, 2**20]
+    vocab = 50
+    u = uniform_noise(torch.tensor(seeds), torch.tensor(positions), vocab)
+    assert u.dtype == torch.float64
+    want = torch.tensor([[reference_noise(s, p, v) for v in range(vocab)] for s, p in zip(seeds, positions)],
+                        dtype=torch.float64)
+    assert torch.equal(u, want)
 
 
 def test_noise_depends_only_on_seed_and_position():

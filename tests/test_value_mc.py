@@ -1,5 +1,7 @@
 """Monte Carlo step values: dedup, budgets, length hits, shapes, seeds (hand-computed with a scripted engine)."""
 
+import hashlib
+
 import pytest
 import torch
 
@@ -132,9 +134,15 @@ def test_estimates_do_not_depend_on_the_rest_of_the_batch():
 
 
 def test_continuation_seeds_are_stable_and_distinct():
+    """A prefix's key is blake2b-16 of its "prompt|response" token ids, a continuation's seed blake2b-8 of
+    "run/step/mc/key/k" shifted into int64: fixed in every process and version (never the salted hash())."""
     key = prefix_key([1, 2], [3])
+    assert key == hashlib.blake2b(b"1,2|3", digest_size=16).hexdigest()
+    assert prefix_key([], [7, 10]) == hashlib.blake2b(b"|7,10", digest_size=16).hexdigest()
     assert key == prefix_key((1, 2), (3,)) != prefix_key([1], [2, 3])  # the prompt/response cut is part of it
-    assert continuation_seed(0, 1, key, 2) == continuation_seed(0, 1, key, 2)
+    for run_seed, step, k in [(0, 1, 2), (5, 0, 0), (2**40, 17, 3)]:
+        digest = hashlib.blake2b(f"{run_seed}/{step}/mc/{key}/{k}".encode(), digest_size=8).digest()
+        assert continuation_seed(run_seed, step, key, k) == int.from_bytes(digest, "little") >> 1
     seeds = {continuation_seed(r, s, key, k) for r in range(2) for s in range(2) for k in range(3)}
     assert len(seeds) == 12 and all(0 <= s < 2**63 for s in seeds)
 

@@ -2,6 +2,7 @@
 
 import errno
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -25,7 +26,6 @@ CHILD = textwrap.dedent("""
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(100, hidden=64, layers=2, heads=4, kv_heads=2,
                                                                intermediate=128, eos_token_id=1, pad_token_id=0))
     optimizer = torch.optim.AdamW(model.parameters())
-    print("ready", flush=True)
     for step in range(1, 10_000):
         with torch.no_grad():
             for p in model.parameters():
@@ -33,37 +33,48 @@ CHILD = textwrap.dedent("""
         state = {"step": step, "optimizer": optimizer.state_dict(), "weights": model.state_dict()}
         ckpt.save_checkpoint(sys.argv[1], step, models={"policy": model}, tokenizer=None, trainer_state=state,
                              counters={"step": step})
+        if step == 1:
+            print("first checkpoint saved", flush=True)
 """)
 
 
-def kill_trials(tmp_path, trials: int, seed: int = 0) -> None:
+def kill_trials(tmp_path, trials: int, seed: int = 0) -> list[int]:
+    """SIGKILL a saving child `trials` times, each some saves after its first checkpoint completed, and verify the
+    checkpoint it left; returns the step of each verified checkpoint."""
     rng = random.Random(seed)
+    verified = []
     for trial in range(trials):
-        run_dir = tmp_path / f"trial{trial}"
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir)], stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline().strip() == "ready"
+        run_dir, errors = tmp_path / f"trial{trial}", tmp_path / f"trial{trial}.stderr"
+        with errors.open("w") as stderr:
+            child = subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir)], stdout=subprocess.PIPE,
+                                     stderr=stderr, text=True)
+        assert child.stdout.readline().strip() == "first checkpoint saved"
         time.sleep(rng.uniform(0.2, 1.5))  # a few saves in, then anywhere inside one
+        assert child.poll() is None, f"the child stopped saving by itself (exit status {child.returncode})"
         child.kill()
-        child.wait()
-        try:
-            latest = ckpt.resolve_checkpoint(run_dir)
-        except FileNotFoundError:
-            continue  # killed before the first checkpoint completed: nothing to load, nothing lost
+        assert child.wait() == -signal.SIGKILL
+        assert "Traceback" not in errors.read_text(), errors.read_text()[-2000:]  # still saving, not dying of an error
+        latest = ckpt.resolve_checkpoint(run_dir)
         ckpt.verify_checkpoint(latest)  # every file of the manifest, byte for byte
         state = ckpt.load_trainer_state(latest)
         assert state["step"] == int(latest.name.split("_")[1])
         exported = load_file(latest / "policy" / "model.safetensors")  # one step's snapshot, both halves
-        assert all(torch.equal(exported[k], state["weights"][k]) for k in exported)
+        assert exported.keys() and all(torch.equal(exported[k], state["weights"][k]) for k in exported)
         assert not (run_dir / "checkpoints" / f"step_{state['step'] + 2:06d}").exists()
+        verified.append(state["step"])
+    return verified
 
 
 def test_sigkill_during_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
-    kill_trials(tmp_path, trials=2)  # the slow test below makes 20
+    """Every trial leaves a checkpoint (the first one completed before the kill) that loads and matches itself."""
+    steps = kill_trials(tmp_path, trials=2)  # the slow test below makes 20
+    assert len(steps) == 2
 
 
 @pytest.mark.slow
 def test_sigkill_during_saves_twenty_trials(tmp_path):
-    kill_trials(tmp_path, trials=20, seed=1)
+    steps = kill_trials(tmp_path, trials=20, seed=1)
+    assert len(steps) == 20
 
 
 def small_save() -> dict:
