@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from caspo.segment import latex_step_starts, newline_step_starts
+from caspo.data.registry import SHIPPED
+from caspo.segment import latex_step_starts, newline_step_starts, segment_response
 
-MATH_TEST = Path("/work/shared/data/math_test_full.jsonl")
+MATH_TEST = SHIPPED["math"].path  # the 5,000 MATH test problems, with their solutions
 FIXTURE = Path(__file__).parent / "data" / "segment" / "upstream_splits.jsonl"
 
 
@@ -201,14 +202,27 @@ def math_solutions():
     return [json.loads(line)["solution"] for line in MATH_TEST.open()]
 
 
+def byte_decode(ids):
+    """Tokens are single UTF-8 bytes, as a byte-level tokenizer's smallest tokens are."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
 @pytest.mark.parametrize("split", [latex_step_starts, newline_step_starts])
-def test_lossless_on_math(math_solutions, split):
+def test_math_solutions_round_trip_through_their_token_steps(math_solutions, split):
+    """Each MATH solution, as byte tokens, segments into the splitter's steps: the tokens of step k decode to
+    exactly the characters of step k, so no text is lost, doubled or moved to another step."""
+    name = {latex_step_starts: "latex", newline_step_starts: "newline"}[split]
     counts = []
     for text in math_solutions:
         starts = split(text)
         assert starts[0] == 0
         assert all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < len(text)
-        assert "".join(text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])) == text
+        ids = list(text.encode())
+        out = segment_response(byte_decode, ids, splitter=name)
+        assert out.text == text and out.step_starts_chars == starts  # every step starts with a byte of its own
+        rebuilt = [bytes(t for t, k in zip(ids, out.token_step_ids) if k == step).decode()
+                   for step in range(out.num_steps)]
+        assert rebuilt == [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
         counts.append(len(starts))
     mean, median = statistics.mean(counts), statistics.median(counts)
     print(f"{split.__name__}: {len(counts)} MATH test solutions, steps mean {mean:.2f}, median {median}")

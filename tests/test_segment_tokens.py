@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from caspo.data.registry import SHIPPED
 from caspo.segment import (
     char_offsets_from_tokens,
     final_box_end,
@@ -18,9 +19,17 @@ from caspo.segment import (
     token_step_ids,
 )
 
-MATH_TEST = Path("/work/shared/data/math_test_full.jsonl")
+MATH_TEST = SHIPPED["math"].path  # the 5,000 MATH test problems, with their solutions
 FIXTURE = Path(__file__).parent / "data" / "segment" / "upstream_splits.jsonl"
 UNICODE_TEXT = "Café ∑ x² = 4 😀 — naïve 数学\n$\\boxed{7}$ done."
+
+
+def math_solutions(n):
+    """The first ``n`` MATH test solutions the package ships."""
+    if not MATH_TEST.exists():
+        pytest.skip(f"{MATH_TEST} not found")
+    with MATH_TEST.open() as rows:
+        return [json.loads(line)["solution"] for _, line in zip(range(n), rows)]
 
 
 def piece_decoder(pieces):
@@ -53,9 +62,7 @@ def bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [UNICODE_TEXT] * 5
-    if MATH_TEST.exists():
-        corpus += [json.loads(line)["solution"] for _, line in zip(range(300), MATH_TEST.open())]
+    corpus = [UNICODE_TEXT] * 5 + math_solutions(300)
     trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     return tok
@@ -128,9 +135,7 @@ def test_random_byte_groupings_match_cumulative_decode():
 
 
 def test_bpe_offsets_match_cumulative_decode(bpe):
-    texts = [UNICODE_TEXT, "数学 😀😀 é" * 3]
-    if MATH_TEST.exists():
-        texts += [json.loads(line)["solution"] for _, line in zip(range(20), MATH_TEST.open())]
+    texts = [UNICODE_TEXT, "数学 😀😀 é" * 3, *math_solutions(20)]
     for text in texts:
         ids = bpe.encode(text).ids
         decode = bpe.decode
@@ -164,7 +169,7 @@ def test_token_step_ids_hand_case():
     assert token_step_ids(offsets, [0, 5, 10], 5) == [0, 0, 1, 1, 2]
     assert token_step_ids(offsets, [0, 5, 10], 6) == [0, 0, 1, 1, 2, 2]  # undecoded EOS: last step
     assert token_step_ids(offsets, [0, 5, 10], 3) == [0, 0, 1]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tokens but no steps"):
         token_step_ids(offsets, [], 5)
 
 
@@ -225,7 +230,7 @@ def test_segment_response_edge_cases(bpe):
     assert segment_response(bpe.decode, []).num_steps == 0
     empty = segment_response(piece_decoder([""]), [0, 0])  # tokens but no text: one step
     assert empty.token_step_ids == [0, 0] and empty.num_steps == 1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"unknown splitter 'sentences'; choose from \['latex', 'newline'\]"):
         segment_response(bpe.decode, [1], splitter="sentences")
 
 
@@ -276,5 +281,5 @@ def test_pad_step_ids():
     assert counts.tolist() == [2, 1, 0]
     ids, _ = pad_step_ids([[0, 1]], seq_len=4)
     assert ids.tolist() == [[0, 1, -1, -1]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a response has 3 tokens, more than seq_len=2"):
         pad_step_ids([[0, 1, 2]], seq_len=2)
