@@ -96,7 +96,7 @@ def test_token_entropy():
 
 def test_invalid_arguments():
     logits, tokens = random_inputs()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
         token_logprobs(logits, tokens, temperature=0.0)
     with pytest.raises(ValueError):
         token_logprobs(logits, tokens[:, :-1])

@@ -116,7 +116,7 @@ def test_ppo_dual_clip():
     torch.testing.assert_close(grad_of(loss, logp), row([0.0, 4.0, 0.0]))
     assert metrics["clipfrac_lower"].item() == pytest.approx(1 / 3)
     assert metrics["clipfrac"].item() == pytest.approx(1 / 3)  # only the A > 0 token has L2 > L1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="dual_clip must be > 1, got 1.0"):
         ppo_clip_loss(logp, torch.zeros(1, 3, dtype=f64), A, torch.ones(1, 3), dual_clip=1.0)
 
 
@@ -341,7 +341,7 @@ def test_dppo_binary_kl_mask_uses_delta_high_for_positive_and_delta_low_otherwis
     assert loss.item() == pytest.approx(0.6 * math.log(0.3) - 0.4 * math.log(0.2))
     torch.testing.assert_close(grad_of(loss, logp), row([0.0, 0.6, -0.4]))
 
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown DPPO divergence 'js'; valid: "):
         dppo_binary_loss(logp, anchor, A, mask, divergence="js")
 
 

@@ -54,9 +54,9 @@ def test_masked_whiten_unbiased_and_biased():
 
 def test_masked_whiten_rejects_too_few_entries():
     x = torch.tensor([[1.0, 2.0]])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="masked_var: the mask selects a single entry; the unbiased variance"):
         masked_whiten(x, torch.tensor([[1, 0]]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="masked_var: the mask selects no entry"):
         masked_whiten(x, torch.tensor([[0, 0]]))
 
 
@@ -108,7 +108,7 @@ def test_aggregate_errors():
     x, mask = ragged_batch()
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
         aggregate(x, mask, "mean")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="aggregate: 'token-sum' has no normaliser, so denom must be None"):
         aggregate(x, mask, "token-sum", denom=3)
 
 

@@ -84,8 +84,10 @@ def test_refresh_config_errors(overrides, message):
 def test_refresh_config_accepts_a_caspo_run():
     cfg = load_config("tests", ["method.name=caspo", "method.caspo.value_model=v", "method.caspo.refresh_every=2"])
     assert cfg.method.caspo.refresh_every == 2
-    # sizes are only checked when refreshes happen
-    load_config("tests", ["method.name=caspo", "method.caspo.value_model=v", "method.caspo.refresh_k=0"])
+    # sizes are only checked when refreshes happen: refresh_k=0 loads, and no step of the run refreshes
+    off = load_config("tests", ["method.name=caspo", "method.caspo.value_model=v", "method.caspo.refresh_k=0"])
+    assert off.method.caspo.refresh_k == 0 and off.method.caspo.refresh_every == 0
+    assert not any(refresh.due(off, step) for step in range(off.train.steps + 1))
 
 
 def test_refresh_collects_at_the_state_temperature_it_is_given():

@@ -124,7 +124,8 @@ def test_sources_that_are_not_files_pass_the_existence_check():
                                    "eval.benchmarks=[gsm8k, arith, heldout]", "data.template='Q: {query}'"])
     assert cfg.data.template == "Q: {query}"
     # an evaluation reads no training data: a missing data.source matters only to the heldout benchmark
-    assert checked_config("tests", ["data.source=gone.jsonl", "data.eval_source=math500"], data=False)
+    evaluation = checked_config("tests", ["data.source=gone.jsonl", "data.eval_source=math500"], data=False)
+    assert (evaluation.data.source, evaluation.data.eval_source) == ("gone.jsonl", "math500")
     with pytest.raises(ConfigError, match=r"gone.jsonl: no such data file;.*\(in data.source\)"):
         checked_config("tests", ["data.source=gone.jsonl", "data.eval_source=math500",
                                  "eval.benchmarks=[heldout]"], data=False)

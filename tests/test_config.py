@@ -7,6 +7,7 @@ import torch
 from caspo.config import PRESET_DIR, ConfigError, LossAgg, load_config, resolve_preset, to_yaml
 from caspo.config.load import literal_from_yaml_bool
 from caspo.methods import resolve_method
+from caspo.models.policy import resolve_device
 
 
 def checked_config(preset, overrides=()):
@@ -71,7 +72,9 @@ def test_yaml_file_errors(tmp_path):
         checked_config(path)
 
 
-def test_bottom_layer_names_still_import():
+def test_the_preset_resolves_to_its_file_and_prints_the_renamed_keys():
+    """`tests` names presets/tests.yaml, and its printed config holds the keys under their current names
+    (data.arith.heldout_pool_size, sft.eval_batch_size), with no eval.batch_size."""
     assert resolve_preset("tests") == PRESET_DIR / "tests.yaml"
     printed = to_yaml(load_config("tests"))
     assert "heldout_pool_size: 200" in printed and "eval_batch_size: 16" in printed
@@ -191,11 +194,64 @@ def test_out_of_range_values_name_the_key_and_the_range(override, message):
         load_config("tests", [override])
 
 
-@pytest.mark.parametrize("override", ["model.device=cuda:1", "model.device=auto", "method.dual_clip=null",
-                                      "eval.temperature=0.6", "data.arith.mul_factors=[]", "rollout.top_k=0",
-                                      "method.caspo.refresh_state_temperature=0"])
-def test_edge_values_that_mean_something_are_accepted(override):
-    load_config("tests", [override])
+def sampled_eval_temperature(cfg):
+    """The temperature of the held-out avg@k samples, under a run that samples at rollout.temperature."""
+    from caspo.eval.suite import eval_samplers
+    from caspo.rollout.base import SamplingParams
+
+    return eval_samplers(cfg, SamplingParams(temperature=cfg.rollout.temperature))[1].temperature
+
+
+def multiplies(cfg):
+    """Whether any held-out problem of the run's arithmetic task multiplies."""
+    from caspo.data.build import arith_task
+
+    return any(step.op == "*" for problem in arith_task(cfg).heldout for step in problem.steps)
+
+
+def keeps_the_whole_vocabulary(cfg):
+    from caspo.rollout.sampling import truncate_logits
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    return bool(torch.isfinite(truncate_logits(logits, cfg.rollout.top_k, cfg.rollout.top_p)).all())
+
+
+def refresh_state_temperature(cfg):
+    from caspo.value.refresh import collect_spec
+
+    return collect_spec(cfg).state_temperature
+
+
+def edge(*overrides, means):
+    return pytest.param(list(overrides), means, id=" ".join(overrides))
+
+
+@pytest.mark.parametrize("overrides, meaning", [
+    edge("model.device=cuda:1", means=lambda cfg: torch.device(cfg.model.device) == torch.device("cuda", 1)),
+    edge("model.device=auto", means=lambda cfg: resolve_device(cfg.model.device).type
+         == ("cuda" if torch.cuda.is_available() else "cpu")),
+    edge("method.dual_clip=3", "method.dual_clip=null", means=lambda cfg: cfg.method.dual_clip is None),  # no dual clip
+    edge("eval.temperature=0.6",
+         means=lambda cfg: cfg.rollout.temperature == 1.0 and sampled_eval_temperature(cfg) == 0.6),
+    edge("eval.temperature=0.6", "eval.temperature=null",
+         means=lambda cfg: sampled_eval_temperature(cfg) == cfg.rollout.temperature),  # null: the run's
+    edge("data.arith.mul_factors=[]", means=lambda cfg: cfg.data.arith.mul_factors == [] and not multiplies(cfg)),
+    edge("rollout.top_k=5", "rollout.top_k=0", means=keeps_the_whole_vocabulary),  # 0: top-k off
+    edge("method.caspo.refresh_state_temperature=0",
+         means=lambda cfg: refresh_state_temperature(cfg) is None),  # None: the run's temperature
+])
+def test_edge_values_that_mean_something_are_accepted(overrides, meaning):
+    """Values at the edge of a range that stand for a setting (auto, off, the run's) load, and mean it."""
+    assert meaning(load_config("tests", overrides))
+
+
+def test_the_meanings_of_edge_values_are_not_what_other_values_mean():
+    """The checks of the test above read otherwise on the tests preset as it is or with an ordinary value, so
+    an edge value that loaded but meant nothing would fail them."""
+    assert multiplies(load_config("tests"))
+    assert not keeps_the_whole_vocabulary(load_config("tests", ["rollout.top_k=5"]))
+    assert refresh_state_temperature(load_config("tests", ["method.caspo.refresh_state_temperature=2"])) == 2.0
+    assert load_config("tests", ["method.dual_clip=3"]).method.dual_clip == 3.0
 
 
 def test_vineppo_context_holds_a_rollout_and_sizes_the_engine_for_its_continuations():
@@ -267,4 +323,5 @@ def test_admit_batch_is_the_native_engines_and_fits_its_slots():
 def test_capacity_tokens_is_the_native_engines():
     with pytest.raises(ConfigError, match="rollout.capacity_tokens=4096 sizes the native engine's KV cache"):
         load_config("tests", ["rollout.backend=hf", "rollout.capacity_tokens=4096"])
-    assert load_config("tests", ["rollout.backend=native", "rollout.capacity_tokens=4096"]).rollout.capacity_tokens
+    assert load_config("tests", ["rollout.backend=native", "rollout.capacity_tokens=4096"]).rollout.capacity_tokens \
+        == 4096

@@ -76,7 +76,7 @@ def test_state_from_other_dataset_is_rejected():
 
 
 def test_empty_dataset():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_items=0: the dataset is empty"):
         PromptCursor(0, seed=0)
 
 

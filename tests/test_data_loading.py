@@ -193,5 +193,5 @@ def test_arith_examples():
     for e, p in zip(examples, task.heldout):
         assert e.query == p.question and e.label == str(p.answer)
         assert e.meta["solution"] == p.solution
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"n=51 must be in \[0, 50\] for split 'heldout'"):
         arith_examples(task, "heldout", 51)

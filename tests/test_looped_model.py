@@ -141,7 +141,7 @@ def test_recompute_gives_the_same_gradients(layout, monkeypatch):
 
 def test_recompute_refuses_what_it_does_not_implement():
     model = tiny_model("ouro").train()
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="looped models checkpoint every block, non-reentrant"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with pytest.raises(ValueError, match="use_cache=False"):
@@ -182,12 +182,17 @@ def meta_count(cls, cfg) -> int:
 
 
 def test_ouro_1p4b_parameter_count():
+    """Ouro-1.4B's parameters, counted from its config: untied embedding and head (V·H each); per layer the
+    q, k, v, o projections (16 heads and 16 KV heads of 128 = H, no biases: 4H²), the SwiGLU MLP (3H·F) and
+    four RMSNorms (the sandwich norms around attention and MLP: 4H); the final norm (H) and the exit gate,
+    a Linear(H, 1) with its bias (H + 1)."""
     cfg = from_upstream_config(OURO_1P4B)
     assert (cfg.layout, cfg.depth, cfg.head_dim, cfg.num_planes) == ("ouro", 4, 128, 96)
     with torch.device("meta"):
         model = LoopedForCausalLM(cfg)
-    assert sum(p.numel() for p in model.parameters()) == 1_434_652_673
-    assert sum(p.numel() for p in model.model.early_exit_gate.parameters()) == 2049
+    V, H, F, L = (OURO_1P4B[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
+    assert sum(p.numel() for p in model.parameters()) == 2 * V * H + L * (4 * H * H + 3 * H * F + 4 * H) + H + (H + 1)
+    assert sum(p.numel() for p in model.model.early_exit_gate.parameters()) == H + 1
 
 
 def test_nanbeige_4p2_parameter_counts():

@@ -98,13 +98,13 @@ def test_crash_is_counted_and_pool_recovers(pool):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lengths differ: 1 responses, 2 labels, 1 finished"):
         RewardPool(workers=0).score(["a"], ["1", "2"], [True])
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="RewardPool is not started: use it as a context manager"):
         RewardPool(workers=1).score(["a"], ["1"], [True])  # not started
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need workers >= 0 and timeout_s > 0, got -1,"):
         RewardPool(workers=-1)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="labels must be strings"):
         RewardPool(workers=0).score(["a"], [18], [True])
 
 
