@@ -51,7 +51,16 @@ def first_batch(overrides, tmp_path):
     return tr, batch
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
 def test_fp16_with_loss_scale_matches_fp32(tmp_path):
+    """fp16 gradients, scaled by 128 and unscaled, are the fp32 ones up to fp16's rounding: 1.9e-3 relative
+    over all parameters on the tests preset (an fp16 ulp at 1 is 2**-10 ≈ 9.8e-4), at most 4.5e-3 for one.
+    The bounds leave about 1.5x (2x for one parameter); a loss scale of 128 unscaled by 127 or 129 (a relative
+    error of 6e-3 to 1e-2), or one parameter's gradient unscaled twice, breaks them."""
     tr32, batch = first_batch([], tmp_path / "a")
     tr16, _ = first_batch(["train.precision=fp16"], tmp_path / "b")
     grads = {}
@@ -60,11 +69,16 @@ def test_fp16_with_loss_scale_matches_fp32(tmp_path):
         accumulate_gradients(tr.policy, batch, torch.arange(batch.size), tr.cfg, tr.scaler, batch.responses.shape[1],
                              actor_loss(tr.method, tr.method_state, batch.responses.shape[1]))
         assert tr.scaler.unscale_and_check(tr.policy.parameters())
-        grads[tr.cfg.train.precision] = torch.cat([p.grad.flatten() for p in tr.policy.parameters()])
+        grads[tr.cfg.train.precision] = {name: p.grad.clone() for name, p in tr.policy.named_parameters()}
         assert all(p.grad.dtype == torch.float32 for p in tr.policy.parameters())  # fp32 accumulation
     g32, g16 = grads["fp32"], grads["fp16"]
-    assert g32.norm() > 0
-    assert (g16 - g32).norm() / g32.norm() < 1e-2
+    assert all(g.norm() > 0 for g in g32.values())
+    overall = relative_error(torch.cat([g.flatten() for g in g16.values()]),
+                             torch.cat([g.flatten() for g in g32.values()]))
+    assert overall < 3e-3
+    per_parameter = {name: relative_error(g16[name], g32[name]) for name in g32}
+    worst = max(per_parameter, key=per_parameter.get)
+    assert per_parameter[worst] < 1e-2, worst  # a small tensor mis-scaled hardly moves the overall error
     assert tr16.scaler.skipped_steps == 0
 
 

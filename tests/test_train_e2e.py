@@ -3,15 +3,63 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from caspo.config import load_config
+from caspo.data.build import load_task_data
+from caspo.eval.heldout import EVAL_RUN_SEED, EVAL_SEED_STEP
 from caspo.methods import get_method
-from caspo.models.policy import load_policy
+from caspo.models.policy import load_policy, resolve_model_path
 from caspo.models.tokenizer import load_tokenizer
+from caspo.reward import score
+from caspo.rollout.hf import cache_kwarg
+from caspo.rollout.sampling import sample_seed, uniform_noise
 from caspo.train import loop
 from caspo.train.advantages import compute_advantages
 
 pytestmark = pytest.mark.timeout(240)
+
+
+@torch.no_grad()
+def accuracy_by_hand(policy: str, cfg, samples: int = 0) -> float:
+    """The held-out accuracy of `policy`, decoded by a plain loop over its forward (not the run's engine) and
+    scored by the verifier: greedy, or with `samples` the Gumbel-max trick at temperature 1 (token t of sample s
+    of problem i is argmax(logits + G), G = -log(-log(U)) for the uniform noise U of seed
+    sample_seed(EVAL_RUN_SEED, EVAL_SEED_STEP, i, s) at t). A response that does not stop within
+    eval.max_new_tokens scores 0."""
+    model = load_policy(policy).eval()
+    tokenizer = load_tokenizer(resolve_model_path(policy))
+    data = load_task_data(cfg, tokenizer)
+    stops = {model.generation_config.eos_token_id, tokenizer.eos_token_id} - {None}
+    copies = max(samples, 1)
+    prompts = [p for p in data.eval_prompts for _ in range(copies)]
+    labels = [e.label for e in data.eval for _ in range(copies)]
+    seeds = torch.tensor([sample_seed(EVAL_RUN_SEED, EVAL_SEED_STEP, i, s)
+                          for i in range(len(data.eval)) for s in range(samples)])
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])  # left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = {cache_kwarg(model): DynamicCache()}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+    responses, stopped = [[] for _ in prompts], [False] * len(prompts)
+    for t in range(cfg.eval.max_new_tokens):
+        logits = out.logits[:, -1].double()
+        if samples:
+            logits -= torch.log(-torch.log(uniform_noise(seeds, torch.full_like(seeds, t), logits.shape[-1])))
+        tokens = logits.argmax(-1)
+        for i, token in enumerate(tokens.tolist()):
+            if not stopped[i]:
+                responses[i].append(token)
+                stopped[i] = token in stops
+        if all(stopped):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # a stopped row's later tokens are not read
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+    rewards = [score(tokenizer.decode(r, skip_special_tokens=True), label) if stop else 0.0
+               for r, label, stop in zip(responses, labels, stopped)]
+    return sum(rewards) / len(rewards)
 
 
 def test_three_step_grpo_run(tmp_path):
@@ -34,10 +82,14 @@ def test_three_step_grpo_run(tmp_path):
     timing = json.loads((tmp_path / "timing.json").read_text())  # the run's timing report, from its rows
     assert timing["steps"] == 3 and summary["timing"] == str(tmp_path / "timing.md")
     assert timing["seconds"]["rollout"] == pytest.approx(sum(r["t_roll"] for r in steps), abs=1e-2)
-    assert 0 <= summary["after"]["eval_accuracy"] <= 1
     evals = [r for r in rows if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 3]
-    assert all(r["eval_sampled_n"] == 2 * r["eval_n"] and 0 <= r["eval_sampled_accuracy"] <= 1 for r in evals)
+    assert summary["after"] == {k: v for k, v in evals[-1].items() if k.startswith("eval_")}
+    assert all(r["eval_n"] == cfg.eval.heldout_size and r["eval_sampled_n"] == 2 * r["eval_n"] for r in evals)
+    # the accuracies are those of the base policy and of the saved step-3 policy, decoded without the engine
+    for r, policy in zip(evals, [cfg.model.policy, str(tmp_path / "checkpoints" / "step_000003" / "policy")]):
+        assert r["eval_accuracy"] == pytest.approx(accuracy_by_hand(policy, cfg), abs=1e-12), r["step"]
+        assert r["eval_sampled_accuracy"] == pytest.approx(accuracy_by_hand(policy, cfg, samples=2), abs=1e-12)
 
 
 def test_checkpoint_reloads_identical_logits(tmp_path):

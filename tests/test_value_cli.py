@@ -124,12 +124,33 @@ def test_smoke_refuses_another_method_and_a_missing_value_model(value_model_fold
     assert out_of_range.exit_code == 2 and "Invalid value for '--threshold'" in out_of_range.output
 
 
-def test_probe_reads_values_at_a_runs_precision(labels_path):
+def test_probe_reads_values_at_a_runs_precision(labels_path, labels):
+    """The probe's metrics at --precision bf16 are those of V read under bf16 autocast, as a bf16 run reads it:
+    mean σ(V/β) and the cross-entropy against p̂ recomputed from such values, which differ from the fp32 ones."""
+    import numpy as np
+    import torch
+
     from caspo.models.policy import ASSETS
+    from caspo.models.prefix_value import load_prefix_value
+    from caspo.models.tokenizer import load_tokenizer
+    from caspo.value.probe import predict
 
     value_model = ASSETS / "tiny-arith-slips-value"  # a trained φ: its bf16 read differs from its fp32 one
-    fp32, bf16 = (json.loads(ok("probe", value_model, labels_path, "--allow-mismatch", "--precision", p))
-                  for p in ("fp32", "bf16"))
-    assert fp32 != bf16 and abs(fp32["spearman"] - bf16["spearman"]) < 0.1
+    probed = {p: json.loads(ok("probe", value_model, labels_path, "--allow-mismatch", "--precision", p))
+              for p in ("fp32", "bf16")}
+    model = load_prefix_value(value_model, None, allow_mismatch=True)
+    pad = load_tokenizer(value_model).pad_token_id
+    values = {"fp32": predict(model, labels.rows, pad)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        values["bf16"] = predict(model, labels.rows, pad)
+    assert np.abs(values["bf16"] - values["fp32"]).max() > 1e-3  # bf16 moves V
+    p_hat = np.array([r.p_hat for r in labels.rows])
+    for precision, v in values.items():
+        prob = np.clip(1 / (1 + np.exp(-v / model.beta)), 1e-7, 1 - 1e-7)
+        bce = -(p_hat * np.log(prob) + (1 - p_hat) * np.log(1 - prob)).mean()
+        assert probed[precision]["mean_predicted"] == pytest.approx(prob.mean(), rel=1e-12), precision
+        assert probed[precision]["bce"] == pytest.approx(bce, rel=1e-12), precision
+    assert probed["fp32"]["mean_predicted"] != pytest.approx(probed["bf16"]["mean_predicted"], rel=1e-12)
+    assert abs(probed["fp32"]["spearman"] - probed["bf16"]["spearman"]) < 0.1  # bf16 keeps V's ranking
     result = run("probe", value_model, labels_path, "--allow-mismatch", "--precision", "fp8")
     assert result.exit_code == 2 and "--precision fp8: use one of fp32, bf16, fp16" in result.output

@@ -2,18 +2,31 @@
 
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from caspo.models.prefix_value import load_prefix_value
 from caspo.models.provenance import Provenance
+from caspo.models.tokenizer import load_tokenizer
 from caspo.value.cli import value_app
 from caspo.value.collect import choose_boundaries, parse_shard
 from caspo.value.labels import LabelFileError, LabelRow, merge_label_files, read_label_file, write_label_file
+from caspo.value.probe import predict
 from caspo.value.train import split_rows
 
 PROVENANCE = Provenance(prompt_template="{query}", add_bos=False, tokenizer_hash="t:x", verifier_version="v",
                         temperature=1.0, top_p=1.0, top_k=0, stop_strings=(), max_new_tokens=40,
                         label_policy="w:p").to_dict()
+
+
+def spearman_by_hand(x, y) -> float:
+    """Pearson correlation of average ranks, a value's rank counted as #smaller + (#equal + 1) / 2."""
+    def ranks(v):
+        v = np.asarray(v, dtype=np.float64)
+        return np.array([(v < a).sum() + ((v == a).sum() + 1) / 2 for a in v])
+
+    return float(np.corrcoef(ranks(x), ranks(y))[0, 1])
 
 
 def row(prompt_index, sample=0, boundary=1, p_hat=0.5):
@@ -37,8 +50,10 @@ def test_choose_boundaries_spreads_over_interior_steps():
 
 def test_parse_shard():
     assert parse_shard("1/4") == (1, 4)
-    for bad in ("4/4", "1", "a/b"):
-        with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="shard 4/4: need 0 <= i < n"):
+        parse_shard("4/4")
+    for bad in ("1", "a/b"):
+        with pytest.raises(ValueError, match=f"shard must look like i/n \\(e.g. 0/4\\), got '{bad}'"):
             parse_shard(bad)
 
 
@@ -109,7 +124,10 @@ def test_collect_train_probe_end_to_end(tmp_path):
     assert json.loads((out / "value_config.json").read_text())["provenance"]["reference"].startswith("w:")
 
     probed = json.loads(invoke("probe", out, tmp_path / "labels.jsonl"))
-    assert probed["n"] == len(whole.rows) and -1 <= probed["spearman"] <= 1
+    values = predict(load_prefix_value(out, None), whole.rows, load_tokenizer(out).pad_token_id)
+    assert probed["n"] == len(whole.rows) == len(values)
+    assert probed["spearman"] == pytest.approx(spearman_by_hand(values, [r.p_hat for r in whole.rows]), abs=1e-12)
+    assert probed["mean_p_hat"] == pytest.approx(np.mean([r.p_hat for r in whole.rows]), abs=1e-12)
 
 
 def test_merged_copies_give_the_same_loss_gradient_and_values(tiny_model):
