@@ -140,7 +140,8 @@ def test_yaml_boolean_spelling_in_a_preset_file(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("method.terminal_scope=on", r"method.terminal_scope: expected one of \['batch', 'group', 'off'\], got True"),
-    ("method.adv_whiten=off", r"method.adv_whiten: expected one of \['auto', 'none', 'batch'\], got False"),
+    ("method.adv_whiten=off",
+     r"method.adv_whiten: expected one of \['auto', 'none', 'batch', 'minibatch'\], got False"),
     ("data.template=off", "data.template: expected str, got False"),  # only Literal choices read booleans
 ])
 def test_yaml_booleans_matching_no_choice_are_still_rejected(override, message):

@@ -50,6 +50,38 @@ def test_gradients_agree_across_micro_batch_splits(rollout, mode):
         assert torch.allclose(grads[micro], grads[8, 0], atol=1e-6, rtol=0), (mode, micro)
 
 
+def grads_of(tr, batch, cfg, micro: int = 8) -> torch.Tensor:
+    cfg.train.micro_batch_size = micro
+    tr.policy.zero_grad(set_to_none=True)
+    accumulate_gradients(tr.policy, batch, torch.arange(8), cfg, LossScaler("fp32"), batch.responses.shape[1],
+                         actor_loss(tr.method, tr.method_state, batch.responses.shape[1]))
+    return torch.cat([p.grad.flatten() for p in tr.policy.parameters()])
+
+
+def test_the_kl_term_sums_each_response_under_seq_mean_token_sum(rollout):
+    """method.kl_loss_agg=seq-mean-token-sum (upstream VinePPO's KL loss): coef · (1/B) Σ_i Σ_t k3, beside a
+    token-mean policy loss; the gradient it adds is that term's, and it does not depend on the micro-batches."""
+    tr, batch = rollout
+    common = ["train.minibatch_size=8", "method.kl_coef=0.1", "method.loss_agg=token-mean"]
+    token_mean = grads_of(tr, batch, load_config("tests", common))
+    seq_cfg = load_config("tests", [*common, "method.kl_loss_agg=seq-mean-token-sum"])
+    seq_sum = grads_of(tr, batch, seq_cfg)
+    assert torch.allclose(grads_of(tr, batch, seq_cfg, micro=3), seq_sum, atol=1e-6, rtol=0)
+    # the difference by hand: k3 = e^(ref − logp) − (ref − logp) − 1 over the response tokens
+    from caspo.models.forward import hidden_logprobs, response_hidden
+
+    tr.policy.zero_grad(set_to_none=True)
+    logp, _ = hidden_logprobs(tr.policy, response_hidden(tr.policy, batch), batch.responses, 1.0)
+    d = batch.ref_logprobs - logp
+    mask = batch.response_mask.bool()
+    k3 = torch.where(mask, d.exp() - d - 1, torch.zeros_like(d))
+    rows, tokens = int(mask.any(-1).sum()), int(mask.sum())
+    (0.1 * (k3.sum() / rows - k3.sum() / tokens)).backward()
+    expected = torch.cat([p.grad.flatten() for p in tr.policy.parameters()])
+    assert expected.abs().max() > 1e-4  # tokens > rows: the two normalisers differ
+    assert torch.allclose(seq_sum - token_mean, expected, atol=1e-6, rtol=1e-4)
+
+
 def test_no_grad_passes_take_their_own_micro_batches(rollout):
     """train.score_micro_batch_size / _tokens set the scoring forwards' micro-batches (0: the update's), and the
     log-probs do not depend on them."""
@@ -87,13 +119,14 @@ def test_dr_grpo_normaliser_is_the_generation_budget(rollout, monkeypatch):
     cfg = load_config("tests", ["train.minibatch_size=8", "method.loss_agg=seq-mean-token-sum-norm",
                                 "method.kl_coef=0.1"])
     assert batch.responses.shape[1] < cfg.rollout.max_new_tokens  # else the two lengths coincide
-    lengths, aggregate_denom = [], algo.aggregate_denom
+    lengths, counts_of = [], algo.Counts.of
 
-    def recording(mask, mode, norm_len=None):
-        lengths.append(norm_len)
-        return aggregate_denom(mask, mode, norm_len)
+    def recording(mask, norm_len=None):
+        counts = counts_of(mask, norm_len)
+        lengths.append(counts.norm_len)
+        return counts
 
-    monkeypatch.setattr(algo, "aggregate_denom", recording)
+    monkeypatch.setattr(algo.Counts, "of", recording)
     update(tr.actor, batch, cfg, tr.method, tr.method_state, torch.Generator().manual_seed(0), LossScaler("fp32"))
     assert lengths and set(lengths) == {cfg.rollout.max_new_tokens}
 
@@ -122,12 +155,15 @@ def test_minibatch_scope_is_vineppos_alone():
             resolve_method(cfg)
 
 
-def test_the_update_reads_each_minibatchs_own_whitening(rollout, monkeypatch):
+@pytest.mark.parametrize("row, setting", [("vineppo", "step_adv_scope"), ("ppo_critic", "adv_whiten"),
+                                          ("grpo", "adv_whiten")])
+def test_the_update_reads_each_minibatchs_own_whitening(rollout, monkeypatch, row, setting):
     """Every optimizer step reads the advantages whitened over its own rows (each epoch anew), and the batch
-    keeps its raw advantages after the update. Runs after the gradient tests: it steps the shared policy."""
+    keeps its raw advantages after the update: VinePPO's step_adv_scope=minibatch, and adv_whiten=minibatch (its PPO
+    baseline's). Runs after the gradient tests: it steps the shared policy."""
     tr, batch = rollout
     cfg = load_config("tests", ["train.minibatch_size=4", "train.epochs_per_rollout=2", "method.adv_clip=2"])
-    cfg.method.step_adv_scope = "minibatch"  # vineppo's setting, on this grpo batch's advantages
+    setattr(cfg.method, setting, "minibatch")  # on this grpo batch's advantages
     raw = batch.advantages.clone()
     seen, accumulate = [], update_module.accumulate_gradients
 
@@ -136,7 +172,8 @@ def test_the_update_reads_each_minibatchs_own_whitening(rollout, monkeypatch):
         return accumulate(model, b, rows, *args, **kwargs)
 
     monkeypatch.setattr(update_module, "accumulate_gradients", recording)
-    update(tr.actor, batch, cfg, tr.method, tr.method_state, torch.Generator().manual_seed(0), LossScaler("fp32"))
+    update(tr.actor, batch, cfg, get_method(row), tr.method_state, torch.Generator().manual_seed(0),
+           LossScaler("fp32"))
     assert len(seen) == 4  # two epochs of two minibatches
     for rows, read in seen:
         assert torch.equal(read, minibatch_advantages(raw, batch.response_mask, rows, 2.0))

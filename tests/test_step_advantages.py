@@ -197,6 +197,23 @@ def test_adv_clip_on_whitened_and_raw_token_advantages():
     torch.testing.assert_close(adv, torch.tensor([[z[0]] * 3, [-1.0, -1.0, 0.0], [z[2], 0.0, 0.0]]))
 
 
+def test_adv_clip_on_group_normalised_scores_is_in_their_own_sigma_units():
+    """grpo's scores are each group's standardised ones: ±adv_clip σ is ±adv_clip itself, not the batch's pooled std,
+    which groups whose samples all score alike pull below 1 (here 0.52: a clip at ±1.2 would cut the lone success
+    from 1.5 to 0.63). Dr. GRPO's centred scores keep the batch's std."""
+    mask = [[1]] * 12
+    groups = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    rewards = [1.0, 0.0, 0.0, 0.0] + [0.0] * 8  # one success of 4: mean 1/4, unbiased std 1/2
+    adv = advantages(make_batch(mask, groups, rewards), "grpo", "method.adv_clip=1.2")[:, 0]
+    lone = 0.75 / (0.5 + 1e-6)  # 1.5, above the clip
+    assert lone > 1.2
+    torch.testing.assert_close(adv, torch.tensor([1.2] + [-0.25 / (0.5 + 1e-6)] * 3 + [0.0] * 8))
+    # Dr. GRPO: 0.75, −0.25 ×3, zeros; pooled std over 12 tokens: sqrt((0.5625 + 3·0.0625)/11) = 0.2611
+    adv = advantages(make_batch(mask, groups, rewards), "grpo", "method.std_normalize=false", "method.adv_clip=1.2")
+    sigma = math.sqrt(0.75 / 11)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([1.2 * sigma] + [-0.25] * 3 + [0.0] * 8))
+
+
 # ---------------------------------------------------------------- method.kl_reward_coef
 
 

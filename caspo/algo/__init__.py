@@ -13,6 +13,7 @@ from caspo.algo.losses import (
 )
 from caspo.algo.stats import (
     AGG_MODES,
+    Counts,
     aggregate,
     aggregate_denom,
     masked_fill_zero,
@@ -24,6 +25,7 @@ from caspo.algo.stats import (
 
 __all__ = [
     "AGG_MODES",
+    "Counts",
     "KL_KINDS",
     "TERMINAL_SCOPES",
     "aggregate",

@@ -7,6 +7,8 @@ the mask (``0 * nan = nan``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 AGG_MODES = (
@@ -67,26 +69,41 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, ep
     return masked_fill_zero((x - mean) * torch.rsqrt(var + eps), mask)
 
 
-def aggregate_denom(mask: torch.Tensor, mode: str, norm_len: int | None = None) -> torch.Tensor | None:
-    """The normaliser ``aggregate`` divides by for this mask (None for ``token-sum``).
+@dataclass(frozen=True)
+class Counts:
+    """A mask's counts, from which each mode's normaliser follows (``normaliser``):
 
         token-mean               N = Σ m
         seq-mean-*               B' = number of rows with Σ_t m > 0
         seq-mean-token-sum-norm  B'·norm_len  (norm_len defaults to T)
 
-    Each is a count that adds up over disjoint sets of rows, so a global value is the
-    sum of the per-micro-batch (or per-rank, via all-reduce) values.
+    Each count adds up over disjoint sets of rows, so a minibatch's counts are the sum of its
+    micro-batches' (or ranks'). One ``Counts`` of the whole minibatch, passed to every micro-batch as
+    ``aggregate``'s ``denom``, serves terms that reduce by different modes (a loss and its KL term).
     """
-    _check_mode(mode)
-    keep = mask.bool()
-    if mode == "token-sum":
-        return None
-    if mode == "token-mean":
-        return keep.sum()
-    rows = keep.any(dim=-1).sum()
-    if mode == "seq-mean-token-sum-norm":
-        return rows * (keep.shape[-1] if norm_len is None else norm_len)
-    return rows
+
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    norm_len: int
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, norm_len: int | None = None) -> "Counts":
+        keep = mask.bool()
+        return cls(keep.sum(), keep.any(dim=-1).sum(), keep.shape[-1] if norm_len is None else norm_len)
+
+    def normaliser(self, mode: str) -> torch.Tensor | None:
+        """What ``aggregate`` divides by in ``mode`` (None for ``token-sum``)."""
+        _check_mode(mode)
+        if mode == "token-sum":
+            return None
+        if mode == "token-mean":
+            return self.tokens
+        return self.rows * self.norm_len if mode == "seq-mean-token-sum-norm" else self.rows
+
+
+def aggregate_denom(mask: torch.Tensor, mode: str, norm_len: int | None = None) -> torch.Tensor | None:
+    """The normaliser ``aggregate`` divides by for this mask (None for ``token-sum``): ``Counts``'."""
+    return Counts.of(mask, norm_len).normaliser(mode)
 
 
 def aggregate(
@@ -94,7 +111,7 @@ def aggregate(
     mask: torch.Tensor,
     mode: str,
     norm_len: int | None = None,
-    denom: torch.Tensor | float | None = None,
+    denom: "Counts | torch.Tensor | float | None" = None,
 ) -> torch.Tensor:
     """Reduce a per-token ``[B, T]`` loss to a scalar.
 
@@ -109,11 +126,13 @@ def aggregate(
     row keeps its own 1/L_i), B'·norm_len for seq-mean-token-sum-norm. Pass the
     count of the whole minibatch (``aggregate_denom(full_mask, mode)``, summed
     over data-parallel ranks) to every micro-batch; then
-    ``Σ_k aggregate(x_k, m_k, mode, denom=D) == aggregate(x, m, mode)``.
-    token-sum has no normaliser and rejects ``denom``. A zero normaliser
-    (nothing selected) gives 0.
+    ``Σ_k aggregate(x_k, m_k, mode, denom=D) == aggregate(x, m, mode)``. A
+    ``Counts`` gives the normaliser of ``mode``. token-sum has no normaliser and
+    rejects a number as ``denom``. A zero normaliser (nothing selected) gives 0.
     """
     _check_mode(mode)
+    if isinstance(denom, Counts):
+        denom = denom.normaliser(mode)
     keep = mask.bool()
     x = masked_fill_zero(x, keep)
 

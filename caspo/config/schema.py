@@ -200,15 +200,21 @@ class MethodConfig:
     std_normalize: bool = True
     # ppo (terminal reward): standardise over "batch", "group", or "off"
     terminal_scope: Literal["batch", "group", "off"] = "batch"
-    # advantage whitening over all valid tokens; "auto" = batch for GAE methods, none otherwise
-    adv_whiten: Literal["auto", "none", "batch"] = "auto"
-    # clip advantages at ±adv_clip (in units of σ after whitening); 0 = off
+    # advantage whitening over all valid tokens; "auto" = batch for GAE methods, none otherwise; "minibatch": over
+    # each optimizer minibatch's tokens as the update reads it (upstream VinePPO's PPO baseline), then clipped
+    adv_whiten: Literal["auto", "none", "batch", "minibatch"] = "auto"
+    # clip advantages at ±adv_clip σ; 0 = off. σ = 1 for advantages in σ units (whitened, or scores divided by their
+    # group's or batch's std: grpo, dppo_tv/_kl, ppo's scopes), else the batch's std
     adv_clip: float = 0.0
     # KL to the reference: a loss term (kl_coef × kl_estimator) and/or k1 folded into the reward: per token for
     # the GAE methods, per step for vineppo and caspo (each step its own tokens' penalties), and summed over the
     # response into the one sequence advantage of grpo, ppo and dppo_tv/_kl
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    # how the KL loss term sums its tokens; null = loss_agg (verl's). Upstream VinePPO sums each response's tokens
+    # and averages over responses (seq-mean-token-sum): at the same kl_coef, a response of L tokens is anchored
+    # L times as strongly as under token-mean
+    kl_loss_agg: Optional[LossAgg] = None
     kl_reward_coef: float = 0.0
     # GAE and the critic
     gamma: float = 1.0

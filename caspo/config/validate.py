@@ -282,6 +282,9 @@ def validate_shapes(cfg: Config) -> None:
         raise ConfigError(f"sft.hidden={s.hidden} must be a multiple of sft.heads={s.heads}")
     if m.iw_low > m.iw_high:
         raise ConfigError(f"method.iw_low={m.iw_low} must be <= method.iw_high={m.iw_high}")
+    if m.kl_loss_agg is not None and not m.kl_coef > 0:
+        raise ConfigError(f"method.kl_loss_agg={m.kl_loss_agg} sums the KL loss term, and method.kl_coef=0 has none: "
+                          "set method.kl_coef, or leave method.kl_loss_agg null")
     rollout_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if 0 < m.vineppo_context_tokens < rollout_tokens:
         raise ConfigError(f"method.vineppo_context_tokens={m.vineppo_context_tokens} is shorter than a rollout "

@@ -16,9 +16,12 @@ Token rewards carry the verifier's score on the last response token, minus
 score is their sum. Token whitening and the ±method.adv_clip σ clip follow, in
 `compute_advantages`: over method.step_adv_scope for a row whose step advantages are
 whitened per token (vineppo), else by method.adv_whiten (or the row's rule when "auto").
-The clip's σ is 1 for whitened advantages, caspo's whitened steps among them. A
-step_adv_scope of "minibatch" leaves both to the update, each optimizer minibatch taking
-`minibatch_advantages` of its rows.
+The clip's σ is 1 for advantages already in σ units: whitened ones, caspo's whitened steps, and
+scores divided by their group's (or batch's) std (grpo, dppo_tv/_kl, ppo's terminal scopes), whose
+pooled std is below 1 wherever a group's samples all score alike. Otherwise (Dr. GRPO's centred
+scores, ppo's raw ones) σ is the batch's masked std. A
+scope of "minibatch" (step_adv_scope or adv_whiten) leaves both to the update, each optimizer minibatch
+taking `minibatch_advantages` of its rows.
 """
 
 from __future__ import annotations
@@ -59,26 +62,34 @@ def compute_advantages(batch: RolloutBatch, cfg: Config, method: "Method") -> Ad
         return adv * mask, returns
     adv = scoped_whiten(adv, mask, batch.group_ids, scope) if scope != "off" else adv
     # caspo's step advantages come whitened over their steps: ±adv_clip is then in those units
-    whitened = scope != "off" or (method.step_whiten == "steps" and m.step_adv_scope != "off")
+    whitened = (scope != "off" or (method.step_whiten == "steps" and m.step_adv_scope != "off")
+                or standardised_scores(method, m))
     adv = clip_sigmas(adv, mask, m.adv_clip, whitened=whitened)
     return adv * mask, returns
 
 
 def token_scope(method: "Method", m: MethodConfig) -> str:
-    """What token advantages are whitened over: "batch", "group" or "off".
+    """What token advantages are whitened over: "batch", "group", "minibatch" (in the update) or "off".
 
     method.step_adv_scope for a row whose step advantages are whitened per token (vineppo);
-    otherwise "batch" when method.adv_whiten (the row's rule when "auto") is "batch"."""
+    otherwise method.adv_whiten (the row's rule when "auto"), "off" for "none"."""
     if method.step_whiten == "tokens":
         return m.step_adv_scope
     whiten = method.whiten if m.adv_whiten == "auto" else m.adv_whiten
-    return "batch" if whiten == "batch" else "off"
+    return "off" if whiten == "none" else whiten
+
+
+def standardised_scores(method: "Method", m: MethodConfig) -> bool:
+    """Whether the row's sequence scores are divided by their std: group-relative ones (grpo, dppo_tv, dppo_kl)
+    and ppo's batch- or group-standardised terminal ones, unless method.std_normalize=false."""
+    return m.std_normalize and (method.group_baseline or (method.advantages is terminal and m.terminal_scope != "off"))
 
 
 def minibatch_advantages(advantages: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, k: float) -> torch.Tensor:
     """`advantages` [B, R] with the rows of one optimizer minibatch whitened over their valid tokens and clipped at
     ±k σ (method.step_adv_scope=minibatch): upstream VinePPO's trainer whitens the advantages of the episodes each
-    training step reads (64, across its GPUs), every epoch anew. The other rows are left as they are."""
+    training step reads (64, across its GPUs), every epoch anew, for VinePPO and for its PPO baseline
+    (method.adv_whiten=minibatch). The other rows are left as they are."""
     out = advantages.clone()
     out[rows] = clip_sigmas(batch_whiten(advantages[rows], mask[rows]), mask[rows], k, whitened=True)
     return out

@@ -23,7 +23,8 @@ from caspo.train.optim import Learner
 if TYPE_CHECKING:
     from caspo.train.trainer import Trainer
 
-# (model, micro-batch, cfg, denom) -> (loss, metrics): the loss of a learner trained beside the policy
+# (model, micro-batch, cfg, denom: the minibatch's algo.Counts) -> (loss, metrics): the loss of a learner trained
+# beside the policy
 LearnerLoss = Callable[..., tuple[torch.Tensor, dict]]
 
 

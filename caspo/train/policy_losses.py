@@ -25,7 +25,7 @@ from caspo.config import MethodConfig
 class LossInputs:
     logp: torch.Tensor  # [b, R] log-probs of the sampled tokens under the policy being trained (with grad)
     batch: RolloutBatch  # the micro-batch: old / behaviour log-probs, advantages, mask
-    denom: Optional[torch.Tensor]  # the whole minibatch's normaliser (algo.aggregate_denom)
+    denom: Optional[algo.Counts]  # the whole minibatch's counts: each term's normaliser follows from them
     # losses that read the vocabulary: the frozen old policy's log-probs and KL(old ‖ current), no grad
     frozen_old_logp: Optional[torch.Tensor] = None  # [b, R]
     divergence: Optional[torch.Tensor] = None  # [b, R]

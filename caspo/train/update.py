@@ -2,10 +2,10 @@
 
 Each minibatch is one optimizer step per learner (the policy first, then e.g. the
 critic). Its loss is normalised by the counts of the whole minibatch (tokens, or
-non-empty rows), passed to every micro-batch as `denom`, so the gradient does not
-depend on how the minibatch is split. With several processes each rank takes a
+non-empty rows: `algo.Counts`), passed to every micro-batch as `denom`, so the gradient
+does not depend on how the minibatch is split. With several processes each rank takes a
 contiguous block of the minibatch's rows; every rank holds the whole batch, so
-`denom` is the whole minibatch's count, and FSDP sums the ranks' gradients
+`denom` is the whole minibatch's counts, and FSDP sums the ranks' gradients
 (`caspo.train.fsdp`): the same gradient as one process, up to the order of the sums.
 """
 
@@ -23,7 +23,7 @@ from caspo.config import Config
 from caspo.models.forward import hidden_kl, hidden_logprobs, hidden_token_loss, response_hidden
 from caspo.precision import LossScaler, autocast, loss_scale
 from caspo.train import distributed, fsdp
-from caspo.train.advantages import minibatch_advantages
+from caspo.train.advantages import minibatch_advantages, token_scope
 from caspo.train.method_state import LearnerLoss, MethodState
 from caspo.train.optim import Learner
 from caspo.train.policy_losses import LossInputs
@@ -54,14 +54,17 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
                                                                   batch, model, hidden.detach(), T)
 
     def terms(logp):
-        """(the method's loss, the KL term or None, the loss's metrics) at these log-probs."""
+        """(the method's loss, the KL term or None, the loss's metrics) at these log-probs. The KL term reduces
+        by method.kl_loss_agg; its metric `kl` by method.loss_agg, as the loss does, whatever the term's."""
         if batch.old_is_current:
             batch.old_logprobs = logp.detach()
         loss, metrics = method.loss.fn(dataclasses.replace(inputs, logp=logp), m)
         if not m.kl_coef > 0:
             return loss, None, metrics
         kl = algo.kl(logp, batch.ref_logprobs, m.kl_estimator)
-        return loss, algo.aggregate(kl, batch.response_mask, m.loss_agg, norm_len=norm_len, denom=denom), metrics
+        mask = batch.response_mask
+        metrics = dict(metrics, kl=algo.aggregate(kl.detach(), mask, m.loss_agg, norm_len=norm_len, denom=denom))
+        return loss, algo.aggregate(kl, mask, m.kl_loss_agg or m.loss_agg, norm_len=norm_len, denom=denom), metrics
 
     def combined(loss, kl_loss):
         return loss if kl_loss is None else loss + m.kl_coef * kl_loss
@@ -80,8 +83,6 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
         loss = combined(pg_loss, kl_loss)
     batch.update_ratios = (logp.detach() - batch.old_logprobs).exp() * batch.response_mask
     metrics = dict(metrics, pg_loss=pg_loss.detach(), entropy=algo.masked_mean(entropy, batch.response_mask))
-    if kl_loss is not None:
-        metrics["kl"] = kl_loss.detach()
     return loss, metrics
 
 
@@ -134,9 +135,10 @@ def has_dropout(model: torch.nn.Module) -> bool:
 def accumulate_gradients(model, batch: RolloutBatch, rows: torch.Tensor, cfg: Config, scaler: LossScaler,
                          norm_len: int, loss_fn: LearnerLoss, written: tuple[str, ...] = ()) -> list[dict]:
     """Backward of one minibatch (`rows`), micro-batch by micro-batch, normalised by the minibatch's counts;
-    `loss_fn(model, micro, cfg, denom)` -> (loss, metrics). The response-frame fields named in `written`,
-    which the loss sets on its micro-batch, are copied back into the batch's rows."""
-    denom = algo.aggregate_denom(batch.response_mask[rows], cfg.method.loss_agg, norm_len)
+    `loss_fn(model, micro, cfg, denom)` -> (loss, metrics), `denom` the minibatch's `algo.Counts`. The
+    response-frame fields named in `written`, which the loss sets on its micro-batch, are copied back into
+    the batch's rows."""
+    denom = algo.Counts.of(batch.response_mask[rows], norm_len)
     rows = distributed.my_rows(rows)  # this rank's block of the minibatch; `denom` stays the whole minibatch's
     out = []
     for idx, micro, real in fsdp.micro_batches(batch, rows, cfg.train.micro_batch_size,
@@ -254,8 +256,8 @@ def update(actor: Learner, batch: RolloutBatch, cfg: Config, method: "Method", s
     for _, learner, _ in learners:
         learner.model.train()
     lr = actor.scheduler.get_last_lr()[0]  # what the step's first update uses (the scheduler steps per update)
-    advantages = batch.advantages  # with step_adv_scope=minibatch, each minibatch reads its own whitening of them
-    per_minibatch = cfg.method.step_adv_scope == "minibatch"
+    advantages = batch.advantages  # whitened per minibatch: each minibatch reads its own whitening of them
+    per_minibatch = token_scope(method, cfg.method) == "minibatch"
     batch.update_ratios = torch.zeros_like(batch.response_mask)
     # what the policy's forwards give back: its ratios (a later epoch's replace an earlier one's), and π_old
     policy_gives = ("old_logprobs", "update_ratios") if batch.old_is_current else ("update_ratios",)
