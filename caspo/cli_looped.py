@@ -19,7 +19,9 @@ def recipe_overrides(algorithm: str, rollout_batch_size: int, n_samples_per_prom
     """The overrides of the looped-recipe preset that the flags stand for.
 
     One optimizer step per rollout (the whole completion batch), except flow-dppo: two steps, each on half of
-    it. Completions per prompt default to 4 for GRPO (which needs at least two) and 1 for the others."""
+    it. Completions per prompt default to 4 for GRPO (which needs at least two) and 1 for the others. PPO and
+    GRPO take the engine's scores as π_old (the recipe's rollout log-probs); dppo keeps them apart from its
+    recomputed proximal policy, and flow-dppo's gate reads its frozen old policy."""
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"--algorithm {algorithm}: use one of {', '.join(ALGORITHMS)}")
     if n_samples_per_prompt is None:
@@ -41,6 +43,8 @@ def recipe_overrides(algorithm: str, rollout_batch_size: int, n_samples_per_prom
            "train.epochs_per_rollout=1", f"train.precision={precision}",
            f"train.activation_checkpointing={str(recompute).lower()}",
            f"rollout.cuda_graphs={str(cuda_graphs).lower()}", f"train.stop_after={stop_after}"]
+    if algorithm in ("ppo", "grpo"):
+        out.append("train.old_logprobs=behaviour")
     for key, value in (("model.policy", model), ("data.source", data), ("train.output_dir", output_dir)):
         if value is not None:
             out.append(f"{key}={value}")

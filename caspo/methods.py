@@ -106,6 +106,17 @@ def resolve_method(cfg: Config) -> Method:
                                                               and m.terminal_scope != "off")):
         raise ConfigError(f"method.std_normalize=false centres group-relative scores (grpo, dppo_tv, dppo_kl) and "
                           f"ppo's batch or group scores; {m.name} with these settings has none: leave it true")
+    if t.old_logprobs == "behaviour":
+        if method.loss is losses.DECOUPLED:
+            raise ConfigError(f"train.old_logprobs=behaviour makes π_old the engine's scores, and {m.name} keeps them "
+                              "apart from the proximal policy by design: use auto or recompute")
+        if method.loss.full_vocab:
+            raise ConfigError(f"train.old_logprobs=behaviour sets π_old, and {m.name}'s loss reads its frozen old "
+                              "policy's distributions instead: use auto or recompute")
+        if r.top_p < 1.0 or r.top_k > 0:
+            raise ConfigError(f"train.old_logprobs=behaviour reads the engine's log-probs, which are of the truncated "
+                              f"sampling distribution (rollout.top_p={r.top_p}, top_k={r.top_k}): a ratio to them is "
+                              "not π_θ/π_old; sample the full vocabulary, or use auto or recompute")
     if m.dual_clip is not None and method.loss not in (losses.PPO_CLIP, losses.DECOUPLED):
         raise ConfigError(f"method.dual_clip={m.dual_clip} bounds PPO's clipped ratio loss; {m.name}'s loss has no "
                           "such clip: leave it null")

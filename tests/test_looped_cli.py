@@ -35,6 +35,10 @@ def test_each_algorithm_is_its_method_row_with_one_update_per_rollout_and_flow_d
     o = overrides("dppo", 3, 2, precision="fp16", recompute=True, graphs=True)
     assert (o["rollout.prompts_per_step"], o["rollout.samples_per_prompt"], o["train.precision"]) == ("3", "2", "fp16")
     assert (o["train.activation_checkpointing"], o["rollout.cuda_graphs"]) == ("true", "true")
+    # π_old: the engine's scores for ppo and grpo (the recipe's rollout log-probs), recomputed for dppo's proximal
+    # policy and unread by flow-dppo's gate
+    assert {a: overrides(a).get("train.old_logprobs") for a in ("ppo", "grpo", "dppo", "flow-dppo")} == \
+        {"ppo": "behaviour", "grpo": "behaviour", "dppo": None, "flow-dppo": None}
     for algorithm in ("ppo", "grpo", "dppo", "flow-dppo"):  # the method table's own checks accept what flags make
         for samples in (4, None):
             cfg = load_config("looped-recipe", [f"{k}={v}" for k, v in overrides(algorithm, 4, samples).items()])

@@ -77,3 +77,31 @@ def test_two_minibatches_recompute_and_differ_from_the_current_policy(tmp_path):
     assert torch.isfinite(batch.old_logprobs).all()
     ratios = batch.update_ratios[batch.response_mask.bool()]  # the second minibatch's rows moved off 1
     assert (ratios - 1).abs().max() > 1e-4 and stats["ratio_mean"] == pytest.approx(float(ratios.mean()), rel=1e-4)
+
+
+def test_behaviour_takes_the_engines_scores_as_the_old_policy(tmp_path, monkeypatch):
+    """train.old_logprobs=behaviour (the looped recipe's ppo and grpo): no old pass, π_old is the engine's sampling
+    log-probs, and the update's ratio is taken to them."""
+    calls = []
+    real = loop.logprobs
+    monkeypatch.setattr(loop, "logprobs", lambda model, batch, cfg: calls.append(model) or real(model, batch, cfg))
+    tr, batch, stats = one_step(tmp_path, "train.old_logprobs=behaviour", "method.kl_coef=0")
+    assert calls == [] and not batch.old_is_current  # neither an old pass nor the update's own forward
+    assert torch.equal(batch.old_logprobs, batch.behaviour_logprobs)
+    assert batch.old_logprobs.data_ptr() != batch.behaviour_logprobs.data_ptr()  # a copy: μ stays μ
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["method.name=dppo"], "dppo keeps them apart from the proximal policy"),
+    (["method.name=flow_dppo", "train.minibatch_size=4"], "flow_dppo's loss reads its frozen old policy"),
+    (["rollout.top_p=0.9"], "log-probs, which are of the truncated sampling distribution"),
+    (["rollout.top_k=5"], "log-probs, which are of the truncated sampling distribution"),
+])
+def test_behaviour_is_refused_where_it_cannot_be_the_old_policy(tmp_path, overrides, message):
+    from caspo.config import ConfigError
+    from caspo.methods import resolve_method
+
+    cfg = config(tmp_path, "train.old_logprobs=behaviour", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        resolve_method(cfg)
+    resolve_method(config(tmp_path, *overrides))  # each setting alone is accepted

@@ -58,8 +58,10 @@ class TrainConfig:
     score_micro_batch_tokens: int = 0
     epochs_per_rollout: int = 1
     # "auto": skip the old-log-prob pass when the update's first forward gives the same log-probs
-    # (μ = 1, one minibatch per rollout, no staleness, no KL reward, no dropout); "recompute": always run it
-    old_logprobs: Literal["auto", "recompute"] = "auto"
+    # (μ = 1, one minibatch per rollout, no staleness, no KL reward, no dropout); "recompute": always run it;
+    # "behaviour": no pass, π_old is the engine's sampling log-probs (slime's --use-rollout-logprobs, the looped
+    # recipe's for ppo, grpo and flow-dppo), so the ratio carries the engine's difference from the trainer
+    old_logprobs: Literal["auto", "recompute", "behaviour"] = "auto"
     # "auto": a critic trained once per rollout on the whole batch (μ = 1, one minibatch, no dropout) takes its
     # step in the value phase, and that step's first forward gives the values; "recompute": a values pass first
     critic_values: Literal["auto", "recompute"] = "auto"

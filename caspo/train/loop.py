@@ -74,8 +74,10 @@ def outer_step(tr: Trainer) -> tuple[RolloutBatch, dict]:
             batch = generate(tr, indices)
         with timer("t_reward"):
             batch.rewards = reward(tr, batch)
-        with timer("t_old"):  # the proximal policy: recomputed by the trainer, never the engine's scores
-            if old_is_current(cfg, tr.policy):  # ... or given by the update's own forward, when that is exact
+        with timer("t_old"):  # the proximal policy: recomputed by the trainer, unless asked to be the engine's
+            if cfg.train.old_logprobs == "behaviour":
+                batch.old_logprobs = batch.behaviour_logprobs.clone()
+            elif old_is_current(cfg, tr.policy):  # ... or given by the update's own forward, when that is exact
                 batch.old_is_current = True  # NaN until then: a reader before the update would show
                 batch.old_logprobs = torch.full_like(batch.behaviour_logprobs, float("nan"))
             else:
