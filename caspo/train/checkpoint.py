@@ -186,10 +186,29 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     for root in (path, path / "checkpoints"):
         if (root / LATEST).exists():
-            return root / (root / LATEST).read_text().strip()
+            return latest_checkpoint(root)
     if (path / "trainer_state.pt").exists():
         return path
     raise FileNotFoundError(f"no checkpoint at {path} (expected a step_* folder or a run with checkpoints/latest)")
+
+
+def latest_checkpoint(root: Path) -> Path:
+    """The folder `root/latest` names; CheckpointError when it names none (damaged, empty, or a folder that is
+    gone), saying which checkpoints are there to resume from instead."""
+    pointer = root / LATEST
+    steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+    instead = (f"pass --resume {root}/step_N (there: {', '.join(steps)})" if steps else
+               f"{root} holds no step_* checkpoint folder to resume from")
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer} is not UTF-8 text (it should name a checkpoint folder): it is damaged; "
+                              f"resume from an earlier checkpoint: {instead}") from None
+    if not name:
+        raise CheckpointError(f"{pointer} is empty (it should name a checkpoint folder); {instead}")
+    if not (root / name).is_dir():
+        raise CheckpointError(f"{pointer} names {name}, which is missing; {instead}")
+    return root / name
 
 
 def sha256(path: Path) -> str:
@@ -214,6 +233,13 @@ def verify_checkpoint(ckpt: Path) -> None:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {ckpt} has no readable {MANIFEST} ({type(err).__name__}): it is "
                               "incomplete or not a checkpoint; resume from an earlier checkpoint") from err
+    entry = {"sha256": str, "bytes": int}
+    if not (isinstance(manifest, dict) and "trainer_state.pt" in manifest and all(
+            isinstance(want, dict) and all(type(want.get(k)) is t for k, t in entry.items())
+            for want in manifest.values())):
+        raise CheckpointError(f"{manifest_path} is damaged (it should map every file of the checkpoint, "
+                              "trainer_state.pt among them, to its sha256 and bytes); resume from an earlier "
+                              "checkpoint")
     for name, want in manifest.items():
         path = ckpt / name
         if not path.is_file():
@@ -232,6 +258,16 @@ def load_trainer_state(ckpt: Path) -> dict:
     except Exception as err:  # a truncated file, or a pickle that is more than tensors and containers
         raise CheckpointError(f"{ckpt / 'trainer_state.pt'} cannot be loaded ({err}); resume from an earlier "
                               "checkpoint") from err
+
+
+def check_state(ckpt: Path, state, keys, where: str = "") -> None:
+    """CheckpointError unless `state` (the trainer state, or one of its entries: `where`) is a dict holding
+    every one of `keys`: a damaged file, or one of another caspo version."""
+    missing = [k for k in keys if k not in state] if isinstance(state, dict) else None
+    if missing is None or missing:
+        what = "is not a dict" if missing is None else f"lacks {', '.join(map(str, missing))}"
+        raise CheckpointError(f"{ckpt / 'trainer_state.pt'}{f' ({where})' if where else ''} {what}: it is damaged "
+                              "or written by another caspo version; resume from an earlier checkpoint")
 
 
 def is_sharded(ckpt: Path) -> bool:

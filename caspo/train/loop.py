@@ -226,11 +226,15 @@ def train(cfg: Config, resume: str | None = None, refresh: Optional[BetweenSegme
         if device.type == "cuda" else None
     load = machine_load(cuda_index)  # before the trainer takes the machine
     tr = build_trainer(cfg)
+    changes = []  # settings this config changes from the checkpoint's: said, and kept in run.json
+    if checkpoint is not None:  # a refused or failed resume leaves the run's files (its config.yaml) as they were
+        changes = restore(tr, checkpoint)
+        if tr.step > cfg.train.steps:  # equal: nothing left to train, but the run ends (its final evaluation)
+            raise ConfigError(f"the checkpoint is at step {tr.step}; set train.steps >= {tr.step} (it is "
+                              f"{cfg.train.steps})")
     tr.run_dir.mkdir(parents=True, exist_ok=True)
     (tr.run_dir / "config.yaml").write_text(to_yaml(cfg))
-    changes = []  # settings this config changes from the checkpoint's: said, and kept in run.json
     if checkpoint is not None:
-        changes = restore(tr, checkpoint)
         console.print(f"resumed from {checkpoint} at step {tr.step}, policy version {tr.version}")
         if changes:
             console.print(f"[yellow]settings changed from the checkpoint's:[/] {'; '.join(changes)}")

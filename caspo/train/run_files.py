@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from caspo.config import Config
+from caspo.config import Config, ConfigError
 from caspo.runlog import console
 from caspo.train import checkpoint as ckpt
 
@@ -24,8 +24,12 @@ def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | 
     from another run's checkpoint (a branch), refuses a folder that holds a run unless `overwrite` (which
     removes that run's files)."""
     run_dir = Path(cfg.train.output_dir)
+    if resume == "latest" and overwrite:
+        raise ConfigError(both_error(run_dir))
     checkpoint = ckpt.resolve_checkpoint(run_dir if resume == "latest" else resume) if resume else None
     own = checkpoint is not None and checkpoint.resolve().parent == (run_dir / "checkpoints").resolve()
+    if own and overwrite:
+        raise ConfigError(both_error(run_dir))
     if own:
         later = sorted(p.name for p in checkpoint.parent.glob("step_*") if p.name > checkpoint.name)
         if later:
@@ -41,6 +45,13 @@ def prepare_run_dir(cfg: Config, resume: str | None, overwrite: bool) -> Path | 
         path = run_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return checkpoint
+
+
+def both_error(run_dir: Path) -> str:
+    """--resume of the run's own checkpoint with --overwrite, which would remove that checkpoint. (A branch, the
+    checkpoint of another run, may take --overwrite: it starts a new run in a folder that holds one.)"""
+    return (f"--resume and --overwrite together: --resume continues the run in {run_dir}, --overwrite deletes it "
+            "(its checkpoints among its files); give one: --resume to continue, --overwrite to start over")
 
 
 def load_during(loads: list[float]) -> dict:

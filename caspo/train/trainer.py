@@ -224,8 +224,11 @@ def restore(tr: Trainer, checkpoint: Path) -> list[str]:
         return restore_sharded(tr, checkpoint)
     ckpt.verify_checkpoint(checkpoint)
     state = ckpt.load_trainer_state(checkpoint)
+    check_state(checkpoint, state, [*STATE_KEYS, "optimizers", "rng", "snapshots"])
     changes = config_changes(state["config"], to_dict(tr.cfg))
     check_same_run(tr, checkpoint, state, state["optimizers"], changes)
+    check_learner_states(tr, checkpoint, state, ["optimizers", "schedulers"]
+                         + (["master_weights"] if "master_weights" in state else []))
     tr.method_state.load_state_dict(tr, state)
     for name, lr in learners(tr).items():
         if "master_weights" in state:
@@ -253,14 +256,33 @@ def restore_sharded(tr: Trainer, checkpoint: Path) -> list[str]:
     if error:
         raise ckpt.CheckpointError(error)
     state = ckpt.load_trainer_state(checkpoint)
+    check_state(checkpoint, state, STATE_KEYS)
     changes = config_changes(state["config"], to_dict(tr.cfg))
     check_same_run(tr, checkpoint, state, state.get("learners", ()), changes)
+    check_learner_states(tr, checkpoint, state, ["schedulers"])
     tr.method_state.load_state_dict(tr, state)
     own = sharded.restore(checkpoint, learners(tr), state.get("world_size", 1))
     for name, lr in learners(tr).items():
         lr.scheduler.load_state_dict(state["schedulers"][name])
     restore_counters(tr, state, rng=own["rng"], snapshots=own["snapshots"])
     return describe_changes(changes)
+
+
+# what `restore` reads of every checkpoint's trainer state (a one-process one also "optimizers", "rng", "snapshots")
+STATE_KEYS = ("step", "version", "config", "schedulers", "loss_scaler", "cursor", "update_rng")
+
+
+def check_state(checkpoint: Path, state, keys) -> None:
+    """The trainer state holds `keys`, and a config naming its method (CheckpointError if not)."""
+    ckpt.check_state(checkpoint, state, keys)
+    ckpt.check_state(checkpoint, state["config"], ["method"], "config")
+    ckpt.check_state(checkpoint, state["config"]["method"], ["name"], "config.method")
+
+
+def check_learner_states(tr: Trainer, checkpoint: Path, state: dict, entries: list[str]) -> None:
+    """Each of `entries` of the trainer state holds every trained model's state (CheckpointError if not)."""
+    for entry in entries:
+        ckpt.check_state(checkpoint, state[entry], sorted(learners(tr)), entry)
 
 
 def kept_by_the_optimizer_state(tr: Trainer) -> list[str]:
