@@ -68,3 +68,49 @@ def test_a_second_run_into_the_same_folder_needs_overwrite(tmp_path):
     run_sft(cfg, tmp_path / "p", overwrite=True)
     log = [json.loads(line) for line in (tmp_path / "p" / "sft_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2]
+
+
+def test_sft_refuses_a_folder_that_holds_another_model_without_overwrite(tmp_path):
+    """A run's checkpoint policy or any model folder (config.json, *.safetensors, manifest.json) that SFT did not
+    write is refused, not overwritten; --overwrite replaces it."""
+    import shutil
+
+    import pytest
+
+    from caspo.config import ConfigError
+    from caspo.models.policy import ASSETS
+
+    target = tmp_path / "checkpoints" / "step_000002" / "policy"
+    shutil.copytree(ASSETS / "tiny-arith", target, ignore=shutil.ignore_patterns("sft*_log.jsonl"))  # a policy
+    before = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
+    cfg = load_config("tests", ["sft.steps=1", "sft.batch_size=2", "sft.eval_every=0"])
+    with pytest.raises(ConfigError, match=r"--output .*policy holds a model already \(config\.json, "
+                                          r"model\.safetensors\); pass --overwrite to replace it"):
+        run_sft(cfg, target)
+    assert {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == before
+    run_sft(cfg, target, overwrite=True)
+    assert (target / "sft_log.jsonl").is_file()
+    assert (target / "model.safetensors").read_bytes() != before["model.safetensors"]
+
+
+def test_sft_writes_into_an_empty_or_model_free_folder(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "README").write_text("notes")
+    run_sft(load_config("tests", ["sft.steps=1", "sft.batch_size=2", "sft.eval_every=0"]), tmp_path / "p")
+    assert (tmp_path / "p" / "model.safetensors").is_file()
+
+
+def test_sft_divergence_is_a_one_line_user_error(tmp_path):
+    """A NaN loss ends `caspo sft` with its message and exit status 2, no traceback."""
+    from typer.testing import CliRunner
+
+    from caspo.cli import app, user_errors
+
+    result = CliRunner().invoke(app, ["sft", "tests", "--output", str(tmp_path / "o"), "sft.lr=1e30",
+                                      "sft.warmup_steps=0", "sft.steps=5", "sft.batch_size=2", "sft.eval_every=0"])
+    assert result.exit_code == 2, result.output
+    assert "sft error: SFT loss is nan at step " in result.output and "; lower sft.lr (now 1e+30)" in result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, FloatingPointError)
+    from caspo.train.sft import TrainingDiverged
+
+    assert issubclass(TrainingDiverged, user_errors())

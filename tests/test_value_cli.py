@@ -154,3 +154,151 @@ def test_probe_reads_values_at_a_runs_precision(labels_path, labels):
     assert abs(probed["fp32"]["spearman"] - probed["bf16"]["spearman"]) < 0.1  # bf16 keeps V's ranking
     result = run("probe", value_model, labels_path, "--allow-mismatch", "--precision", "fp8")
     assert result.exit_code == 2 and "--precision fp8: use one of fp32, bf16, fp16" in result.output
+
+
+# Bad input: each refused up front, with a message naming the flag and no traceback (exit status 2).
+
+TRAIN = ["train", "labels.jsonl", "--policy", "embedded:tiny-arith", "--out", "v"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (TRAIN + ["--batch-size", 0], "--batch-size"),
+    (TRAIN + ["--micro-batch-size", 0], "--micro-batch-size"),
+    (TRAIN + ["--epochs", 0], "--epochs"),
+    (TRAIN + ["--threads", -3], "--threads"),
+    (TRAIN + ["--eval-every", -1], "--eval-every"),
+    (["collect", "tests", "--out", "l.jsonl", "--prompts", 0], "--prompts"),
+    (["collect", "tests", "--out", "l.jsonl", "--prompts", -5], "--prompts"),
+    (["collect", "tests", "--out", "l.jsonl", "--k", 1], "--k"),
+    (["collect", "tests", "--out", "l.jsonl", "--j", 0], "--j"),
+    (["collect", "tests", "--out", "l.jsonl", "--boundaries", 0], "--boundaries"),
+    (["probe", "v", "labels.jsonl", "--batch-size", 0], "--batch-size"),
+    (["probe", "v", "labels.jsonl", "--threads", -1], "--threads"),
+    (["check-mc", "tests", "--prompts", 0], "--prompts"),
+    (["check-mc", "tests", "--k", 0], "--k"),
+    (["check-mc", "tests", "--m", 0], "--m"),
+    (["check-mc", "tests", "--planted", 0], "--planted"),
+    (["check-spurious", "v", "tests", "--problems", 0], "--problems"),
+    (["check-spurious", "v", "tests", "--problems", -1], "--problems"),
+    (["check-spurious", "v", "tests", "--threads", -1], "--threads"),
+])
+def test_value_commands_refuse_a_count_out_of_range(tmp_path, monkeypatch, args, flag):
+    monkeypatch.chdir(tmp_path)
+    result = run(*args)
+    assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "-1"), ("--lr", "0"), ("--lr", "nan"), ("--beta", "0"),
+                                         ("--beta", "-2"), ("--beta", "inf")])
+def test_value_train_refuses_a_rate_or_scale_that_is_not_positive(tmp_path, monkeypatch, flag, value):
+    monkeypatch.chdir(tmp_path)
+    result = run(*TRAIN, flag, value)
+    assert result.exit_code == 2 and f"{flag} {float(value)}: must be a finite number > 0" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_value_collect_refuses_a_state_temperature_that_is_not_positive(tmp_path):
+    result = run("collect", "tests", "--out", tmp_path / "l.jsonl", "--state-temperature", 0)
+    assert result.exit_code == 2 and "--state-temperature 0.0: must be a finite number > 0" in result.output
+
+
+@pytest.mark.parametrize("command", [TRAIN, ["probe", "v", "labels.jsonl"]])
+def test_value_device_flags_are_checked_and_named(tmp_path, monkeypatch, command):
+    """--device is checked as model.device is, and its messages name --device, not model.device."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    bogus = run(*command, "--device", "bogus")
+    assert bogus.exit_code == 2, bogus.output
+    assert "--device 'bogus': use cpu, cuda, cuda:N (a GPU's index) or auto" in bogus.output
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cuda = run(*command, "--device", "cuda")
+    assert cuda.exit_code == 2, cuda.output
+    assert "--device cuda but no CUDA device is visible; use --device cpu" in cuda.output
+    assert "model.device" not in cuda.output
+
+
+def test_resolve_device_names_model_device_by_default(monkeypatch):
+    import torch
+
+    from caspo.config import ConfigError
+    from caspo.models.policy import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^model.device=cuda:1 but no CUDA device is visible; use model.device=cpu$"):
+        resolve_device("cuda:1")
+    with pytest.raises(ConfigError, match=r"^model.device='gpu': use cpu, cuda, cuda:N"):
+        resolve_device("gpu")
+    assert resolve_device("auto").type == "cpu" and resolve_device("cpu").type == "cpu"
+
+
+@pytest.mark.parametrize("files", [["config.json"], ["model.safetensors"], ["manifest.json"]])
+def test_value_train_refuses_an_out_folder_that_holds_a_model(tmp_path, files):
+    out = tmp_path / "policy"
+    out.mkdir()
+    for name in files:
+        (out / name).write_text("{}")
+    result = run("train", tmp_path / "labels.jsonl", "--policy", "embedded:tiny-arith", "--out", out)
+    assert result.exit_code == 2, result.output
+    assert f"--out {out} holds a model already ({files[0]}); pass --overwrite" in result.output
+    assert sorted(p.name for p in out.iterdir()) == files and (out / files[0]).read_text() == "{}"
+
+
+def test_value_train_overwrites_a_model_folder_with_overwrite(tmp_path, labels_path):
+    out = tmp_path / "value"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("kept")  # no model file: an empty or unrelated folder is not refused
+    summary = json.loads(ok("train", labels_path, "--policy", "embedded:tiny-arith", "--out", out,
+                            "--val-fraction", 0.5, "--epochs", 1, "--batch-size", 8, "--overwrite"))
+    assert summary["out"] == str(out) and (out / "value_config.json").is_file()
+    assert json.loads((out / "config.json").read_text())  # the value model's own config now
+
+
+def test_value_train_writes_into_a_folder_without_a_model(tmp_path, labels_path):
+    out = tmp_path / "value"
+    out.mkdir()
+    (out / "notes.txt").write_text("kept")
+    ok("train", labels_path, "--policy", "embedded:tiny-arith", "--out", out, "--val-fraction", 0.5,
+       "--epochs", 1, "--batch-size", 8)
+    assert (out / "value_config.json").is_file() and (out / "notes.txt").read_text() == "kept"
+
+
+def empty_shard(header: dict, path, shard: str):
+    from caspo.value.labels import write_label_file
+
+    kept = {k: v for k, v in header.items() if k not in ("format", "rows")}
+    return write_label_file(path, {**kept, "shard": shard}, [])
+
+
+def test_value_merge_refuses_to_write_an_empty_label_file(tmp_path, labels):
+    from caspo.value.labels import write_label_file
+
+    shards = [empty_shard(labels.header, tmp_path / f"s{i}.jsonl", f"{i}/2") for i in range(2)]
+    result = run("merge", tmp_path / "m.jsonl", *shards)
+    assert result.exit_code == 2, result.output
+    assert "the 2 shards hold no labelled prefix" in result.output and "not written" in result.output
+    assert not (tmp_path / "m.jsonl").exists()
+    # one empty shard among others is fine: a shard may have no mixed-outcome prompt
+    kept = {k: v for k, v in labels.header.items() if k not in ("format", "rows")}
+    write_label_file(tmp_path / "s0.jsonl", {**kept, "shard": "0/2"}, labels.rows)
+    assert f"{len(labels.rows)} rows from 2 shards" in ok("merge", tmp_path / "m.jsonl", *shards)
+
+
+def test_value_collect_refuses_to_write_an_empty_collection(tmp_path, monkeypatch):
+    """No prompt with both a right and a wrong base rollout: no file for a whole collection, an empty shard of
+    several (the merge then judges)."""
+    import caspo.value.collect as collect_module
+
+    def all_wrong(cfg, setup, data, chunk, k, *args, **kwargs):
+        return [[1, 2, 3]] * (len(chunk) * k), [0.0] * (len(chunk) * k)
+
+    monkeypatch.setattr(collect_module, "base_rollouts", all_wrong)
+    args = ["collect", "tests", "reward.workers=0", "model.threads=1", "--prompts", 4, "--k", 2]
+    whole = run(*args, "--out", tmp_path / "l.jsonl")
+    assert whole.exit_code == 2, whole.output
+    assert "none of the 4 prompts had both a right and a wrong answer among its 2 base rollouts" in whole.output
+    assert not (tmp_path / "l.jsonl").exists()
+    ok(*args, "--shard", "1/2", "--out", tmp_path / "l1.jsonl")
+    assert read_label_file(tmp_path / "l1.jsonl").rows == []

@@ -240,9 +240,17 @@ def tiny_looped_config(vocab_size: int, *, layout: str, depth: int, hidden: int 
                         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, setting: str = "model.device") -> torch.device:
+    """The torch device of a device string (cpu, cuda, cuda:N, or auto: cuda when one is visible). `setting`
+    names where the string came from in the messages: a config key (model.device) or a flag (--device)."""
+    from caspo.config.validate import DEVICE  # the config's own rule for model.device
+
+    is_ = " " if setting.startswith("-") else "="  # `--device cuda`, `model.device=cuda`
+    if not DEVICE.fullmatch(device):
+        raise ConfigError(f"{setting}{is_}{device!r}: use cpu, cuda, cuda:N (a GPU's index) or auto "
+                          "(cuda when available)")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"model.device={device} but no CUDA device is visible; use model.device=cpu")
+        raise ConfigError(f"{setting}{is_}{device} but no CUDA device is visible; use {setting}{is_}cpu")
     return torch.device(device)

@@ -34,6 +34,29 @@ from caspo.runlog import JsonlWriter, console, progress_bar
 from caspo.train.optim import build_scheduler
 
 LOG = "sft_log.jsonl"  # one line a step
+MODEL_FILES = ("config.json", "manifest.json", "*.safetensors")  # what makes a folder a model or a checkpoint
+
+
+class TrainingDiverged(ConfigError):
+    """The loss became NaN or infinite: a setting to change (sft.lr), so a user error, not a crash."""
+
+
+def model_files(folder: str | Path) -> list[str]:
+    """The files of `folder` that make it a model or checkpoint folder (MODEL_FILES): a model written there
+    would replace them."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted({p.name for pattern in MODEL_FILES for p in folder.glob(pattern)})
+
+
+def refuse_model_folder(folder: str | Path, flag: str) -> None:
+    """ConfigError if `folder` holds a model: the command writing to it needs --overwrite to replace it."""
+    found = model_files(folder)
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ConfigError(f"{flag} {folder} holds a model already ({shown}); pass --overwrite to replace it, "
+                          f"or another {flag}")
 
 def sft_batch(tokenizer, pairs: list[tuple[str, str]], device) -> tuple[torch.Tensor, ...]:
     """Right-padded prompt+target+EOS; labels are -100 except on the target and EOS."""
@@ -80,6 +103,8 @@ def run_sft(cfg: Config, output: str | Path, init: str | None = None, overwrite:
     if (output / LOG).exists() and not overwrite:  # its log would hold two runs, its policy the second
         raise ConfigError(f"{output} holds an SFT run already ({LOG}); pass --overwrite to replace it, or "
                           "another --output")
+    if not overwrite:  # another command's model, a run's checkpoint: the policy written here would replace it
+        refuse_model_folder(output, "--output")
     torch.manual_seed(s.seed)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
@@ -121,7 +146,8 @@ def run_sft(cfg: Config, output: str | Path, init: str | None = None, overwrite:
                               f"boxed {record['eval_boxed_rate']:.3f}")
             log.write(record)
             if not math.isfinite(record["loss"]):
-                raise FloatingPointError(f"SFT loss is {record['loss']} at step {step + 1}; lower sft.lr")
+                raise TrainingDiverged(f"SFT loss is {record['loss']} at step {step + 1}; lower sft.lr "
+                                       f"(now {s.lr:g})")
             progress.update(bar, completed=step + 1, status=f"loss {record['loss']:.4f}")
     log.close()
     model.eval()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import List, Literal, Optional
 
@@ -30,6 +31,21 @@ from caspo.config import ConfigError
 value_app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 THREADS_HELP = "CPU threads for torch (0: torch's default); more than the free cores makes small models far slower"
+DEVICE_HELP = "cpu, cuda, cuda:N (a GPU's index) or auto (cuda when available)"
+
+
+def positive(flag: str, value: float) -> float:
+    """`value` if it is a finite number > 0, else a ConfigError naming `flag`."""
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} {value}: must be a finite number > 0")
+    return value
+
+
+def torch_device(flag: str, device: str) -> str:
+    """The device `device` names (auto resolved), checked as model.device is: a ConfigError naming `flag`."""
+    from caspo.models.policy import resolve_device
+
+    return str(resolve_device(device, flag))
 
 
 @value_app.command()
@@ -37,10 +53,12 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
             out: Path = typer.Option(..., help="label file to write (JSONL)"),
             shard: str = typer.Option("0/1", help="i/n: this process takes prompts i, i+n, i+2n, ..."),
             recipe: str = typer.Option("cpu", help="sizes: cpu (embedded policy, minutes) or gpu (K=16, J=16, S=5)"),
-            prompts: Optional[int] = typer.Option(None, help="training prompts over all shards (recipe's if unset)"),
-            k: Optional[int] = typer.Option(None, help="base rollouts per prompt"),
-            j: Optional[int] = typer.Option(None, help="continuations per labelled prefix"),
-            boundaries: Optional[int] = typer.Option(None, help="labelled step boundaries per rollout (S)"),
+            prompts: Optional[int] = typer.Option(None, min=1, help="training prompts over all shards (recipe's "
+                                                                    "if unset)"),
+            k: Optional[int] = typer.Option(None, min=2, help="base rollouts per prompt (at least 2: a prompt is "
+                                                              "labelled when they hold a right and a wrong one)"),
+            j: Optional[int] = typer.Option(None, min=1, help="continuations per labelled prefix"),
+            boundaries: Optional[int] = typer.Option(None, min=1, help="labelled step boundaries per rollout (S)"),
             splitter: Optional[str] = typer.Option(None, help="newline | latex (default: newline for arith)"),
             pairing: Literal["all", "paper", "paper_multi"] = typer.Option(
                 "all", help="labelled rollouts of a mixed-outcome prompt: all of them, one right and one wrong "
@@ -56,6 +74,8 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
 
     if recipe not in RECIPES:
         raise typer.BadParameter(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if state_temperature is not None:
+        positive("--state-temperature", state_temperature)
     if nproc > 1:
         from caspo.models.policy import resolve_device
         from caspo.value.shards import collect_shards
@@ -72,7 +92,8 @@ def collect(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     sizes = {"prompts": prompts, "k": k, "j": j, "boundaries": boundaries, "state_temperature": state_temperature}
     spec = dataclasses.replace(RECIPES[recipe], pairing=pairing,
                                **{key: v for key, v in sizes.items() if v is not None})
-    header = run_collect(checked_config(preset, overrides), spec, out, parse_shard(shard), splitter)
+    part = parse_shard(shard)  # one shard of several may label nothing; a whole collection that does is no use
+    header = run_collect(checked_config(preset, overrides), spec, out, part, splitter, allow_empty=part[1] > 1)
     typer.echo(json.dumps({key: v for key, v in header.items() if key != "provenance"}, indent=2))
 
 
@@ -82,7 +103,7 @@ def merge(out: Path = typer.Argument(..., help="merged label file to write"),
     """Concatenate the shards of one collection (all of them, each once)."""
     from caspo.value.labels import merge_label_files
 
-    merged = merge_label_files(shards, out)
+    merged = merge_label_files(shards, out, allow_empty=False)
     typer.echo(f"{len(merged.rows)} rows from {len(shards)} shards -> {out}")
 
 
@@ -92,39 +113,47 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
           out: Path = typer.Option(..., help="folder for the best value model, metrics.json, calibration.png"),
           val_split: str = typer.Option("prompt", help="row | prompt | file:PATH (a held-out label file)"),
           val_fraction: float = typer.Option(0.1, help="share of rows or prompts held out (row / prompt split)"),
-          beta: float = typer.Option(10.0, help="V = β Σ log(π_φ/π_ref)"),
-          lr: float = typer.Option(3e-4, help="AdamW learning rate (a 1.5B full fine-tune wants ~5e-6)"),
-          epochs: int = typer.Option(2),
-          batch_size: int = typer.Option(16, help="rollouts per optimizer step"),
-          micro_batch_size: int = typer.Option(16, help="rollouts per forward"),
-          eval_every: int = typer.Option(0, help="optimizer steps between validations (0: once per epoch)"),
+          beta: float = typer.Option(10.0, help="V = β Σ log(π_φ/π_ref) (> 0)"),
+          lr: float = typer.Option(3e-4, help="AdamW learning rate, > 0 (a 1.5B full fine-tune wants ~5e-6)"),
+          epochs: int = typer.Option(2, min=1),
+          batch_size: int = typer.Option(16, min=1, help="rollouts per optimizer step"),
+          micro_batch_size: int = typer.Option(16, min=1, help="rollouts per forward"),
+          eval_every: int = typer.Option(0, min=0, help="optimizer steps between validations (0: once per epoch)"),
           max_train_prefix_len: int = typer.Option(0, min=0, help="drop training prefixes longer than this many "
                                                    "response tokens, counted (0: keep all)"),
           save_every: int = typer.Option(0, min=0, help="also save the model every N epochs in "
                                          "OUT/step_NNNNNN/ with that epoch's metrics (0: only the best)"),
           merge_duplicates: bool = typer.Option(False, help="one forward per distinct rollout, weighted by its "
                                                 "copies (same loss; batch-size then counts distinct rollouts)"),
-          seed: int = typer.Option(0), device: str = typer.Option("cpu"),
-          threads: int = typer.Option(1, help=THREADS_HELP),
+          seed: int = typer.Option(0), device: str = typer.Option("cpu", help=DEVICE_HELP),
+          threads: int = typer.Option(1, min=0, help=THREADS_HELP),
           nproc: int = typer.Option(1, "--nproc", min=1, help="ranks, one per device (torchrun underneath): φ and "
-                                                              "the reference sharded with FSDP2")):
+                                                              "the reference sharded with FSDP2"),
+          overwrite: bool = typer.Option(False, "--overwrite", help="replace a model already in --out")):
     """Fit a prefix value model: BCE of σ(V/β) against p̂; keeps the best validation ρ."""
     import subprocess
 
     import torch
 
     from caspo.train import distributed
+    from caspo.train.sft import refuse_model_folder
     from caspo.value.train import TrainSpec, train_value
 
+    positive("--beta", beta)
+    positive("--lr", lr)
     if nproc > 1 and device.startswith("cuda:"):
         raise ConfigError(f"--device {device} with --nproc {nproc} would put every rank on one card; pass --device "
                           "cuda: rank r then takes cuda:LOCAL_RANK")
+    torch_device("--device", device)  # checked here; each rank resolves its own
+    if not overwrite:  # a policy, a run's checkpoint or another value model: the best φ would replace it
+        refuse_model_folder(out, "--out")
     if nproc > 1 and not distributed.launched():  # start the ranks, each running this command without --nproc
         options = {"--policy": policy, "--out": out, "--val-split": val_split, "--val-fraction": val_fraction,
                    "--beta": beta, "--lr": lr, "--epochs": epochs, "--batch-size": batch_size,
                    "--micro-batch-size": micro_batch_size, "--eval-every": eval_every,
                    "--max-train-prefix-len": max_train_prefix_len, "--save-every": save_every, "--seed": seed,
-                   "--device": device, "--threads": threads, "--merge-duplicates": merge_duplicates}
+                   "--device": device, "--threads": threads, "--merge-duplicates": merge_duplicates,
+                   "--overwrite": overwrite}
         argv = ["value", "train", str(labels), *option_argv(options)]
         raise typer.Exit(subprocess.call(distributed.launch_command(nproc, argv)))
     if threads:
@@ -145,8 +174,9 @@ def probe(checkpoint: Path = typer.Argument(..., help="prefix value model folder
           labels: Path = typer.Argument(..., help="label file to judge it on"),
           out: Optional[Path] = typer.Option(None, help="folder for metrics.json and calibration.png"),
           allow_mismatch: bool = typer.Option(False, help="probe even if the labels' provenance differs"),
-          batch_size: int = typer.Option(32, help="rollouts per forward"),
-          device: str = typer.Option("cpu"), threads: int = typer.Option(1, help=THREADS_HELP),
+          batch_size: int = typer.Option(32, min=1, help="rollouts per forward"),
+          device: str = typer.Option("cpu", help=DEVICE_HELP),
+          threads: int = typer.Option(1, min=0, help=THREADS_HELP),
           precision: str = typer.Option("fp32", help="fp32, bf16 or fp16: read V as a run of that "
                                                      "train.precision does")):
     """Spearman ρ, within-response ρ, AUC and accuracy of a value model on a label file."""
@@ -159,6 +189,9 @@ def probe(checkpoint: Path = typer.Argument(..., help="prefix value model folder
     from caspo.value.labels import read_label_file
     from caspo.value.probe import evaluate, write_report
 
+    device = torch_device("--device", device)
+    if precision not in COMPUTE_DTYPES:
+        raise ConfigError(f"--precision {precision}: use one of {', '.join(COMPUTE_DTYPES)}")
     if threads:
         torch.set_num_threads(threads)
     label_file = read_label_file(labels)
@@ -166,8 +199,6 @@ def probe(checkpoint: Path = typer.Argument(..., help="prefix value model folder
     check_provenance(model.provenance, label_file.provenance, f"label file {labels}", allow_mismatch,
                      ignore=("reference",))  # label sets have no reference
     pad = load_tokenizer(checkpoint).pad_token_id
-    if precision not in COMPUTE_DTYPES:
-        raise ConfigError(f"--precision {precision}: use one of {', '.join(COMPUTE_DTYPES)}")
     metrics, values = evaluate(model, label_file.rows, pad, batch_size, device, precision)
     if out is not None:
         write_report(out, metrics, values, label_file.rows, model.beta, f"probe {checkpoint.name} on {labels.name}",
@@ -203,10 +234,10 @@ def smoke(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
 
 @value_app.command("check-mc")
 def check_mc(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
-             prompts: int = typer.Option(200, help="held-out prompts"),
-             k: int = typer.Option(9, help="continuations per V(prompt)"),
-             m: int = typer.Option(64, help="independent samples per prompt for the reference rate"),
-             planted: int = typer.Option(50, help="prompts that also get a planted wrong first line"),
+             prompts: int = typer.Option(200, min=1, help="held-out prompts"),
+             k: int = typer.Option(9, min=1, help="continuations per V(prompt)"),
+             m: int = typer.Option(64, min=1, help="independent samples per prompt for the reference rate"),
+             planted: int = typer.Option(50, min=1, help="prompts that also get a planted wrong first line"),
              out: Optional[Path] = typer.Option(None, help="JSON report to write")):
     """Check MC values: z-scores of V(prompt) against independent samples; a planted wrong line."""
     from caspo.value.mc_check import run_check
@@ -221,8 +252,8 @@ def check_mc(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
 @value_app.command("check-spurious")
 def check_spurious(checkpoint: Path = typer.Argument(..., help="prefix value model folder"),
                    preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
-                   problems: int = typer.Option(100, help="held-out problems ending in + or −"),
-                   threads: int = typer.Option(1, help=THREADS_HELP)):
+                   problems: int = typer.Option(100, min=1, help="held-out problems ending in + or −"),
+                   threads: int = typer.Option(1, min=0, help=THREADS_HELP)):
     """Does the value model rank a spurious extra line below the correct state? (arithmetic task)"""
     import torch
 

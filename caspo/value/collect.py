@@ -25,7 +25,7 @@ from caspo.rollout.sampling import sample_seed
 from caspo.runlog import console, progress_bar
 from caspo.segment import SPLITTERS, splitter_name, step_splitter
 from caspo.train.monte_carlo import Prefix, continuation_seed, estimate_prefixes, step_start_indices
-from caspo.value.labels import LabelRow, write_label_file
+from caspo.value.labels import LabelFileError, LabelRow, write_label_file
 from caspo.value.rollout import rollout_setup
 
 COLLECT_STEP = -1  # the `step` of phase-1 seeds: no outer RL step has run
@@ -109,9 +109,10 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, int] = (0, 1),
-            splitter: Optional[str] = None, seed_step: int = COLLECT_STEP) -> dict:
+            splitter: Optional[str] = None, seed_step: int = COLLECT_STEP, allow_empty: bool = True) -> dict:
     """Write the label file of one shard; returns its header. Responses split into steps as training splits
-    them (method.step_splitter, max_steps, after_final_box); `splitter` overrides method.step_splitter."""
+    them (method.step_splitter, max_steps, after_final_box); `splitter` overrides method.step_splitter.
+    Without `allow_empty`, a collection that labels no prefix is a LabelFileError and writes nothing."""
     if splitter is not None:
         if splitter not in SPLITTERS:
             raise ConfigError(f"unknown splitter {splitter!r}; choose from {sorted(SPLITTERS)}")
@@ -179,6 +180,10 @@ def collect(cfg: Config, spec: CollectSpec, out: str | Path, shard: tuple[int, i
     header = {"shard": f"{shard[0]}/{shard[1]}", **asdict(spec), "splitter": splitter, "seed": cfg.train.seed,
               "seed_step": seed_step, "policy_source": cfg.model.policy, "provenance": provenance, "stats": stats}
     header.pop("chunk")
+    if not rows and not allow_empty:
+        raise LabelFileError(f"none of the {len(indices)} prompts had both a right and a wrong answer among its "
+                             f"{spec.k} base rollouts, so no prefix was labelled; {out} not written: raise --prompts "
+                             "or --k")
     write_label_file(out, header, rows)
     console.print(f"{len(rows)} labelled prefixes from {stats['mixed_prompts']} mixed-outcome prompts "
                   f"of {len(indices)} -> {out}")

@@ -107,8 +107,9 @@ def read_label_file(path: str | Path) -> LabelFile:
     return LabelFile(header, rows)
 
 
-def merge_label_files(paths: Sequence[str | Path], out: str | Path) -> LabelFile:
-    """Concatenate the shards i/n (i = 0 … n−1) of one collection, in prompt order."""
+def merge_label_files(paths: Sequence[str | Path], out: str | Path, allow_empty: bool = True) -> LabelFile:
+    """Concatenate the shards i/n (i = 0 … n−1) of one collection, in prompt order. Without `allow_empty`,
+    shards without a row are a LabelFileError and nothing is written."""
     files = [read_label_file(p) for p in paths]
     same = [{k: v for k, v in f.header.items() if k not in ("shard", "rows", "stats")} for f in files]
     for path, header in zip(paths[1:], same[1:]):
@@ -121,6 +122,9 @@ def merge_label_files(paths: Sequence[str | Path], out: str | Path) -> LabelFile
         have = ", ".join(f"{i}/{m}" for i, m in sorted(shards))
         raise LabelFileError(f"need every shard 0/{n} … {n - 1}/{n} exactly once, got {have}")
     rows = sorted((row for f in files for row in f.rows), key=lambda r: (r.prompt_index, r.sample, r.boundary))
+    if not rows and not allow_empty:
+        raise LabelFileError(f"the {n} shards hold no labelled prefix (no prompt had both a right and a wrong base "
+                             f"rollout); {out} not written: collect more prompts or base rollouts (--prompts, --k)")
     stats = {key: sum(f.header["stats"][key] for f in files) for key in files[0].header["stats"]}
     header = {**same[0], "shard": "0/1", "merged_from": n, "stats": stats}
     header.pop("format")

@@ -20,11 +20,11 @@ def shard_path(out: Path, rank: int, n: int) -> Path:
     return out.with_name(f"{out.stem}.shard{rank}of{n}{out.suffix}")
 
 
-def merge_shards(out: Path, n: int) -> int:
+def merge_shards(out: Path, n: int, allow_empty: bool = True) -> int:
     """Merge the n shards of `out` into it, then remove them (the merged file holds all their rows); returns
-    the number of rows."""
+    the number of rows. Without `allow_empty`, shards without a row are a LabelFileError (and stay)."""
     paths = [shard_path(out, r, n) for r in range(n)]
-    rows = len(merge_label_files(paths, out).rows)
+    rows = len(merge_label_files(paths, out, allow_empty).rows)
     for path in paths:
         path.unlink()
     return rows
@@ -71,4 +71,4 @@ def collect_shards(argv: Sequence[str], out: Path, nproc: int, on_cuda: bool) ->
             child.wait()
         raise ConfigError(f"shard {failed}/{nproc} of the collection failed (its error is above); the others "
                           "were stopped")
-    return merge_shards(out, nproc)
+    return merge_shards(out, nproc, allow_empty=False)  # a collection without a row is no use
