@@ -10,7 +10,15 @@ import typer
 from typer.core import TyperGroup
 
 import caspo.allocator  # noqa: F401  (first of caspo's modules: sets the CUDA allocator before torch starts CUDA)
-from caspo.cli_args import OVERRIDES, PRESET, checked_config, option_argv
+from caspo.cli_args import (
+    OVERRIDES,
+    PRESET,
+    check_init,
+    check_output_dir,
+    checked_config,
+    expand_path,
+    option_argv,
+)
 from caspo.config import ConfigError, to_yaml
 from caspo.value.cli import value_app
 
@@ -104,7 +112,9 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     from caspo.train.signals import wait_relaying
     from caspo.value.refresh import train as run_train
 
+    resume = expand_path(resume)
     cfg = checked_config(preset, overrides)
+    check_output_dir(cfg.train.output_dir)
     if (nproc > 1 or ray_address) and not distributed.launched():  # start the ranks, each running this command
         distributed.check_config(cfg, nproc)
         if cfg.train.deterministic:  # in place before any rank starts (Ray passes it on to each)
@@ -150,10 +160,11 @@ def looped(ctx: typer.Context, overrides: Optional[List[str]] = OVERRIDES,
                                                      help="run the ranks on this Ray cluster (host:port, or local)")):
     """The fixed-depth recurrent policy recipe with its flags: caspo train looped-recipe plus the flags as
     overrides; extra key=value arguments pass through after them."""
-    from caspo.cli_looped import PRESET, recipe_overrides
+    from caspo.cli_looped import PRESET, check_pass_through, recipe_overrides
 
     flags = recipe_overrides(algorithm, rollout_batch_size, n_samples_per_prompt, precision, recompute,
                              rlt_cuda_graphs, stop_after, model, data, output_dir)
+    check_pass_through(flags, overrides or [])
     train(ctx, preset=PRESET, overrides=[*flags, *(overrides or [])], resume=resume, overwrite=overwrite,
           nproc=nproc, ray_address=ray_address)
 
@@ -166,6 +177,9 @@ def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     """Supervised fine-tuning of a tiny policy on the arithmetic task."""
     from caspo.train.sft import run_sft
 
+    output, init = expand_path(output), expand_path(init)
+    if init is not None:
+        check_init(init)
     cfg = checked_config(preset, overrides, policy=False, data=False)  # a policy from scratch, arith
     typer.echo(json.dumps(run_sft(cfg, output, init=init, overwrite=overwrite), indent=2))
 
@@ -210,13 +224,16 @@ def evaluate(
     from caspo.eval.targets import resolve
     from caspo.models.policy import EMBEDDED
 
+    policy_or_run, out = expand_path(policy_or_run), expand_path(out)
+    benchmark_list = comma_items("--benchmarks", benchmarks, "list benchmarks (math500, gsm8k, arith, heldout, "
+                                 "data files, ...) or leave it out for eval.benchmarks")
+    comma_items("--checkpoints", checkpoints, "use all, latest, base or step_N, or leave it out for all")
     try:
         targets, run_config = resolve(policy_or_run, checkpoints)
     except ValueError as err:  # the selection does not fit the target (a missing one is a FileNotFoundError)
         raise ConfigError(f"{err}") from None
     flags = {"samples": samples, "limit": limit, "temperature": temperature, "top_p": top_p,
-             "max_new_tokens": max_new_tokens,
-             "benchmarks": [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks else None}
+             "max_new_tokens": max_new_tokens, "benchmarks": benchmark_list}
     # the shipped math sets; and data files, unless the policy is an embedded one, whose preset is arith-tiny
     named = [b for b in flags["benchmarks"] or [] if b in SHIPPED or
              (b not in (ARITH, HELDOUT) and not policy_or_run.startswith(EMBEDDED))]
@@ -227,10 +244,35 @@ def evaluate(
     flag_overrides = [f"eval.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     cfg = checked_config(preset or (str(run_config) if run_config else "arith-tiny"),
                          [*(overrides or []), *flag_overrides], policy=False, data=False)
+    check_policy_override(overrides or [], cfg.model.policy, policy_or_run, targets)
     results = evaluate_targets(cfg, targets, out)
     typer.echo(json.dumps({"out": out, "results": {r["checkpoint"]: {name: b["metrics"] for name, b in
                                                                       r["benchmarks"].items()} for r in results}},
                           indent=2))
+
+
+def comma_items(flag: str, text: str | None, use: str) -> list[str] | None:
+    """A comma-list option's items (None when the option is not given); an empty list is an error."""
+    if text is None:
+        return None
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ConfigError(f"{flag} is empty ({text!r}): {use}")
+    return items
+
+
+def check_policy_override(overrides: list[str], policy: str, policy_or_run: str, targets: list) -> None:
+    """`caspo eval` evaluates its POLICY_OR_RUN argument: a model.policy override is refused unless it names
+    that same policy (it would otherwise be dropped without notice)."""
+    from pathlib import Path
+
+    if not any(item.split("=", 1)[0].strip() == "model.policy" for item in overrides):
+        return
+    same = len(targets) == 1 and (targets[0].policy == policy or (
+        Path(policy).exists() and Path(targets[0].policy).exists() and Path(policy).samefile(targets[0].policy)))
+    if not same:
+        raise ConfigError(f"model.policy={policy}: caspo eval evaluates its target, {policy_or_run} (the target is "
+                          "the policy); pass the policy to evaluate as that argument and leave model.policy out")
 
 
 @app.command("verify-resume")
@@ -258,7 +300,8 @@ def report(runs: List[str] = typer.Argument(..., help="run folders, or suite fol
     from caspo.report.compare import report as write_report
 
     try:
-        path = write_report(expand(runs), out, group_by=group_by, allow_mismatch=allow_mismatch)
+        path = write_report(expand([expand_path(r) for r in runs]), expand_path(out), group_by=group_by,
+                            allow_mismatch=allow_mismatch)
     except ValueError as err:  # runs that do not compare, a bad --group-by, a damaged metrics.jsonl
         raise ConfigError(str(err)) from None
     typer.echo(str(path))
@@ -296,7 +339,7 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
                 raise ConfigError("--devices and --ray-address both place the runs: give one")
             cfg = checked_config(preset, overrides, policy=False, data=False)
             slots = RaySlots(ray_address, ray_slots, cfg.model.device)
-        result = run_suite(preset, methods, seed_list, out, devices=device_list, overrides=overrides or [],
+        result = run_suite(preset, methods, seed_list, expand_path(out), devices=device_list, overrides=overrides or [],
                            benchmarks=benchmarks, group_by=group_by, slots=slots)
     except ValueError as err:  # a bad --methods / --seeds / --devices item, a folder holding another suite
         raise ConfigError(str(err)) from None

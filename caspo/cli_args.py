@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import List, Optional
 
@@ -42,13 +44,56 @@ def checked_config(preset: str, overrides: Optional[List[str]], *, policy: bool 
     if data or HELDOUT in cfg.eval.benchmarks:
         sources = {"data.source": cfg.data.source, "data.eval_source": cfg.data.eval_source, **sources}
     check_sources(sources)
+    check_device_index(cfg.model.device)
     if policy:
         check_policy(cfg.model.policy)
     return cfg
 
 
+def expand_path(path: str | None) -> str | None:
+    """A path argument of the command line with a leading ~ made the home folder (as the config's paths)."""
+    return os.path.expanduser(path) if path and path.startswith("~") else path
+
+
+def check_device_index(device: str) -> None:
+    """model.device=cuda:N names one of the visible CUDA devices (without any, loading says so)."""
+    import torch
+
+    index = re.fullmatch(r"cuda:(\d+)", device)
+    count = torch.cuda.device_count() if index else 0
+    if index and count and int(index.group(1)) >= count:
+        raise ConfigError(f"model.device={device}, but {count} CUDA device{'s are' if count > 1 else ' is'} visible "
+                          f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}); pick one of them or "
+                          "model.device=cuda")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """train.output_dir is a folder, or a path where one can be made (no file on the way)."""
+    path = Path(output_dir)
+    for part in [path, *path.parents]:
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == path else f"is inside {part}, which is a file"
+                raise ConfigError(f"train.output_dir={output_dir} {what}; pass a folder path for the run")
+            return
+
+
+def check_init(init: str) -> None:
+    """`caspo sft --init` takes a policy folder: a run folder or a checkpoint folder gets the policy inside it."""
+    path = Path(init)
+    if (path / "checkpoints").is_dir():
+        steps = sorted(p.name for p in (path / "checkpoints").glob("step_*") if (p / "policy").is_dir())
+        example = path / "checkpoints" / (steps[-1] if steps else "step_N") / "policy"
+        raise ConfigError(f"--init {init} is a run folder; pass one of its checkpoints' policies, e.g. {example}")
+    if path.name.startswith("step_") and (path / "policy").is_dir():
+        raise ConfigError(f"--init {init} is a checkpoint folder; pass its policy: {path / 'policy'}")
+
+
 def check_policy(spec: str) -> None:
     """An embedded policy that ships, a folder with config.json, or a hub id (which only loading can check)."""
+    if not spec.strip():
+        raise ConfigError("model.policy is empty; set it to a policy folder (with config.json), a hub id (ORG/NAME) "
+                          "or embedded:NAME")
     path = resolve_model_path(spec)  # an embedded name that does not ship is an error naming those that do
     if not looks_like_folder(path):
         return

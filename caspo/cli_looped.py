@@ -9,6 +9,14 @@ from __future__ import annotations
 from caspo.config import ConfigError
 
 PRESET = "looped-recipe"
+# the setting each override of `recipe_overrides` stands for -> the flag(s) that set it
+FLAG_OF = {"method.name": "--algorithm", "rollout.prompts_per_step": "--rollout-batch-size",
+           "rollout.samples_per_prompt": "--n-samples-per-prompt",
+           "train.minibatch_size": "--rollout-batch-size × --n-samples-per-prompt (and --algorithm)",
+           "train.epochs_per_rollout": "--algorithm", "train.precision": "--precision",
+           "train.activation_checkpointing": "--recompute", "rollout.cuda_graphs": "--rlt-cuda-graphs",
+           "train.stop_after": "--stop-after", "train.old_logprobs": "--algorithm", "model.policy": "--model",
+           "data.source": "--data", "train.output_dir": "--output-dir"}
 # the recipe's algorithm names -> our method rows: its ppo is actor and critic with GAE
 ALGORITHMS = {"ppo": "ppo_critic", "grpo": "grpo", "dppo": "dppo", "flow-dppo": "flow_dppo"}
 
@@ -49,3 +57,14 @@ def recipe_overrides(algorithm: str, rollout_batch_size: int, n_samples_per_prom
         if value is not None:
             out.append(f"{key}={value}")
     return out
+
+
+def check_pass_through(flags: list[str], overrides: list[str]) -> None:
+    """Refuse a pass-through override of a setting the flags set (the later one would win without notice)."""
+    set_by_flags = {item.split("=", 1)[0] for item in flags}
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if "=" in item and key in set_by_flags:
+            flag = FLAG_OF.get(key, "its flag")
+            raise ConfigError(f"{item}: caspo looped sets {key} from {flag}; use {flag}, not {key} (or run "
+                              f"caspo train {PRESET} with the overrides you want)")

@@ -44,7 +44,11 @@ def files(tmp_path):
     (used / "metrics.jsonl").write_text('{"step": 1}\n')
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
-    return {"rows": bad_rows, "used": used, "empty": not_a_model, "tmp": tmp_path}
+    run = tmp_path / "run1"
+    (run / "checkpoints" / "step_000002" / "policy").mkdir(parents=True)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"train:\n  steps: 2 # caf\xe9\n")
+    return {"rows": bad_rows, "used": used, "empty": not_a_model, "tmp": tmp_path, "run": run, "latin1": latin1}
 
 
 CASES = [  # (command line, the command, part of the message); {name} is a path of the `files` fixture
@@ -67,6 +71,14 @@ CASES = [  # (command line, the command, part of the message); {name} is a path 
     ("train tests train.output_dir={tmp}/run data.max_prompt_tokens=500", "train",
      "a sequence may reach 540 tokens (data.max_prompt_tokens plus the longest of rollout.max_new_tokens"),
     ("sft tests sft.lr=0 --output {tmp}/sft", "sft", "sft.lr must be > 0"),
+    ("config tests model.policy=", "config", "model.policy is empty; set it to a policy folder"),
+    ("config {latin1}", "config", "latin1.yaml is not UTF-8 text (byte 23: invalid continuation byte); re-save it"),
+    ("train tests train.output_dir={rows}", "train", "rows.jsonl is a file; pass a folder path for the run"),
+    ("train tests train.output_dir={rows}/run", "train", "rows.jsonl/run is inside {rows}, which is a file"),
+    ("sft tests --output {tmp}/sft --init {run}", "sft",
+     "--init {run} is a run folder; pass one of its checkpoints' policies, e.g. {run}/checkpoints/step_000002/policy"),
+    ("sft tests --output {tmp}/sft --init {run}/checkpoints/step_000002", "sft",
+     "is a checkpoint folder; pass its policy: {run}/checkpoints/step_000002/policy"),
     ("eval {tmp}/nothing --out {tmp}/out", "eval", "nothing: not a run folder"),
     ("eval embedded:tiny-arith --checkpoints step_3 --out {tmp}/out", "eval", "picks checkpoints of a run folder"),
     ("eval embedded:tiny-arith --samples -1 --out {tmp}/out", "eval", "eval.samples must be >= 0"),
@@ -82,6 +94,8 @@ CASES = [  # (command line, the command, part of the message); {name} is a path 
 def test_user_errors_are_one_line_and_exit_2(files, line, command, message):
     args = line.format(**files).split()
     quick = QUICK if args[0] == "train" else []
+    for name, path in files.items():  # a message may name a path of the fixture (and hold other braces)
+        message = message.replace(f"{{{name}}}", str(path))
     assert_user_error(invoke(*args[:2], *quick, *args[2:]), command, message)
 
 
@@ -185,3 +199,35 @@ def test_a_branch_refuses_a_folder_holding_a_run_and_a_resume_names_what_changed
     (run / "eval" / "step_000600.json").write_text("{}")
     assert invoke("train", "tests", f"train.output_dir={run}", *QUICK, "--overwrite").exit_code == 0
     assert not (run / "eval").exists()
+
+
+def test_a_cuda_index_beyond_the_visible_devices_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert checked_config("tests", ["model.device=cuda:1"]).model.device == "cuda:1"
+    assert checked_config("tests", ["model.device=cuda"]).model.device == "cuda"
+    with pytest.raises(ConfigError, match=r"^model.device=cuda:2, but 2 CUDA devices are visible \(cuda:0 to cuda:1\); "
+                                          "pick one of them or model.device=cuda$"):
+        checked_config("tests", ["model.device=cuda:2"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert_user_error(invoke("config", "tests", "model.device=cuda:1"), "config",
+                      "model.device=cuda:1, but 1 CUDA device is visible (cuda:0)")
+
+
+def test_a_tilde_in_path_arguments_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    seen = {}
+    monkeypatch.setattr("caspo.eval.run.evaluate_targets",
+                        lambda cfg, targets, out: seen.update(policy=targets[0].policy, out=out) or [])
+    import shutil
+
+    from caspo.models.policy import ASSETS
+
+    shutil.copytree(ASSETS / "tiny-arith", tmp_path / "pol")
+    result = invoke("eval", "~/pol", "--out", "~/out", "--benchmarks", "arith", "--limit", 1)
+    assert result.exit_code == 0, result.output
+    assert seen == {"policy": str(tmp_path / "pol"), "out": str(tmp_path / "out")}
+    result = invoke("config", "tests", "model.policy=~/pol", "train.output_dir=~/runs/x")
+    assert result.exit_code == 0, result.output
+    assert f"policy: {tmp_path}/pol" in result.stdout and f"output_dir: {tmp_path}/runs/x" in result.stdout

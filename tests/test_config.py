@@ -326,3 +326,58 @@ def test_capacity_tokens_is_the_native_engines():
         load_config("tests", ["rollout.backend=hf", "rollout.capacity_tokens=4096"])
     assert load_config("tests", ["rollout.backend=native", "rollout.capacity_tokens=4096"]).rollout.capacity_tokens \
         == 4096
+
+
+def test_an_empty_stop_string_is_refused_by_its_index():
+    assert load_config("tests", ["rollout.stop=['x', ' ']"]).rollout.stop == ["x", " "]
+    with pytest.raises(ConfigError, match=r"^rollout.stop\[1\] is empty \(it would end every completion at once\); "
+                                          "remove it$"):
+        load_config("tests", ["rollout.stop=['x', '']"])
+
+
+def test_a_preset_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"train:\n  steps: 2 # caf\xe9\n")
+    with pytest.raises(ConfigError, match=f"^{path} is not UTF-8 text .*; re-save it as UTF-8$"):
+        load_config(path)
+    path.write_bytes("train:\n  steps: 2 # café\n".encode())  # the same text as UTF-8 loads
+    assert load_config(path).train.steps == 2
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  steps: 2\n  steps: 3\n")
+    with pytest.raises(ConfigError, match=f"^{path} line 3: train.steps given twice \\(also at line 2\\); keep one$"):
+        load_config(path)
+    path.write_text("train:\n  steps: 2\nrollout:\n  temperature: 1.0\ntrain:\n  seed: 1\n")
+    with pytest.raises(ConfigError, match="line 5: train given twice"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"override 'eval.benchmarks=\[\{a: 1, a: 2\}\]' line 1: \[0\].a given twice"):
+        load_config("tests", ["eval.benchmarks=[{a: 1, a: 2}]"])
+    path.write_text("train:\n  steps: 2\nrollout:\n  steps: 3\n")  # the same name in two sections is two keys
+    with pytest.raises(ConfigError, match="unknown key rollout.steps"):
+        load_config(path)
+
+
+def test_a_section_with_nothing_under_it_says_so(tmp_path):
+    path = tmp_path / "null.yaml"
+    path.write_text("model:\ntrain:\n  steps: 2\n")
+    with pytest.raises(ConfigError, match=r"^model: the section is empty \(`model:` with nothing under it\); indent "
+                                          "its settings under it, or remove that line$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^data.arith: the section is empty \(`arith:`"):
+        load_config("tests", ["data.arith=null"])
+
+
+def test_a_leading_tilde_in_a_path_setting_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config("tests", ["model.policy=~/pol", "data.source=~/d.jsonl", "data.eval_source=~/e.jsonl",
+                                "train.output_dir=~/runs/x", "method.caspo.value_model=~/v", "eval.benchmarks=[]"])
+    assert (cfg.model.policy, cfg.data.source, cfg.data.eval_source, cfg.train.output_dir,
+            cfg.method.caspo.value_model) == tuple(f"{tmp_path}/{p}"
+                                                   for p in ("pol", "d.jsonl", "e.jsonl", "runs/x", "v"))
+    assert f"output_dir: {tmp_path}/runs/x" in to_yaml(cfg)  # what the run's config.yaml records
+    # a ~ that does not lead, and other settings, are left alone; a preset path may start with ~ too
+    (tmp_path / "p.yaml").write_text("data:\n  template: '~/{query}'\n")
+    cfg = load_config("~/p.yaml", ["train.output_dir=runs/~x"])
+    assert (cfg.data.template, cfg.train.output_dir) == ("~/{query}", "runs/~x")

@@ -268,3 +268,53 @@ def test_long_prompts_skip_leaves_long_problems_out_of_a_benchmark_and_counts_th
     assert planted["metrics"]["greedy"] == 1.0  # SCRIPT's greedy answers p0 and p2 right, p1 (left out) wrong
     result = invoke(*common, "--benchmarks", bench, "--out", tmp_path / "again")
     assert result.exit_code == 2 and "over data.max_prompt_tokens=100" in result.output
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--benchmarks", "--benchmarks is empty (' , '): list benchmarks"),
+    ("--checkpoints", "--checkpoints is empty (' , '): use all, latest, base or step_N"),
+])
+def test_an_empty_list_option_is_refused(tmp_path, flag, message):
+    result = invoke(make_run(tmp_path), flag, " , ", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and f"eval error: {message}" in result.output, result.output
+
+
+def test_a_model_policy_other_than_the_target_is_refused(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(eval_run, "evaluate_targets", lambda cfg, targets, out: seen.append(targets) or [])
+    result = invoke("embedded:tiny-arith", "model.policy=/nonexistent", "--limit", 1, "--out", tmp_path / "o")
+    assert result.exit_code == 2 and seen == []
+    assert ("eval error: model.policy=/nonexistent: caspo eval evaluates its target, embedded:tiny-arith (the target "
+            "is the policy); pass the policy to evaluate as that argument and leave model.policy out") in result.output
+    run = make_run(tmp_path)
+    policy = run / "checkpoints" / "step_000002" / "policy"
+    result = invoke(run, f"model.policy={policy}", "--out", tmp_path / "o")  # a run's two checkpoints
+    assert result.exit_code == 2 and "the target is the policy" in result.output
+    # the same policy, however spelled, is no conflict
+    assert invoke("embedded:tiny-arith", "model.policy=embedded:tiny-arith", "--out", tmp_path / "o").exit_code == 0
+    assert invoke(policy, f"model.policy={run}/checkpoints/../checkpoints/step_000002/policy",
+                  "--out", tmp_path / "o").exit_code == 0
+    assert len(seen) == 2
+
+
+def test_run_files_that_are_not_utf8_are_named(tmp_path):
+    run = make_run(tmp_path)
+    (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe")
+    result = invoke(run, "--checkpoints", "latest", "--out", tmp_path / "o")
+    assert result.exit_code == 2, result.output
+    assert f"eval error: {run}/checkpoints/latest is not UTF-8 text" in result.output and "re-save it" in result.output
+    (run / "config.yaml").write_bytes(b"\xff\xfe")
+    for checkpoints in ("base", "step_1"):  # the base policy's record, and the config the evaluation loads
+        result = invoke(run, "--checkpoints", checkpoints, "--out", tmp_path / "o")
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"eval error: {run}/config.yaml is not UTF-8 text (byte 0: invalid start byte); re-save it as UTF-8" \
+            in result.output
+
+
+def test_a_mistyped_path_under_a_local_folder_is_no_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"^runs/typo \(no such folder; runs/ is a folder here, so this is a "
+                                                r"path, not a hub id\): not a run folder"):
+        resolve("runs/typo")
+    assert resolve("Qwen/Qwen2.5-Math-1.5B")[0][0].policy == "Qwen/Qwen2.5-Math-1.5B"  # no Qwen/ here: a hub id

@@ -99,3 +99,31 @@ def test_stop_after_two_then_resume_matches_three_uninterrupted_updates(tmp_path
         assert all((a[k] == b[k]).all() for k in a)
     timing = json.loads((cut / "timing.json").read_text())
     assert [s["step"] for s in timing["starts"]] == [0, 2] and timing["steps"] == 3
+
+
+@pytest.mark.parametrize("override, flag", [
+    ("method.name=ppo", "--algorithm"), ("rollout.prompts_per_step=2", "--rollout-batch-size"),
+    (" train.precision=bf16", "--precision"), ("model.policy=embedded:tiny-arith", "--model"),
+    ("train.output_dir=elsewhere", "--output-dir"),
+])
+def test_a_pass_through_override_of_a_flag_s_setting_is_refused(tmp_path, monkeypatch, override, flag):
+    monkeypatch.setattr("caspo.value.refresh.train", lambda cfg, **kw: pytest.fail("the run started"))
+    result = looped(tmp_path, tmp_path / "run", override)
+    key = override.split("=")[0].strip()
+    assert result.exit_code == 2, result.output
+    expected = f"looped error: {override.strip()}: caspo looped sets {key} from {flag}; use {flag}, not {key}"
+    assert expected in result.output
+
+
+def test_a_pass_through_override_of_what_no_flag_set_is_taken(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr("caspo.value.refresh.train", lambda cfg, **kw: seen.update(policy=cfg.model.policy,
+                                                                                   lr=cfg.optim.lr) or {})
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    # without --model, model.policy is the pass-through's; dppo sets no train.old_logprobs
+    result = CliRunner().invoke(app, ["looped", "--algorithm", "dppo", "--data", str(data), "--output-dir",
+                                      str(tmp_path / "run"), "model.policy=embedded:tiny-looped", "optim.lr=2e-6",
+                                      *CPU])
+    assert result.exit_code == 0, result.output
+    assert seen == {"policy": "embedded:tiny-looped", "lr": 2e-6}

@@ -21,6 +21,7 @@ from caspo.config.load import (
     describe_changes,
     load_config,
     parse_override,
+    read_text_checked,
     resolve_preset,
     set_dotted,
     to_dict,
@@ -49,6 +50,6 @@ __all__ = [
     "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "SftConfig", "TrainConfig", "HealthConfig",
     "WandbConfig",
     "ABSENT", "FLOAT_RE", "PRESET_DIR", "build", "coerce", "config_changes", "describe_changes",
-    "load_config", "parse_override", "resolve_preset",
+    "load_config", "parse_override", "read_text_checked", "resolve_preset",
     "set_dotted", "to_dict", "to_yaml", "validate", "validate_refresh",
 ]

@@ -8,6 +8,7 @@ naming its key path and what was expected. Then `validate` runs.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -21,13 +22,15 @@ from caspo.config.validate import validate
 
 FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 PRESET_DIR = Path(__file__).parent.parent / "presets"
+# the settings that name a file or folder: a leading ~ is the home folder, expanded when the config loads
+PATH_SETTINGS = ("model.policy", "data.source", "data.eval_source", "train.output_dir", "method.caspo.value_model")
 # YAML 1.1 reads these words, unquoted, as booleans (any capitalisation PyYAML accepts).
 YAML_BOOL_WORDS = {True: ("true", "yes", "on"), False: ("false", "no", "off")}
 
 
 def resolve_preset(preset: str | Path) -> Path:
     """A preset name ("arith-tiny") or a path to a YAML file."""
-    path = Path(preset)
+    path = Path(preset).expanduser()
     if path.suffix in (".yaml", ".yml"):
         if not path.exists():
             raise ConfigError(f"config file not found: {path}")
@@ -43,15 +46,37 @@ def load_config(preset: str | Path | None = None, overrides: list[str] = ()) -> 
     raw: dict = {}
     if preset is not None:
         path = resolve_preset(preset)
-        raw = read_yaml(path.read_text(), str(path)) or {}
+        raw = read_yaml(read_text_checked(path), str(path)) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
     cfg = build(Config, raw, "")
+    expand_home(cfg)
     validate(cfg)
     return cfg
+
+
+def read_text_checked(path: str | Path, error: type[Exception] = ConfigError) -> str:
+    """The text of a file that must be UTF-8; otherwise `error` naming the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); re-save it as UTF-8") from None
+
+
+def expand_home(cfg: Config) -> None:
+    """A leading ~ of each path setting (PATH_SETTINGS) made the home folder, so that every reader, and the
+    run's config.yaml, sees the path itself."""
+    for key in PATH_SETTINGS:
+        *sections, name = key.split(".")
+        node = cfg
+        for section in sections:
+            node = getattr(node, section)
+        value = getattr(node, name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(node, name, os.path.expanduser(value))
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -61,15 +86,50 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), read_yaml(text, f"override {item!r}") if text.strip() else ""
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice (safe_load keeps the last silently)."""
+
+    where = "YAML"
+
+    def construct_document(self, node):
+        refuse_duplicate_keys(node, "", self.where)
+        return super().construct_document(node)
+
+
+def refuse_duplicate_keys(node: yaml.Node, prefix: str, where: str, seen_nodes: set | None = None) -> None:
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:  # an alias of a node already walked
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                name = f"{prefix}{key_node.value}"
+                if key_node.value != "<<" and key in lines:
+                    raise ConfigError(f"{where} line {line}: {name} given twice (also at line {lines[key]}); "
+                                      "keep one")
+                lines[key] = line
+                refuse_duplicate_keys(value_node, f"{name}.", where, seen_nodes)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            refuse_duplicate_keys(item, f"{prefix.rstrip('.')}[{i}].", where, seen_nodes)
+
+
 def read_yaml(text: str, where: str) -> Any:
+    loader = UniqueKeyLoader(text)
+    loader.where = where
     try:
-        return yaml.safe_load(text)
+        return loader.get_single_data()
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or type(err).__name__
         raise ConfigError(f"{where}: not valid YAML ({problem}{at}); quote a value that holds "
                           "':', '[' or '{'") from None
+    finally:
+        loader.dispose()
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -84,6 +144,9 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
 
 def build(cls, raw: Any, path: str):
     """Instantiate dataclass `cls` from `raw`, checking keys and types."""
+    if raw is None and path:
+        raise ConfigError(f"{path}: the section is empty (`{path.rsplit('.', 1)[-1]}:` with nothing under it); "
+                          "indent its settings under it, or remove that line")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)

@@ -248,6 +248,9 @@ def validate(cfg: Config) -> None:
     validate_refresh(cfg.method)
     validate_data(cfg)
     validate_shapes(cfg)
+    for i, stop in enumerate(r.stop):
+        if not stop:
+            raise ConfigError(f"rollout.stop[{i}] is empty (it would end every completion at once); remove it")
     if r.cuda_graphs and r.backend != "native":
         raise ConfigError("rollout.cuda_graphs=true needs rollout.backend=native")
     if r.shared_prefix_attention and r.backend != "native":

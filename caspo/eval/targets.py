@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from caspo.models.hub import looks_like_folder
+from caspo.config import read_text_checked
+from caspo.config.load import read_yaml
+from caspo.models.hub import local_parent, looks_like_folder
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -56,8 +56,11 @@ def resolve(policy_or_run: str, checkpoints: str | None = None) -> tuple[list[Ta
         return _lone(Target(path.resolve().name, None, str(path)), checkpoints, None)
     if not looks_like_folder(policy_or_run):  # a hub id (ORG/NAME): loaded from the local hub cache
         return _lone(Target(policy_or_run.rsplit("/", 1)[-1], None, policy_or_run), checkpoints, None)
-    raise FileNotFoundError(f"{policy_or_run}: not a run folder (with checkpoints/), a checkpoint (step_N/policy/), "
-                            "a policy folder (with config.json), a hub id (ORG/NAME) or embedded:NAME")
+    org = local_parent(policy_or_run) if not path.exists() else None
+    taken = f" (no such folder; {org}/ is a folder here, so this is a path, not a hub id)" if org else ""
+    raise FileNotFoundError(f"{policy_or_run}{taken}: not a run folder (with checkpoints/), a checkpoint "
+                            "(step_N/policy/), a policy folder (with config.json), a hub id (ORG/NAME) or "
+                            "embedded:NAME")
 
 
 def select(run: Path, spec: str) -> list[Target]:
@@ -69,7 +72,7 @@ def select(run: Path, spec: str) -> list[Target]:
             picked = [_target(p) for p in dirs]
         elif item == "latest":
             pointer = run / "checkpoints" / "latest"
-            name = pointer.read_text().strip() if pointer.is_file() else None
+            name = read_text_checked(pointer).strip() if pointer.is_file() else None
             if name not in by_name:
                 raise FileNotFoundError(f"{run}: no latest checkpoint (checkpoints/latest missing or stale)")
             picked = [_target(by_name[name])]
@@ -101,8 +104,9 @@ def _base_policy(run: Path) -> tuple[str, str | None]:
     config = run / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(f"{run}: no config.yaml, so no base policy; evaluate model.policy directly")
-    model = (yaml.safe_load(config.read_text()) or {}).get("model") or {}
-    if not model.get("policy"):
+    raw = read_yaml(read_text_checked(config), str(config)) or {}
+    model = (raw.get("model") if isinstance(raw, dict) else None) or {}
+    if not isinstance(model, dict) or not model.get("policy"):
         raise ValueError(f"{config}: no model.policy, so no base policy; evaluate the base policy directly")
     return model["policy"], model.get("revision")
 

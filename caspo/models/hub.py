@@ -23,8 +23,16 @@ SOURCE_RECORD = "caspo_source.json"  # written by `caspo convert` beside the con
 
 
 def looks_like_folder(spec: str) -> bool:
-    """A path rather than a hub id ("ORG/NAME" or "NAME"): it exists, is absolute or relative, or nests."""
-    return Path(spec).exists() or spec.startswith(("/", ".", "~")) or "\\" in spec or spec.count("/") > 1
+    """A path rather than a hub id ("ORG/NAME" or "NAME"): it exists, is absolute or relative, nests, or its
+    ORG is a folder here (`runs/typo` is a mistyped path, not a hub id to retry for a minute)."""
+    return (Path(spec).exists() or spec.startswith(("/", ".", "~")) or "\\" in spec or spec.count("/") > 1
+            or local_parent(spec) is not None)
+
+
+def local_parent(spec: str) -> str | None:
+    """The ORG of an ORG/NAME spec when a folder of that name exists here, else None."""
+    org, slash, _ = spec.partition("/")
+    return org if slash and org and Path(org).is_dir() else None
 
 
 def download_command(spec: str, revision: str | None = None) -> str:
@@ -34,7 +42,9 @@ def download_command(spec: str, revision: str | None = None) -> str:
 
 def missing_model_error(spec: str, cause: BaseException, revision: str | None = None) -> OSError:
     if looks_like_folder(spec):
-        return FileNotFoundError(f"model {spec!r}: no such folder; pass a folder with config.json and the "
+        org = local_parent(spec) if not Path(spec).exists() else None
+        taken = f" ({org}/ is a folder here, so this is a path, not a hub id)" if org else ""
+        return FileNotFoundError(f"model {spec!r}: no such folder{taken}; pass a folder with config.json and the "
                                  "weights, or a hub id (ORG/NAME)")
     reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     at = f" at revision {revision}" if revision else ""
