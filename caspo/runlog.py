@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -30,7 +31,56 @@ SHARED_GPU_MB = 1024
 
 
 class DamagedRunFile(ValueError):
-    """A run's own file (metrics.jsonl, samples.jsonl, run.json) that cannot be read back."""
+    """A run's or suite's own file (metrics.jsonl, samples.jsonl, run.json, status.json, config.yaml as a report
+    reads it, suite.json) that cannot be read back."""
+
+
+MEND = "mend it, or move it away"
+KINDS = {dict: "a mapping", list: "a list", str: "a string", int: "an integer"}
+
+
+def kind_of(value) -> str:
+    """What a JSON or YAML value is, in words (a mapping, a list, a string, null, ...)."""
+    if value is None:
+        return "null"
+    return next((name for t, name in KINDS.items() if isinstance(value, t) and not isinstance(value, bool)),
+                type(value).__name__)
+
+
+def read_mapping(path: str | Path, needs: dict | None = None, fix: str = MEND) -> dict:
+    """A run's or suite's JSON file, or YAML file (by its suffix), as the mapping it must be, holding each key
+    of `needs` with a value of its type ([dict]: a list of mappings). Anything else (not UTF-8, not valid JSON or
+    YAML, not a mapping, a key missing or of another type) is a DamagedRunFile naming the file, what is wrong
+    with it and `fix`."""
+    path = Path(path)
+    kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+    except UnicodeDecodeError as err:
+        raise DamagedRunFile(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {fix}") from None
+    except (ValueError, yaml.YAMLError) as err:  # json.JSONDecodeError is a ValueError
+        raise DamagedRunFile(f"{path}: not valid {kind} ({' '.join(str(err).split())}); {fix}") from None
+    if not isinstance(data, dict):
+        raise DamagedRunFile(f"{path}: holds {kind_of(data)}, not the mapping caspo writes there; {fix}")
+    check_keys(path, data, needs or {}, fix)
+    return data
+
+
+def check_keys(path: str | Path, data: dict, needs: dict, fix: str = MEND) -> None:
+    """`read_mapping`'s check of the keys `needs` of a file's mapping `data`, for a reader that needs more of it
+    than others do."""
+    for key, want in needs.items():
+        value = data.get(key)
+        if isinstance(want, list):
+            ok = isinstance(value, list) and all(isinstance(v, want[0]) for v in value)
+            what = f"a list of {KINDS[want[0]].split(' ', 1)[1]}s"  # a list of mappings
+        else:
+            ok, what = isinstance(value, want) and not isinstance(value, bool), KINDS[want]
+        if key not in data:
+            raise DamagedRunFile(f"{path}: has no {key!r} ({what}); {fix}")
+        if not ok:
+            raise DamagedRunFile(f"{path}: its {key!r} is {kind_of(value)}, not {what}; {fix}")
 
 
 class JsonlWriter:
@@ -78,9 +128,14 @@ def iter_jsonl(path: str | Path):
                 raise DamagedRunFile(f"{path}, line {bad[0]}: not JSON ({bad[1]}); the file is damaged before its "
                                      "end: mend or remove that line")
             try:
-                yield json.loads(line), line
+                record = json.loads(line)
             except json.JSONDecodeError as err:
                 bad = (i, err)
+                continue
+            if not isinstance(record, dict):
+                raise DamagedRunFile(f"{path}, line {i}: {kind_of(record)}, not a JSON object (a mapping) as a run "
+                                     "writes; mend or remove that line")
+            yield record, line
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -114,8 +169,9 @@ class StatusFile:
 
 
 def read_status(run_dir: str | Path) -> dict | None:
+    """<run>/status.json (None when the run has none); a damaged one is a DamagedRunFile."""
     path = Path(run_dir) / "status.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_mapping(path, fix="mend it, or remove it (a running run writes it anew)") if path.is_file() else None
 
 
 # ---------------------------------------------------------------- run.json
@@ -190,16 +246,16 @@ def run_start(*, step: int, device: str, device_name: str, precision: str, engin
             **({"cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")} if device.startswith("cuda") else {})}
 
 
+RUN_JSON = {"starts": [dict]}
+RUN_JSON_FIX = "mend it, or move it away to start a new record"
+
+
 def record_start(run_dir: Path, start: dict, resumed: bool) -> dict:
     """Append `start` to <run>/run.json (a fresh run begins a new file); returns the whole record."""
     path = run_dir / "run.json"
     record = {"format": "caspo-run-1", "starts": []}
     if resumed and path.is_file():
-        try:
-            record = json.loads(path.read_text())
-        except ValueError as err:
-            raise DamagedRunFile(f"{path} is not JSON ({err}); mend it, or move it away to start a new record") \
-                from err
+        record = read_mapping(path, RUN_JSON, fix=RUN_JSON_FIX)
     record["starts"].append(start)
     write_json(path, record)
     return record
@@ -212,8 +268,9 @@ def record_end(run_dir: Path, record: dict, **end) -> None:
 
 
 def read_run_json(run_dir: str | Path) -> dict | None:
+    """<run>/run.json (None when the run has none); a damaged one is a DamagedRunFile."""
     path = Path(run_dir) / "run.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_mapping(path, RUN_JSON, fix=RUN_JSON_FIX) if path.is_file() else None
 
 
 def progress_bar() -> Progress:

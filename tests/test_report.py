@@ -200,3 +200,47 @@ def test_a_status_written_under_any_offset_is_aged_right_in_another_zone(new_yor
     written = datetime.now(timezone.utc) - timedelta(minutes=10)
     stamp = written.astimezone(timezone(offset)).strftime("%Y-%m-%dT%H:%M:%S%z")  # as caspo.runlog.now() writes
     assert age_s({"updated_at": stamp}) == pytest.approx(600, abs=5)
+
+
+DAMAGE = [  # (file, its text, what the error says about it)
+    ("config.yaml", "model: [\n", r"config.yaml: not valid YAML \(.*\); mend it"),
+    ("config.yaml", "- 1\n", r"config.yaml: holds a list, not the mapping caspo writes there; mend it"),
+    ("config.yaml", "model: {}\n", r"config.yaml: has no 'method' \(a mapping\); mend it"),
+    ("run.json", "garbage\n", r"run.json: not valid JSON \(Expecting value.*\); mend it, or move it away to start"),
+    ("run.json", "[1]\n", r"run.json: holds a list, not the mapping"),
+    ("run.json", '{"starts": [1]}\n', r"run.json: its 'starts' is a list, not a list of mappings"),
+    ("status.json", "garbage\n", r"status.json: not valid JSON .*; mend it, or remove it \(a running run writes"),
+    ("status.json", '"finished"\n', r"status.json: holds a string, not the mapping"),
+    ("metrics.jsonl", '{"step": 1}\n[1, 2]\n', r"metrics.jsonl, line 2: a list, not a JSON object .*mend or remove"),
+    ("config.yaml", b"\xff\xfe", r"config.yaml: not UTF-8 text \(invalid start byte at byte 0\)"),
+]
+
+
+@pytest.mark.parametrize("name,text,message", DAMAGE, ids=[f"{d[0]}-{i}" for i, d in enumerate(DAMAGE)])
+def test_a_damaged_run_file_is_named_with_how_to_mend_it(tmp_path, name, text, message):
+    """`caspo report` of a run whose file is not valid JSON / YAML, or not the mapping (or list of mappings) it
+    must be: a DamagedRunFile (a user error) naming the file, not a traceback or a bare JSON error."""
+    from caspo.runlog import DamagedRunFile
+
+    folder, _ = make_run(tmp_path / "r", "grpo", 0)
+    (folder / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(DamagedRunFile, match=message) as err:
+        report(expand([str(folder)]), tmp_path / "out")
+    assert str(folder / name) in str(err.value)
+    if name == "run.json":  # a resumed run appending its start reads it the same way
+        with pytest.raises(DamagedRunFile, match=message):
+            record_start(folder, {}, resumed=True)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{bad", r"suite.json: not valid JSON \(Expecting property name.*\); mend it, or move it away \(a rerun"),
+    ('{"preset": "tests"}', r"suite.json: has no 'overrides' \(a list\)"),
+    ('{"preset": "tests", "overrides": [], "runs": [{"dir": "a"}]}', r"suite.json: runs\[0\] is .*not a run with "
+                                                                     "label, seed, dir, overrides"),
+])
+def test_a_damaged_suite_json_is_named_with_how_to_mend_it(tmp_path, text, message):
+    from caspo.runlog import DamagedRunFile
+
+    (tmp_path / "suite.json").write_text(text)
+    with pytest.raises(DamagedRunFile, match=message):
+        expand([str(tmp_path)])

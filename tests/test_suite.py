@@ -209,3 +209,76 @@ def test_runs_sharing_a_cuda_device_split_its_kv_share(tmp_path):
     (tmp_path / "r" / "config.yaml").write_text("rollout:\n  gpu_memory_fraction: 0.24\n")
     cmd = suite.eval_command(tmp_path / "r", "arith", "cuda:0", sharing=3)
     assert "rollout.gpu_memory_fraction=0.08" in cmd and "model.device=cuda:0" in cmd
+
+
+def refused(tmp_path, message, methods="grpo", seeds=(0,), **kwargs):
+    """run_suite refuses with `message` before it records the suite or starts anything."""
+    out = tmp_path / "suite"
+    slots = ScriptedSlots(["cpu"], lambda cmd: 0)
+    with pytest.raises(ConfigError, match=message):
+        suite.run_suite("tests", methods, list(seeds), out, slots=slots, **kwargs)
+    assert slots.started == [] and not (out / "suite.json").exists()
+
+
+def test_a_repeated_seed_or_run_folder_is_refused_before_anything_starts(tmp_path):
+    """--seeds 0,0 ran two runs in one folder (at once on --devices cpu,cpu, the second's --overwrite deleting the
+    first's files), then failed with a KeyError; two label-less items whose labels slug alike shared a folder."""
+    refused(tmp_path, r"--seeds 0,1,0 names seed 0 more than once .*list each seed once", seeds=(0, 1, 0))
+    refused(tmp_path, r"--methods items 'grpo\+rollout.stop=\[a b\]' and 'grpo\+rollout.stop=\[a_b\]' would both "
+            r"run in .*grpo_rollout.stop=_a_b_/seed0; give one of them its own LABEL", "grpo+rollout.stop=[a b],"
+            "grpo+rollout.stop=[a_b]")
+
+
+def test_empty_seeds_and_ray_slots_without_a_ray_address_are_refused(tmp_path):
+    refused(tmp_path, "--seeds names no seed: give a comma list", seeds=())
+    refused(tmp_path, r"--ray-slots 4 without --ray-address: .*add --ray-address HOST:PORT", ray_slots=4)
+    refused(tmp_path, "--devices and --ray-address both place the runs", devices=["cpu"], ray_address="local")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"overrides": ["data.source=missing.jsonl", "data.heldout_fraction=0.5"]},
+     r"suite run grpo seed 0: .*missing.jsonl: no such data file"),
+    ({"overrides": ["model.policy=no/such/folder/x"]}, r"suite run grpo seed 0: .*no/such/folder/x"),
+    ({"group_by": "nosuch"}, r"--group-by 'nosuch': choose one of config, method, run"),
+    ({"benchmarks": "arith,nosuch"}, r"suite run grpo seed 0: unknown data source 'nosuch'.*eval.benchmarks"),
+    ({"benchmarks": " , "}, r"--benchmarks ' , ' names no benchmark"),
+])
+def test_each_runs_config_group_by_and_benchmarks_are_checked_before_the_suite_starts(tmp_path, kwargs, message):
+    """As `caspo train` and `caspo eval` check them: a missing data file or policy folder started every run to fail;
+    a bad --group-by or --benchmarks name failed only after all the training."""
+    refused(tmp_path, message, **kwargs)
+
+
+def test_a_run_finished_since_the_suite_began_is_skipped(tmp_path):
+    """The queue takes a run off with its action now: one finished meanwhile (by another suite on the folder) is
+    skipped, not a KeyError('skip')."""
+    out = tmp_path / "suite"
+
+    class OtherSuiteFinishing(ScriptedSlots):
+        def start(self, command, log):
+            other = out / "grpo" / "seed1"
+            other.mkdir(parents=True, exist_ok=True)
+            (other / "status.json").write_text(json.dumps({"state": "finished"}))
+            return super().start(command, log)
+
+    slots = OtherSuiteFinishing(["cpu"], lambda cmd: 0)
+    result = suite.run_suite("tests", "grpo", [0, 1], out, overrides=["train.steps=1"], slots=slots)
+    assert result["ran"] == ["grpo/seed0"] and result["skipped"] == ["grpo/seed1"] and result["failed"] == []
+    assert [output_dir(cmd) for cmd in slots.started] == [out / "grpo" / "seed0"]
+
+
+def test_a_damaged_suite_json_or_status_json_is_refused_before_anything_starts(tmp_path):
+    from caspo.runlog import DamagedRunFile
+
+    out = tmp_path / "suite"
+    out.mkdir()
+    (out / "suite.json").write_text('{"preset": "tests"}')
+    slots = ScriptedSlots(["cpu"], lambda cmd: 0)
+    with pytest.raises(DamagedRunFile, match=r"suite.json: has no 'overrides' \(a list\); mend it, or move it away"):
+        suite.run_suite("tests", "grpo", [0], out, slots=slots)
+    (out / "suite.json").unlink()
+    (out / "grpo" / "seed0").mkdir(parents=True)
+    (out / "grpo" / "seed0" / "status.json").write_text("{bad")
+    with pytest.raises(DamagedRunFile, match=r"seed0/status.json: not valid JSON"):
+        suite.run_suite("tests", "grpo", [0], out, slots=slots)
+    assert slots.started == []

@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 
 from caspo.report.curves import plot_curves, plot_phases, plot_vs_compute
-from caspo.report.runs import PHASES, Run, age_s, final, mean_std, read_run
+from caspo.report.runs import CONFIG_FIX, CONFIG_SECTIONS, PHASES, Run, age_s, final, mean_std, read_run
+from caspo.runlog import DamagedRunFile, check_keys, read_mapping
 
 CONDITIONS = {"model": ["policy"], "data": None,  # None: the whole section
               "reward": ["extractor", "fallback", "max_answer_chars", "synthetic", "shuffle_within_batch"],
@@ -222,6 +223,8 @@ def report(runs: list[Run], out: str | Path, group_by: str = "config", allow_mis
     """Write <out>/report.md, summary.json, curves.png, phases.png and <metric>_vs_compute.png."""
     if not runs:
         raise ValueError("no runs to report on")
+    for r in runs:
+        check_keys(r.path / "config.yaml", r.config, CONFIG_SECTIONS, CONFIG_FIX)
     paths = [r.path.resolve() for r in runs]
     twice = sorted({str(p) for p in paths if paths.count(p) > 1})
     if twice:
@@ -311,9 +314,23 @@ def expand(paths: list[str]) -> list[Run]:
     runs = []
     for p in map(Path, paths):
         if (p / "suite.json").is_file():
-            suite = json.loads((p / "suite.json").read_text())
+            suite = read_suite(p / "suite.json")
             runs += [read_run(p / r["dir"], r["label"]) for r in suite["runs"]
                      if (p / r["dir"] / "metrics.jsonl").is_file()]  # a run not started yet has nothing to show
         else:
             runs.append(read_run(p))
     return runs
+
+
+SUITE_RUN = ("label", "seed", "dir", "overrides")  # the fields of each of suite.json's runs
+
+
+def read_suite(path: Path) -> dict:
+    """A suite's suite.json: its preset, shared overrides and runs, each with SUITE_RUN's fields; anything else
+    is a DamagedRunFile naming the file."""
+    fix = "mend it, or move it away (a rerun of the suite writes it anew, listing the runs it is given)"
+    suite = read_mapping(path, {"preset": str, "overrides": list, "runs": [dict]}, fix=fix)
+    for i, r in enumerate(suite["runs"]):
+        if sorted(r) != sorted(SUITE_RUN) or not isinstance(r["dir"], str) or not isinstance(r["label"], str):
+            raise DamagedRunFile(f"{path}: runs[{i}] is {r}, not a run with {', '.join(SUITE_RUN)}; {fix}")
+    return suite

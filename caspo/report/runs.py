@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import yaml
-
 from caspo.eval.report import read_results
-from caspo.runlog import read_jsonl, read_run_json, read_status
+from caspo.runlog import read_jsonl, read_mapping, read_run_json, read_status
 
 PHASES = ("t_roll", "t_reward", "t_old", "t_ref", "t_value", "t_value_update", "t_pol", "t_sync")  # inside t_step
 WALL = ("t_step", "t_ckpt", "t_eval", "t_bench", "t_refresh")  # the parts of a run's wall-clock
 X_AXES = ("step", "samples", "tokens", "wall_s")
+CONFIG_SECTIONS = {"method": dict, "train": dict, "rollout": dict}  # what a comparison reads of config.yaml
+CONFIG_FIX = "mend it (the run's resolved config, as `caspo config PRESET OVERRIDES` prints it)"
 
 
 @dataclass
@@ -120,7 +120,7 @@ def read_run(path: str | Path, label: str = "") -> Run:
     if not (path / "metrics.jsonl").is_file() or not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{path}: not a run folder (it needs config.yaml and metrics.jsonl, which a run "
                                 "writes when it starts)")
-    config = yaml.safe_load((path / "config.yaml").read_text())
+    config = read_mapping(path / "config.yaml", fix=CONFIG_FIX)
     evals = read_results(path / "eval") if (path / "eval").is_dir() else []
     return Run(path=path, config=config, records=read_jsonl(path / "metrics.jsonl"), run_json=read_run_json(path),
                status=read_status(path), evals=evals, label=label)

@@ -16,6 +16,10 @@ status.json says finished, resumes the others from their latest checkpoint and s
 have none; a rerun may add methods or seeds, not change the preset or the shared overrides. With
 --benchmarks, `caspo eval` evaluates each finished run's checkpoints not yet in <run>/eval/ (and the base
 policy) on the run's device. OUT/suite.json lists the runs and labels; OUT/report/ is the report.
+
+Before the suite is recorded or any run starts, it checks: a seed or a run folder given twice, no seeds,
+--ray-slots without --ray-address, each run's config as `caspo train` checks it, --benchmarks as `caspo eval`
+checks them, --group-by, suite.json and the runs' status.json.
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from caspo.cli_args import checked_config
 from caspo.config import ConfigError, load_config
 from caspo.eval.benchmarks import suite_name
 from caspo.eval.targets import checkpoint_dirs
-from caspo.methods import resolve_method
-from caspo.report.compare import expand, report
+from caspo.report.compare import GROUP_BY, expand, read_suite, report
 from caspo.runlog import console, read_status, write_json
 
 FORMAT = "caspo-suite-1"
@@ -146,7 +150,7 @@ def record_suite(out: Path, preset: str, shared: list[str], runs: list[SuiteRun]
     path = out / "suite.json"
     known: list[SuiteRun] = []
     if path.is_file():
-        old = json.loads(path.read_text())
+        old = read_suite(path)
         if (old["preset"], old["overrides"]) != (preset, shared):
             raise ValueError(f"{out} holds a suite of {old['preset']} with overrides {old['overrides']}; this one is "
                              f"{preset} with {shared}. Use another --out, or the same preset and overrides")
@@ -163,13 +167,58 @@ def record_suite(out: Path, preset: str, shared: list[str], runs: list[SuiteRun]
     return list(by_dir.values())
 
 
-def check_configs(preset: str, shared: list[str], runs: list[SuiteRun], out: Path) -> None:
-    """Every run's config loads and names a usable method, before any run starts."""
+def check_arguments(seeds: list[int], devices: list[str] | None, ray_address: str | None,
+                    ray_slots: int | None) -> None:
+    """The seeds and the placement options: refused unless the suite can honour them."""
+    if not seeds:
+        raise ConfigError("--seeds names no seed: give a comma list of train.seed values, e.g. --seeds 0,1,2")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"--seeds {','.join(map(str, seeds))} names seed {', '.join(map(str, twice))} more than "
+                          "once (two runs in one folder); list each seed once")
+    if ray_slots is not None and not ray_address:
+        raise ConfigError(f"--ray-slots {ray_slots} without --ray-address: it sets how many runs go at once on a Ray "
+                          "cluster; add --ray-address HOST:PORT (or local), or leave --ray-slots out (--devices "
+                          "places the runs on this host)")
+    if ray_slots is not None and ray_slots < 1:
+        raise ConfigError(f"--ray-slots {ray_slots}: give at least 1 run at a time")
+    if ray_address and devices:
+        raise ConfigError("--devices and --ray-address both place the runs: give one")
+
+
+def check_folders(runs: list[SuiteRun], out: Path) -> None:
+    """Each run in a folder of its own (two labels can slug to one folder name)."""
+    seen: dict[str, SuiteRun] = {}
     for r in runs:
+        if r.dir in seen:
+            raise ConfigError(f"--methods items {seen[r.dir].label!r} and {r.label!r} would both run in "
+                              f"{out / r.dir}; give one of them its own LABEL=METHOD+...")
+        seen[r.dir] = r
+
+
+def benchmark_list(benchmarks: str | None) -> list[str]:
+    """--benchmarks as its names (none when it is not given); given but naming none is an error."""
+    if benchmarks is None:
+        return []
+    names = [b.strip() for b in benchmarks.split(",") if b.strip()]
+    if not names:
+        raise ConfigError(f"--benchmarks {benchmarks!r} names no benchmark: give a comma list as caspo eval takes "
+                          "(math500, gsm8k, arith, heldout, a data file, ...), or leave it out")
+    return names
+
+
+def check_configs(preset: str, shared: list[str], runs: list[SuiteRun], out: Path,
+                  benchmarks: list[str] = ()) -> None:
+    """Every run's config passes `caspo train`'s checks (its method, template, data and policy), and with
+    `benchmarks` the config of the `caspo eval` of its checkpoints passes `caspo eval`'s, before any run starts."""
+    for r in runs:
+        overrides = [*shared, *r.overrides, f"train.seed={r.seed}", f"train.output_dir={out / r.dir}"]
         try:
-            resolve_method(load_config(preset, [*shared, *r.overrides, f"train.seed={r.seed}",
-                                                f"train.output_dir={out / r.dir}"]))
-        except ConfigError as err:
+            checked_config(preset, overrides)
+            if benchmarks:  # as eval_command's `caspo eval`: the run's config, its benchmarks from --benchmarks
+                checked_config(preset, [*overrides, f"eval.benchmarks={json.dumps(list(benchmarks))}"],
+                               policy=False, data=False)
+        except (ConfigError, OSError) as err:  # OSError: a policy folder that is not there
             raise ConfigError(f"suite run {r.label} seed {r.seed}: {err}") from err
 
 
@@ -197,26 +246,43 @@ class LocalSlots:
 
 def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devices: list[str] | None = None,
               overrides: list[str] = (), benchmarks: str | None = None, group_by: str = "config",
-              slots=None) -> dict:
+              slots=None, ray_address: str | None = None, ray_slots: int | None = None) -> dict:
     """Run what is not finished, evaluate, report; returns {"report", "ran", "skipped", "failed"}. `slots` places
-    the runs (LocalSlots(devices) by default; caspo.train.ray_launch.RaySlots on a Ray cluster)."""
+    the runs (LocalSlots(devices) by default; caspo.train.ray_launch.RaySlots(ray_address, ray_slots or 1) on a
+    Ray cluster). Everything is checked before the suite is recorded or any run starts: the seeds and placement,
+    the methods, each run's config, --benchmarks, --group-by, suite.json and the runs' status files."""
     out, shared = Path(out).resolve(), list(overrides)
+    check_arguments(seeds, devices, ray_address, ray_slots)
     wanted = plan(parse_methods(methods), seeds)
-    check_configs(preset, shared, wanted, out)
+    check_folders(wanted, out)
+    names = benchmark_list(benchmarks)
+    benchmarks = ",".join(names) or None
+    check_configs(preset, shared, wanted, out, names)
+    if group_by not in GROUP_BY:
+        raise ConfigError(f"--group-by {group_by!r}: choose one of {', '.join(GROUP_BY)}")
     record_suite(out, preset, shared, wanted)
     queue = [r for r in wanted if next_action(out / r.dir) != "skip"]
     skipped = [r for r in wanted if r not in queue]
     for r in skipped:
         console.print(f"suite: {r.dir} finished, skipped")
+    if slots is None and ray_address:
+        from caspo.train.ray_launch import RaySlots
+
+        slots = RaySlots(ray_address, ray_slots or 1, checked_config(preset, shared, policy=False, data=False)
+                         .model.device)
     slots = slots or LocalSlots(devices)
     active: dict[int, tuple[object, SuiteRun, str]] = {}  # slot -> (handle, run, phase)
     failed: list[str] = []
     try:
         while queue or active:
             for slot, device in enumerate(slots.devices):
-                if slot not in active and queue:
+                while slot not in active and queue:
                     run = queue.pop(0)
                     action = next_action(out / run.dir)
+                    if action == "skip":  # finished since the suite began (by another suite on this folder)
+                        skipped.append(run)
+                        console.print(f"suite: {run.dir} finished meanwhile, skipped")
+                        continue
                     sharing = slots.sharing(device)
                     cmd = train_command(preset, shared, run, out / run.dir, device, action, sharing)
                     active[slot] = (start(slots, cmd, out / run.dir), run, "train")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,11 +23,45 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
+from caspo.config import ConfigError
+from caspo.config.load import parse_override
 from caspo.runlog import console
 from caspo.train.checkpoint import SHARDS, is_sharded, load_rank_state, load_trainer_state, resolve_checkpoint
 
 STEPS = 3
 STOP_AFTER = 2
+# What verify-resume sets itself, on every run: an override giving one of them another value is refused
+# (train.output_dir and train.stop_after differ between the runs, so any value of them is).
+FIXED = {"train.steps": STEPS, "train.deterministic": True, "eval.before": False, "eval.after": False,
+         "train.save_every": 0}
+PER_RUN = {"train.output_dir": "its runs go in --workdir",
+           "train.stop_after": f"it stops one run after {STOP_AFTER} steps"}
+
+
+class RunFailed(ConfigError):
+    """One of verify-resume's `caspo train` processes failed: its last error line, and where its output is."""
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse an override of a setting verify-resume makes itself (FIXED, PER_RUN), unless it gives FIXED's value:
+    appended after the user's, verify-resume's own would silently win."""
+    for item in overrides:
+        key, value = parse_override(item)
+        for name, given in flat(key, value):
+            if name in PER_RUN:
+                raise ConfigError(f"{item}: verify-resume sets {name} itself ({PER_RUN[name]}); leave it out")
+            if name in FIXED and given != FIXED[name]:
+                fixed = str(FIXED[name]).lower() if isinstance(FIXED[name], bool) else FIXED[name]
+                raise ConfigError(f"{item}: verify-resume sets {name}={fixed} itself ({STEPS} steps against "
+                                  f"{STOP_AFTER} + a resumed {STEPS - STOP_AFTER}, deterministic, not evaluated, "
+                                  "saved at the stop and the end); leave it out")
+
+
+def flat(key: str, value) -> list[tuple[str, object]]:
+    """(dotted key, value) of each leaf an override sets: train={steps: 5} sets train.steps."""
+    if isinstance(value, dict):
+        return [pair for k, v in value.items() for pair in flat(f"{key}.{k}", v)]
+    return [(key, value)]
 
 
 def digest(obj) -> str:
@@ -56,10 +91,26 @@ def digest(obj) -> str:
 
 
 def run_cli(args: list[str]) -> None:
+    """One `caspo train` of verify-resume; its output goes to <workdir>/<uninterrupted|stopped|resumed>.log. A
+    failure is a RunFailed with the run's last error line."""
     cmd = [sys.executable, "-m", "caspo.cli", "train", *args]
     result = subprocess.run(cmd, capture_output=True, text=True)
+    run_dir = Path(next(a for a in args if a.startswith("train.output_dir=")).split("=", 1)[1])
+    name = "resumed" if "--resume" in args else "stopped" if any(a.startswith("train.stop_after=") for a in args) \
+        else "uninterrupted"
+    log = run_dir.parent / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"$ {' '.join(cmd)}\n{result.stdout}{result.stderr}")
     if result.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+        raise RunFailed(f"the {name} run exited {result.returncode}: {last_error(result.stderr)} (its output: {log})")
+
+
+def last_error(stderr: str) -> str:
+    """The line of a failed `caspo` process that says why: its `<command> error: ...` line, else (a traceback)
+    its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    said = [line for line in lines if re.match(r"[\w-]+ error: ", line)]
+    return (said or lines or ["(it printed nothing)"])[-1]
 
 
 def _measured(key: str) -> bool:
@@ -113,6 +164,7 @@ def state_hashes(run_dir: Path) -> dict[str, str]:
 
 
 def verify_resume(preset: str, overrides: list[str], workdir: str | Path, nproc: int = 1) -> bool:
+    check_overrides(overrides)
     workdir = Path(workdir)
     base = [preset, *overrides, f"train.steps={STEPS}", "train.deterministic=true",
             "eval.before=false", "eval.after=false", "train.save_every=0"]
