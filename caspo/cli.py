@@ -173,7 +173,8 @@ def looped(ctx: typer.Context, overrides: Optional[List[str]] = OVERRIDES,
 def sft(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         output: str = typer.Option(..., help="folder for the trained policy and tokenizer"),
         init: Optional[str] = typer.Option(None, help="continue from this policy instead of from scratch"),
-        overwrite: bool = typer.Option(False, "--overwrite", help="replace an SFT run already in --output")):
+        overwrite: bool = typer.Option(False, "--overwrite",
+                                       help="replace an SFT run or another model already in --output")):
     """Supervised fine-tuning of a tiny policy on the arithmetic task."""
     from caspo.train.sft import run_sft
 
@@ -322,7 +323,8 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
           group_by: str = typer.Option("config", help="the report's grouping: config, method or run"),
           ray_address: Optional[str] = typer.Option(None, "--ray-address", help="place the runs on this Ray cluster "
                                                     "(host:port, or local), one device each"),
-          ray_slots: int = typer.Option(1, "--ray-slots", min=1, help="with --ray-address: runs at a time")):
+          ray_slots: Optional[int] = typer.Option(None, "--ray-slots", help="with --ray-address: runs at a time "
+                                                                           "(default 1)")):
     """Methods × seeds from one preset, queued one run per device; rerun to resume; then a caspo report."""
     from caspo.config import ConfigError
     from caspo.train.suite import run_suite
@@ -331,16 +333,8 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         seed_list = [integer("--seeds", s) for s in seeds.split(",") if s.strip()]
         device_list = [d.strip() if d.strip() == "cpu" else f"cuda:{integer('--devices', d, 'CUDA indices or cpu')}"
                        for d in devices.split(",")] if devices else None
-        slots = None
-        if ray_address:
-            from caspo.train.ray_launch import RaySlots
-
-            if devices:
-                raise ConfigError("--devices and --ray-address both place the runs: give one")
-            cfg = checked_config(preset, overrides, policy=False, data=False)
-            slots = RaySlots(ray_address, ray_slots, cfg.model.device)
         result = run_suite(preset, methods, seed_list, expand_path(out), devices=device_list, overrides=overrides or [],
-                           benchmarks=benchmarks, group_by=group_by, slots=slots)
+                           benchmarks=benchmarks, group_by=group_by, ray_address=ray_address, ray_slots=ray_slots)
     except ValueError as err:  # a bad --methods / --seeds / --devices item, a folder holding another suite
         raise ConfigError(str(err)) from None
     typer.echo(json.dumps(result, indent=2))

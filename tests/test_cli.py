@@ -193,7 +193,7 @@ def test_a_branch_refuses_a_folder_holding_a_run_and_a_resume_names_what_changed
     (branch / "run.json").write_text('{"starts": [')  # a damaged record of the run is named, not a traceback
     result = invoke("train", "tests", f"train.output_dir={branch}", *QUICK[:-2], "train.steps=3", "model.threads=1",
                     "--resume", "latest")
-    assert_user_error(result, "train", "run.json is not JSON")
+    assert_user_error(result, "train", "run.json: not valid JSON")
     # --overwrite removes every file of the old run, its evaluations among them
     (run / "eval").mkdir()
     (run / "eval" / "step_000600.json").write_text("{}")

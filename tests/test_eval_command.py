@@ -173,7 +173,7 @@ def test_a_result_of_another_policy_is_not_added_to(tmp_path, bench, scripted):
     second is refused, not filed under the first's numbers."""
     out, other = tmp_path / "out", tmp_path / "elsewhere" / "tiny-arith"
     shutil.copytree(ASSETS / "tiny-arith", other)
-    common = ["data.id_field=id", "reward.workers=0", "--benchmarks", bench, "--out", out]
+    common = ["data.id_field=id", "reward.workers=0", "--benchmarks", bench, "--out", out, "--preset", "arith-tiny"]
     assert invoke("embedded:tiny-arith", *common).exit_code == 0
     result = invoke(other, *common)
     assert result.exit_code == 2 and "holds results of embedded:tiny-arith, not of" in result.output

@@ -233,6 +233,15 @@ def test_empty_seeds_and_ray_slots_without_a_ray_address_are_refused(tmp_path):
     refused(tmp_path, "--seeds names no seed: give a comma list", seeds=())
     refused(tmp_path, r"--ray-slots 4 without --ray-address: .*add --ray-address HOST:PORT", ray_slots=4)
     refused(tmp_path, "--devices and --ray-address both place the runs", devices=["cpu"], ray_address="local")
+    # from the command line too: the command passes its Ray options to run_suite, which checks them first
+    from typer.testing import CliRunner
+
+    from caspo.cli import app
+
+    result = CliRunner().invoke(app, ["suite", "tests", "--methods", "grpo", "--out", str(tmp_path / "cli"),
+                                      "--ray-slots", "4"])
+    assert result.exit_code == 2 and "--ray-slots 4 without --ray-address" in result.output
+    assert not (tmp_path / "cli").exists()
 
 
 @pytest.mark.parametrize("kwargs,message", [
