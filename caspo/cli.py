@@ -333,8 +333,9 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
         seed_list = [integer("--seeds", s) for s in seeds.split(",") if s.strip()]
         device_list = [d.strip() if d.strip() == "cpu" else f"cuda:{integer('--devices', d, 'CUDA indices or cpu')}"
                        for d in devices.split(",")] if devices else None
-        result = run_suite(preset, methods, seed_list, expand_path(out), devices=device_list, overrides=overrides or [],
-                           benchmarks=benchmarks, group_by=group_by, ray_address=ray_address, ray_slots=ray_slots)
+        result = run_suite(preset, methods, seed_list, expand_path(out), checked_config=checked_config,
+                           devices=device_list, overrides=overrides or [], benchmarks=benchmarks, group_by=group_by,
+                           ray_address=ray_address, ray_slots=ray_slots)
     except ValueError as err:  # a bad --methods / --seeds / --devices item, a folder holding another suite
         raise ConfigError(str(err)) from None
     typer.echo(json.dumps(result, indent=2))

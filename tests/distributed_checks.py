@@ -47,9 +47,9 @@ def make_batch(rows: int = 7) -> RolloutBatch:
 
 
 def loss_fn(model, micro, cfg, denom):
-    """A token-mean policy-gradient loss normalised by the whole minibatch's token count."""
+    """A token-mean policy-gradient loss normalised by the whole minibatch's token count (`denom`: its Counts)."""
     logp, _ = hidden_logprobs(model, response_hidden(model, micro), micro.responses)
-    return -(logp * micro.advantages * micro.response_mask).sum() / denom, {}
+    return -(logp * micro.advantages * micro.response_mask).sum() / denom.tokens, {}
 
 
 def gradients(model) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from caspo.cli_args import checked_config
 from caspo.config import ConfigError
 from caspo.runlog import read_jsonl
 from caspo.train import suite
@@ -84,7 +85,7 @@ def test_a_rerun_keeps_its_settings_and_adds_runs(tmp_path):
         suite.record_suite(tmp_path, "tests", ["train.steps=2"],
                            [suite.SuiteRun("grpo", 0, "grpo/seed0", ["method.name=grpo", "optim.lr=1"])])
     with pytest.raises(ConfigError, match="suite run nope seed 0: .*nope"):
-        suite.check_configs("tests", [], suite.plan(suite.parse_methods("nope"), [0]), tmp_path)
+        suite.check_configs(checked_config, "tests", [], suite.plan(suite.parse_methods("nope"), [0]), tmp_path)
 
 
 class ScriptedSlots:
@@ -126,7 +127,7 @@ def test_the_queue_fills_each_slot_evaluates_what_trained_and_reports_a_failed_r
     failing = lambda cmd: int(cmd[3] == "train" and "method.name=ppo" in cmd and "train.seed=1" in cmd)  # noqa: E731
     slots = ScriptedSlots(["cpu", "cpu"], failing)
     result = suite.run_suite("tests", "grpo,ppo", [0, 1], out, overrides=["train.steps=1"], benchmarks="arith",
-                             slots=slots)
+                             slots=slots, checked_config=checked_config)
     log = out / "ppo" / "seed1" / "suite.log"
     assert result == {"report": None, "ran": ["grpo/seed0", "grpo/seed1", "ppo/seed0", "ppo/seed1"], "skipped": [],
                       "failed": [f"ppo/seed1 (train exited 1; see {log})"]}  # nothing trained: no report
@@ -216,7 +217,7 @@ def refused(tmp_path, message, methods="grpo", seeds=(0,), **kwargs):
     out = tmp_path / "suite"
     slots = ScriptedSlots(["cpu"], lambda cmd: 0)
     with pytest.raises(ConfigError, match=message):
-        suite.run_suite("tests", methods, list(seeds), out, slots=slots, **kwargs)
+        suite.run_suite("tests", methods, list(seeds), out, slots=slots, **kwargs, checked_config=checked_config)
     assert slots.started == [] and not (out / "suite.json").exists()
 
 
@@ -271,7 +272,8 @@ def test_a_run_finished_since_the_suite_began_is_skipped(tmp_path):
             return super().start(command, log)
 
     slots = OtherSuiteFinishing(["cpu"], lambda cmd: 0)
-    result = suite.run_suite("tests", "grpo", [0, 1], out, overrides=["train.steps=1"], slots=slots)
+    result = suite.run_suite("tests", "grpo", [0, 1], out, overrides=["train.steps=1"], slots=slots,
+                             checked_config=checked_config)
     assert result["ran"] == ["grpo/seed0"] and result["skipped"] == ["grpo/seed1"] and result["failed"] == []
     assert [output_dir(cmd) for cmd in slots.started] == [out / "grpo" / "seed0"]
 
@@ -284,10 +286,10 @@ def test_a_damaged_suite_json_or_status_json_is_refused_before_anything_starts(t
     (out / "suite.json").write_text('{"preset": "tests"}')
     slots = ScriptedSlots(["cpu"], lambda cmd: 0)
     with pytest.raises(DamagedRunFile, match=r"suite.json: has no 'overrides' \(a list\); mend it, or move it away"):
-        suite.run_suite("tests", "grpo", [0], out, slots=slots)
+        suite.run_suite("tests", "grpo", [0], out, slots=slots, checked_config=checked_config)
     (out / "suite.json").unlink()
     (out / "grpo" / "seed0").mkdir(parents=True)
     (out / "grpo" / "seed0" / "status.json").write_text("{bad")
     with pytest.raises(DamagedRunFile, match=r"seed0/status.json: not valid JSON"):
-        suite.run_suite("tests", "grpo", [0], out, slots=slots)
+        suite.run_suite("tests", "grpo", [0], out, slots=slots, checked_config=checked_config)
     assert slots.started == []

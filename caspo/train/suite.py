@@ -31,15 +31,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from caspo.cli_args import checked_config
-from caspo.config import ConfigError, load_config
+from caspo.config import Config, ConfigError, load_config
 from caspo.eval.benchmarks import suite_name
 from caspo.eval.targets import checkpoint_dirs
 from caspo.report.compare import GROUP_BY, expand, read_suite, report
 from caspo.runlog import console, read_status, write_json
 
 FORMAT = "caspo-suite-1"
+# (preset, overrides, policy=, data=) -> Config: the command line's check of a config (caspo.cli_args.checked_config)
+ConfigCheck = Callable[..., Config]
 
 
 @dataclass(frozen=True)
@@ -207,10 +209,11 @@ def benchmark_list(benchmarks: str | None) -> list[str]:
     return names
 
 
-def check_configs(preset: str, shared: list[str], runs: list[SuiteRun], out: Path,
+def check_configs(checked_config: ConfigCheck, preset: str, shared: list[str], runs: list[SuiteRun], out: Path,
                   benchmarks: list[str] = ()) -> None:
-    """Every run's config passes `caspo train`'s checks (its method, template, data and policy), and with
-    `benchmarks` the config of the `caspo eval` of its checkpoints passes `caspo eval`'s, before any run starts."""
+    """Every run's config passes `caspo train`'s checks (`checked_config`: its method, template, data and policy), and
+    with `benchmarks` the config of the `caspo eval` of its checkpoints passes `caspo eval`'s, before any run
+    starts."""
     for r in runs:
         overrides = [*shared, *r.overrides, f"train.seed={r.seed}", f"train.output_dir={out / r.dir}"]
         try:
@@ -244,10 +247,13 @@ class LocalSlots:
         pass
 
 
-def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devices: list[str] | None = None,
-              overrides: list[str] = (), benchmarks: str | None = None, group_by: str = "config",
-              slots=None, ray_address: str | None = None, ray_slots: int | None = None) -> dict:
-    """Run what is not finished, evaluate, report; returns {"report", "ran", "skipped", "failed"}. `slots` places
+def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, *, checked_config: ConfigCheck,
+              devices: list[str] | None = None, overrides: list[str] = (), benchmarks: str | None = None,
+              group_by: str = "config", slots=None, ray_address: str | None = None,
+              ray_slots: int | None = None) -> dict:
+    """Run what is not finished, evaluate, report; returns {"report", "ran", "skipped", "failed"}.
+    `checked_config(preset, overrides, policy=, data=)` is the command line's check of a config
+    (`caspo.cli_args.checked_config`, given by the caller: the suite sits below the command line). `slots` places
     the runs (LocalSlots(devices) by default; caspo.train.ray_launch.RaySlots(ray_address, ray_slots or 1) on a
     Ray cluster). Everything is checked before the suite is recorded or any run starts: the seeds and placement,
     the methods, each run's config, --benchmarks, --group-by, suite.json and the runs' status files."""
@@ -257,7 +263,7 @@ def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, devi
     check_folders(wanted, out)
     names = benchmark_list(benchmarks)
     benchmarks = ",".join(names) or None
-    check_configs(preset, shared, wanted, out, names)
+    check_configs(checked_config, preset, shared, wanted, out, names)
     if group_by not in GROUP_BY:
         raise ConfigError(f"--group-by {group_by!r}: choose one of {', '.join(GROUP_BY)}")
     record_suite(out, preset, shared, wanted)
