@@ -20,6 +20,8 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from caspo.config.load import read_text_checked
+
 console = Console(stderr=True)
 
 PACKAGES = ("caspo", "torch", "transformers", "tokenizers", "safetensors", "math-verify", "numpy", "triton",
@@ -51,14 +53,12 @@ def read_mapping(path: str | Path, needs: dict | None = None, fix: str = MEND) -
     """A run's or suite's JSON file, or YAML file (by its suffix), as the mapping it must be, holding each key
     of `needs` with a value of its type ([dict]: a list of mappings). Anything else (not UTF-8, not valid JSON or
     YAML, not a mapping, a key missing or of another type) is a DamagedRunFile naming the file, what is wrong
-    with it and `fix`."""
+    with it and `fix` (re-saving it, for text that is not UTF-8)."""
     path = Path(path)
     kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+    text = read_text_checked(path, DamagedRunFile)
     try:
-        text = path.read_text(encoding="utf-8")
         data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
-    except UnicodeDecodeError as err:
-        raise DamagedRunFile(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); {fix}") from None
     except (ValueError, yaml.YAMLError) as err:  # json.JSONDecodeError is a ValueError
         raise DamagedRunFile(f"{path}: not valid {kind} ({' '.join(str(err).split())}); {fix}") from None
     if not isinstance(data, dict):

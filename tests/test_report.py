@@ -212,7 +212,7 @@ DAMAGE = [  # (file, its text, what the error says about it)
     ("status.json", "garbage\n", r"status.json: not valid JSON .*; mend it, or remove it \(a running run writes"),
     ("status.json", '"finished"\n', r"status.json: holds a string, not the mapping"),
     ("metrics.jsonl", '{"step": 1}\n[1, 2]\n', r"metrics.jsonl, line 2: a list, not a JSON object .*mend or remove"),
-    ("config.yaml", b"\xff\xfe", r"config.yaml: not UTF-8 text \(invalid start byte at byte 0\)"),
+    ("config.yaml", b"\xff\xfe", r"config.yaml is not UTF-8 text \(byte 0: invalid start byte\); re-save it as UTF-8"),
 ]
 
 
