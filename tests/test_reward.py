@@ -259,7 +259,8 @@ A_WORD = "is only letters, which math-verify reads as a product of symbols"
 
 @pytest.mark.parametrize("label, message", [
     ("", EMPTY), ("   ", EMPTY), ("$$", EMPTY), (r"\text{\quad}", "empty text label"),
-    (r"\text{}", UNPARSED), (r"\text{ }", UNPARSED), ("\\", UNPARSED),  # \text{} without a letter is not text
+    (r"\text{}", "empty text label"), (r"\text{ }", "empty text label"), (r"\text{\ }", "empty text label"),
+    ("\\", UNPARSED),
     ("}{", ONLY_A_STRING), ("???", ONLY_A_STRING),
     (None, NOT_A_STRING), (18, NOT_A_STRING),
     ("banana", A_WORD), ("hello world", A_WORD), ("None", A_WORD), ("nan", A_WORD), ("listen", A_WORD), ("xy", A_WORD),

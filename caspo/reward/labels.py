@@ -34,6 +34,11 @@ def text_label(label: str) -> bool:
     return whole is not None and re.search(r"[A-Za-z]", whole.group(1)) is not None
 
 
+def blank_text_label(label: str) -> bool:
+    """Whether `label` is one whole \\text{...} group with nothing comparable in it (spaces, spacing commands)."""
+    return _WHOLE_TEXT.fullmatch(label.strip()) is not None and not normalize_text(label)
+
+
 def letter_word(label: str) -> str | None:
     """The word an unmarked label consists of, if it is only words ("banana", "None"), else None."""
     bare = label

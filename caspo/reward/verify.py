@@ -25,7 +25,7 @@ from math_verify.errors import TimeoutException
 from sympy import And, Basic, Eq
 
 from caspo.reward.extract import extract_answer
-from caspo.reward.labels import letter_word, normalize_text, same_text, text_label
+from caspo.reward.labels import blank_text_label, letter_word, same_text, text_label
 from caspo.reward.prefilter import MAX_ANSWER_CHARS, hedged, too_costly
 
 # Names this verifier and the libraries that decide its verdicts; bump the first part
@@ -214,10 +214,9 @@ def check_label(label: str, max_answer_chars: int = MAX_ANSWER_CHARS) -> None:
     gold = _strip_dollars(label)
     if not gold:
         raise ValueError(f"empty label: {label!r}")
-    if text_label(gold):
-        if not normalize_text(gold):
-            raise ValueError(f"empty text label: {label!r}")
-    else:
+    if blank_text_label(gold):  # with no letter in it, \text{\ } would otherwise be read as math
+        raise ValueError(f"empty text label: {label!r}")
+    if not text_label(gold):
         word = letter_word(gold)
         if word is not None:
             raise ValueError(f"label {label!r} is only letters, which math-verify reads as a product of symbols "
