@@ -120,9 +120,9 @@ def test_verify_resume_fails_and_names_the_update_rng_when_a_resume_does_not_res
 
     real_run_cli = module.run_cli
 
-    def run_cli(args):
+    def run_cli(args, log):
         if "--resume" not in args:
-            return real_run_cli(args)
+            return real_run_cli(args, log)
         result = subprocess.run([sys.executable, "-c", RESUME_WITHOUT_UPDATE_RNG, *args], capture_output=True,
                                 text=True)
         assert result.returncode == 0, result.stderr[-3000:]

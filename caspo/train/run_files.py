@@ -1,5 +1,5 @@
-"""A run's folder: what a fresh run may overwrite, what a resume starts from, and how a run that stops
-itself says so."""
+"""A run's folder: what a fresh run may overwrite, what a resume starts from, what a model written into a folder
+would replace, and how a run that stops itself says so."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 from caspo.config import Config, ConfigError
 from caspo.runlog import console
 from caspo.train import checkpoint as ckpt
+
+MODEL_FILES = ("config.json", "manifest.json", "*.safetensors")  # what makes a folder a model or a checkpoint
 
 
 class RunStopped(RuntimeError):
@@ -52,6 +54,24 @@ def both_error(run_dir: Path) -> str:
     checkpoint of another run, may take --overwrite: it starts a new run in a folder that holds one.)"""
     return (f"--resume and --overwrite together: --resume continues the run in {run_dir}, --overwrite deletes it "
             "(its checkpoints among its files); give one: --resume to continue, --overwrite to start over")
+
+
+def model_files(folder: str | Path) -> list[str]:
+    """The files of `folder` that make it a model or checkpoint folder (MODEL_FILES): a model written there
+    would replace them."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted({p.name for pattern in MODEL_FILES for p in folder.glob(pattern)})
+
+
+def refuse_model_folder(folder: str | Path, flag: str) -> None:
+    """ConfigError if `folder` holds a model: the command writing to it needs --overwrite to replace it."""
+    found = model_files(folder)
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ConfigError(f"{flag} {folder} holds a model already ({shown}); pass --overwrite to replace it, "
+                          f"or another {flag}")
 
 
 def load_during(loads: list[float]) -> dict:

@@ -32,31 +32,14 @@ from caspo.reward.pool import RewardPool
 from caspo.rollout.hf import HFEngine
 from caspo.runlog import JsonlWriter, console, progress_bar
 from caspo.train.optim import build_scheduler
+from caspo.train.run_files import refuse_model_folder
 
 LOG = "sft_log.jsonl"  # one line a step
-MODEL_FILES = ("config.json", "manifest.json", "*.safetensors")  # what makes a folder a model or a checkpoint
 
 
 class TrainingDiverged(ConfigError):
     """The loss became NaN or infinite: a setting to change (sft.lr), so a user error, not a crash."""
 
-
-def model_files(folder: str | Path) -> list[str]:
-    """The files of `folder` that make it a model or checkpoint folder (MODEL_FILES): a model written there
-    would replace them."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    return sorted({p.name for pattern in MODEL_FILES for p in folder.glob(pattern)})
-
-
-def refuse_model_folder(folder: str | Path, flag: str) -> None:
-    """ConfigError if `folder` holds a model: the command writing to it needs --overwrite to replace it."""
-    found = model_files(folder)
-    if found:
-        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
-        raise ConfigError(f"{flag} {folder} holds a model already ({shown}); pass --overwrite to replace it, "
-                          f"or another {flag}")
 
 def sft_batch(tokenizer, pairs: list[tuple[str, str]], device) -> tuple[torch.Tensor, ...]:
     """Right-padded prompt+target+EOS; labels are -100 except on the target and EOS."""

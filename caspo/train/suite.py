@@ -259,13 +259,13 @@ def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, *, c
     the methods, each run's config, --benchmarks, --group-by, suite.json and the runs' status files."""
     out, shared = Path(out).resolve(), list(overrides)
     check_arguments(seeds, devices, ray_address, ray_slots)
+    if group_by not in GROUP_BY:
+        raise ConfigError(f"--group-by {group_by!r}: choose one of {', '.join(GROUP_BY)}")
     wanted = plan(parse_methods(methods), seeds)
     check_folders(wanted, out)
     names = benchmark_list(benchmarks)
     benchmarks = ",".join(names) or None
-    check_configs(checked_config, preset, shared, wanted, out, names)
-    if group_by not in GROUP_BY:
-        raise ConfigError(f"--group-by {group_by!r}: choose one of {', '.join(GROUP_BY)}")
+    check_configs(checked_config, preset, shared, wanted, out, names)  # the slow check (each run's data), last
     record_suite(out, preset, shared, wanted)
     queue = [r for r in wanted if next_action(out / r.dir) != "skip"]
     skipped = [r for r in wanted if r not in queue]

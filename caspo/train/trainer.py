@@ -86,7 +86,8 @@ def build_trainer(cfg: Config) -> Trainer:
     limit_device_memory(device, cfg.model.device_memory_gib)  # before anything is allocated on it
     path = resolve_model_path(cfg.model.policy, cfg.model.revision)
     tokenizer = load_tokenizer(path)
-    policy = load_policy(path, fsdp.read_device(device)).eval()
+    read_on = fsdp.read_device(device)  # the host, with several processes: sharding moves each group to the card
+    policy = load_policy(path, read_on).eval()
     base = base_identity(policy, tokenizer)
     recompute_if_asked(cfg.train, policy)
     data = load_task_data(cfg, tokenizer)
@@ -94,7 +95,7 @@ def build_trainer(cfg: Config) -> Trainer:
     actor = learner(policy, cfg)
     ref = copy.deepcopy(policy).requires_grad_(False) if needs_ref else None
     compile_if_asked(cfg.train, policy, ref)
-    method_state = method.state.build(cfg, path, policy, tokenizer, fsdp.read_device(device))
+    method_state = method.state.build(cfg, path, policy, tokenizer, read_on)
     engine = None
     if distributed.active():  # the engine reads the whole policy, then sleeps while the models are sharded
         engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg), device=device)

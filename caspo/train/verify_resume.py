@@ -90,19 +90,16 @@ def digest(obj) -> str:
     return h.hexdigest()[:16]
 
 
-def run_cli(args: list[str]) -> None:
-    """One `caspo train` of verify-resume; its output goes to <workdir>/<uninterrupted|stopped|resumed>.log. A
-    failure is a RunFailed with the run's last error line."""
+def run_cli(args: list[str], log: Path) -> None:
+    """One `caspo train` of verify-resume, its output written to `log` (<workdir>/<run>.log). A failure is a
+    RunFailed with the run's last error line."""
     cmd = [sys.executable, "-m", "caspo.cli", "train", *args]
     result = subprocess.run(cmd, capture_output=True, text=True)
-    run_dir = Path(next(a for a in args if a.startswith("train.output_dir=")).split("=", 1)[1])
-    name = "resumed" if "--resume" in args else "stopped" if any(a.startswith("train.stop_after=") for a in args) \
-        else "uninterrupted"
-    log = run_dir.parent / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(f"$ {' '.join(cmd)}\n{result.stdout}{result.stderr}")
     if result.returncode:
-        raise RunFailed(f"the {name} run exited {result.returncode}: {last_error(result.stderr)} (its output: {log})")
+        raise RunFailed(f"the {log.stem} run exited {result.returncode}: {last_error(result.stderr)} "
+                        f"(its output: {log})")
 
 
 def last_error(stderr: str) -> str:
@@ -173,11 +170,11 @@ def verify_resume(preset: str, overrides: list[str], workdir: str | Path, nproc:
     for folder in (straight, resumed):
         shutil.rmtree(folder, ignore_errors=True)
     with console.status("uninterrupted run"):
-        run_cli(base + [f"train.output_dir={straight}"])
+        run_cli(base + [f"train.output_dir={straight}"], workdir / "uninterrupted.log")
     with console.status(f"run stopped after {STOP_AFTER} steps"):
-        run_cli(base + [f"train.output_dir={resumed}", f"train.stop_after={STOP_AFTER}"])
+        run_cli(base + [f"train.output_dir={resumed}", f"train.stop_after={STOP_AFTER}"], workdir / "stopped.log")
     with console.status("resumed run"):
-        run_cli(base + [f"train.output_dir={resumed}", "--resume", "latest"])
+        run_cli(base + [f"train.output_dir={resumed}", "--resume", "latest"], workdir / "resumed.log")
     a = {**state_hashes(straight), **traces(straight)}
     b = {**state_hashes(resumed), **traces(resumed)}
     ranks = f", {nproc} processes" if nproc > 1 else ""

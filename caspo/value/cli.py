@@ -136,7 +136,7 @@ def train(labels: Path = typer.Argument(..., help="label file from `caspo value 
     import torch
 
     from caspo.train import distributed
-    from caspo.train.sft import refuse_model_folder
+    from caspo.train.run_files import refuse_model_folder
     from caspo.value.train import TrainSpec, train_value
 
     positive("--beta", beta)
