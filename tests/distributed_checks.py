@@ -17,11 +17,12 @@ from caspo.batch import RolloutBatch
 from caspo.config import load_config
 from caspo.methods import get_method
 from caspo.models.forward import hidden_logprobs, response_hidden, response_logprobs
-from caspo.models.policy import load_policy
+from caspo.models.policy import is_skeleton, load_policy
 from caspo.precision import LossScaler
 from caspo.reward.pool import RewardResult
 from caspo.rollout.base import Completion, Request, SamplingParams, publish
 from caspo.rollout.hf import HFEngine
+from caspo.rollout.publication import PublicationError
 from caspo.train import checkpoint as ckpt
 from caspo.train import distributed, fsdp, sharded
 from caspo.train.blocks import RankSplitEngine, RankSplitPool
@@ -29,6 +30,8 @@ from caspo.train.method_state import MethodState
 from caspo.train.optim import learner
 from caspo.train.scoring import score
 from caspo.train.update import accumulate_gradients, update
+
+SAMPLED = [Request([5, 7, 9], seed=s, max_new_tokens=6) for s in range(3)]
 
 
 def make_batch(rows: int = 7) -> RolloutBatch:
@@ -78,15 +81,27 @@ def main(out: str) -> None:
         want_logp = score(single, batch, cfg)
         engine = HFEngine(base, pad_token_id=0)
         want_digest = publish(engine, single, 1)
-    # the sharded model: same weights, each rank on its block of the rows
-    model = fsdp.shard_routed(copy.deepcopy(base), "fp32")
+        want_tokens = [c.tokens for c in engine.generate(SAMPLED, SamplingParams())]
+    # the sharded model: rank 0 reads the weights, rank 1 builds a skeleton and gets its shards from rank 0's;
+    # each rank then works on its block of the rows. The engine is built before sharding, as the trainer does.
+    loaded = load_policy(cfg.model.policy, fsdp.read_device("cpu"))
+    facts["skeleton"] = is_skeleton(loaded)
+    rank_engine = HFEngine(loaded, pad_token_id=0, device="cpu")
+    try:
+        rank_engine.generate(SAMPLED, SamplingParams())
+        facts["unpublished_engine_refused"] = False
+    except PublicationError:
+        facts["unpublished_engine_refused"] = not distributed.is_main()  # rank 0's engine has the read weights
+    model = fsdp.shard_routed(loaded, "fp32")
+    facts["buffers_equal"] = all(torch.equal(b, dict(base.named_buffers())[n]) for n, b in model.named_buffers())
     facts["micro_batches"] = len(list(batch.micro_batches(2, distributed.my_rows(rows), 30)))
     accumulate_gradients(model, batch, rows, cfg, LossScaler("fp32"), batch.responses.shape[1], loss_fn)
     facts["grad_diff"] = max_diff(gradients(model), want_grads)
     facts["grad_scale"] = max(g.abs().max().item() for g in want_grads.values())
     got = fsdp.score_rows(model, batch, cfg, response_logprobs, 1.0)
     facts["logp_diff"] = ((got - want_logp) * batch.response_mask).abs().max().item()  # padding holds anything
-    facts["digest_equal"] = publish(HFEngine(base, pad_token_id=0), model, 1) == want_digest
+    facts["digest_equal"] = publish(rank_engine, model, 1) == want_digest
+    facts["engine_tokens_equal"] = [c.tokens for c in rank_engine.generate(SAMPLED, SamplingParams())] == want_tokens
     whole = sharded.whole_state(model, "fp32")
     tied = {"lm_head.weight"}  # the embedding, written once
     facts["export_keys_equal"] = not distributed.is_main() or set(whole) == set(single.state_dict()) - tied
@@ -156,6 +171,7 @@ def main(out: str) -> None:
     facts["grouped_generated"], facts["grouped_scored"] = engine.seen, pool.seen
     facts["grouped_completions"] = [c.tokens for c in grouped]
     facts["per_rank"] = distributed.gather_objects({k: facts[k] for k in (
+        "skeleton", "unpublished_engine_refused", "buffers_equal", "engine_tokens_equal",
         "micro_batches", "grad_diff", "update_ratio_diff", "digest_equal", "export_keys_equal", "failed_save",
         "split_generated", "split_scored", "split_completions", "split_rewards", "grouped_generated",
         "grouped_scored", "grouped_completions")})

@@ -99,22 +99,44 @@ def test_a_parameter_outside_every_group_is_refused_by_name(tmp_path):
         torch.distributed.destroy_process_group()
 
 
-def test_several_processes_read_their_models_on_the_host(monkeypatch):
-    """Sharding moves each group to the rank's card; read there first, every rank would hold whole models on it.
-    On CUDA, attention runs without cuDNN even where the models are read on the host."""
+def test_rank_0_reads_the_models_on_the_host_and_the_others_build_skeletons(monkeypatch):
+    """Sharding moves each group to the rank's card; read there first, every rank would hold whole models on it,
+    and read on every rank's host, the host would hold one copy per rank. On CUDA, attention runs without cuDNN
+    even where the models are read on the host."""
     from caspo.train import fsdp
 
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         assert fsdp.read_device("cuda:0") == torch.device("cuda", 0)  # one process: read where it runs
         monkeypatch.setattr(distributed, "active", lambda: True)
+        monkeypatch.setattr(distributed, "rank", lambda: 0)
         torch.backends.cuda.enable_cudnn_sdp(True)
         assert fsdp.read_device("cpu") == torch.device("cpu")
         assert torch.backends.cuda.cudnn_sdp_enabled()
         assert fsdp.read_device("cuda") == torch.device("cpu")
         assert not torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setattr(distributed, "rank", lambda: 1)
+        assert fsdp.read_device("cuda") == fsdp.read_device("cpu") == torch.device("meta")
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
+
+
+@pytest.mark.parametrize("spec", ["embedded:tiny-arith", "embedded:tiny-looped"])
+def test_a_skeleton_has_the_loaded_models_structure_and_no_weights(spec):
+    """What ranks other than 0 build in place of reading: every parameter and buffer of the loaded policy and
+    critic by name, shape, dtype and trainability, and the EOS ids that end completions, on the meta device."""
+    from caspo.models.critic import load_critic
+    from caspo.models.policy import is_skeleton, load_policy
+
+    def structure(model):
+        return ({n: (p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()},
+                {n: (b.shape, b.dtype) for n, b in model.named_buffers()})
+
+    for load in (load_policy, load_critic):
+        loaded, skeleton = load(spec), load(spec, "meta")
+        assert structure(skeleton) == structure(loaded) and not is_skeleton(loaded) and is_skeleton(skeleton)
+        assert {t.device.type for t in [*skeleton.parameters(), *skeleton.buffers()]} == {"meta"}
+    assert load_policy(spec, "meta").generation_config.eos_token_id == load_policy(spec).generation_config.eos_token_id
 
 
 def test_value_training_refuses_one_card_for_several_ranks(tmp_path):
@@ -162,6 +184,11 @@ def test_two_ranks_give_the_one_process_gradients_scores_and_publication(tmp_pat
     assert facts["grad_diff"] <= 1e-6 * facts["grad_scale"]
     assert facts["logp_diff"] <= 1e-5
     assert [r["micro_batches"] for r in facts["per_rank"]] == [3, 2]  # rank 1 ran a stand-in
+    # rank 1 read no weights: its skeleton's shards and buffers, and its engine's weights, came from rank 0's;
+    # its engine refused to sample before the first publication, then sampled the one process's tokens
+    assert [r["skeleton"] for r in facts["per_rank"]] == [False, True]
+    assert [r["unpublished_engine_refused"] for r in facts["per_rank"]] == [False, True]
+    assert all(r["buffers_equal"] and r["engine_tokens_equal"] for r in facts["per_rank"])
     assert all(r["digest_equal"] and r["export_keys_equal"] and r["grad_diff"] == facts["grad_diff"]
                for r in facts["per_rank"])
     assert facts["export_diff"] == 0.0

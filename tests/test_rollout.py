@@ -267,3 +267,26 @@ def test_a_stop_string_begun_in_the_prompts_context_ends_the_completion(tiny_mod
     request.stop_context = 0  # generated text alone: the stop string is not there (unless it comes again later)
     alone = engine.generate([request], sampling)[0]
     assert alone.tokens[:2] == first.tokens[:2] and len(alone.tokens) > 1
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_an_engine_built_from_a_skeleton_serves_only_after_a_publication(tiny_model, backend):
+    """A rank of a sharded run other than 0 reads no weights: its engine is built from the policy's skeleton (on the
+    meta device), refuses to sample until the first publication, then samples as one built from the weights,
+    through a sleep that frees the weights and a wake (the trainer's order)."""
+    with torch.device("meta"):
+        skeleton = type(tiny_model)(tiny_model.config)
+    engine = HFEngine(skeleton, pad_token_id=0, device="cpu") if backend == "hf" else \
+        NativeEngine(skeleton, max_seq_len=32, capacity_tokens=32 * 8, device="cpu")
+    with pytest.raises(PublicationError, match="built from a model's skeleton"):
+        engine.generate(requests(2), SAMPLING)
+    engine.sleep(weights=True)
+    assert all(p.numel() == 0 for p in engine._params().values())
+    engine.wake()
+    publish(engine, tiny_model, 0)
+    want = engine_of(backend, tiny_model).generate(requests(8), SAMPLING)
+    got = engine.generate(requests(8), SAMPLING)
+    assert [(c.tokens, c.logprobs) for c in got] == [(c.tokens, c.logprobs) for c in want]
+    if backend == "native":
+        with pytest.raises(ValueError, match="needs device="):
+            NativeEngine(skeleton, max_seq_len=32, capacity_tokens=32 * 8)

@@ -18,15 +18,21 @@ from caspo.models.policy import resolve_model_path
 
 
 def load_critic(spec: str, device: str | torch.device = "cpu", init_head: bool = True) -> torch.nn.Module:
-    """A critic from a policy checkpoint (new zero head) or from a saved critic (init_head=False)."""
-    path = resolve_model_path(spec)
+    """A critic from a policy checkpoint (new zero head) or from a saved critic (init_head=False); on the meta
+    device, its skeleton."""
+    path, skeleton = resolve_model_path(spec), torch.device(device).type == "meta"
     if upstream_config(path) is not None:  # an upstream Ouro / Nanbeige4.2 folder, converted on load
-        critic = load_upstream(path, cls=LoopedForValue)
+        critic = load_upstream(path, cls=LoopedForValue, weights=not skeleton)
     else:
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0
         config.hidden_dropout = 0.0
+        if skeleton:  # no weights read: a rank of a sharded run other than the one that reads them
+            with torch.device("meta"):
+                return AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
         critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    if skeleton:
+        return critic
     if init_head:
         with torch.no_grad():
             critic.score.weight.zero_()

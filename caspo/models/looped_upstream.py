@@ -228,16 +228,20 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_upstream(path: str | Path, dtype: torch.dtype | None = torch.float32, ignore_keys=(),
-                  cls: type = LoopedForCausalLM, **overrides):
+                  cls: type = LoopedForCausalLM, weights: bool = True, **overrides):
     """Load an upstream Ouro / Nanbeige4.2 checkpoint folder (config.json and safetensors) as a `cls`
-    (the LM, or its critic `LoopedForValue`); dtype None keeps the stored dtypes."""
+    (the LM, or its critic `LoopedForValue`); dtype None keeps the stored dtypes. With `weights=False`, the
+    model's skeleton on the meta device: its structure, no weights read."""
     path = Path(path)
     config = from_upstream_config(read_config(path), ignore_keys, **overrides)
-    state = map_upstream_state_dict(read_safetensors(path), config, cls)
     with torch.device("meta"):
         model = cls(config)
-    model.load_state_dict({k: v if dtype is None else v.to(dtype) for k, v in state.items()}, strict=True,
-                          assign=True)
+    if weights:
+        state = map_upstream_state_dict(read_safetensors(path), config, cls)
+        model.load_state_dict({k: v if dtype is None else v.to(dtype) for k, v in state.items()}, strict=True,
+                              assign=True)
+    elif dtype is not None:
+        model.to(dtype)
     if config.tie_word_embeddings and cls is LoopedForCausalLM:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.freeze_exit_gate()

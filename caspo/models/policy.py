@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, Qwen2Config
 
 import caspo.models.looped  # noqa: F401  registers the looped LM with the Auto classes
 from caspo.config import ConfigError
@@ -52,14 +52,18 @@ def resolve_model_path(spec: str, revision: str | None = None) -> str:
 
 def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32):
     """A causal LM from `spec`; an upstream Ouro / Nanbeige4.2 folder is converted to the looped model.
-    On CUDA, attention then runs without cuDNN (`attention_without_cudnn`)."""
-    if torch.device(device).type == "cuda":
+    On CUDA, attention then runs without cuDNN (`attention_without_cudnn`). On the meta device: the model's
+    skeleton, no weights read (a rank of a sharded run other than the one that reads them, `fsdp.read_device`)."""
+    device = torch.device(device)
+    if device.type == "cuda":
         attention_without_cudnn()
     path = resolve_model_path(spec)
     if upstream_config(path) is not None:
         if isinstance(dtype, str):  # as from_pretrained: "auto" keeps the checkpoint's dtypes
             dtype = None if dtype == "auto" else getattr(torch, dtype)
-        return load_upstream(path, dtype=dtype).to(device)
+        return load_upstream(path, dtype=dtype, weights=device.type != "meta").to(device)
+    if device.type == "meta":
+        return skeleton(path, dtype)
     with hub_errors(path):
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -70,6 +74,27 @@ def load_policy(spec: str, device: str | torch.device = "cpu", dtype: torch.dtyp
             raise ConfigError(f"model {spec!r} is a {kind!r} model, not a causal LM; pass a checkpoint that "
                               "AutoModelForCausalLM loads (a *ForCausalLM architecture)") from None
     return model.to(device)
+
+
+def skeleton(path: str, dtype: torch.dtype | str = torch.float32) -> torch.nn.Module:
+    """The causal LM of folder `path` as `from_pretrained` builds it, on the meta device: its parameters'
+    names, shapes and dtypes and its generation config (its EOS ids end completions), no weights."""
+    with hub_errors(path):
+        config = AutoConfig.from_pretrained(path)
+    if isinstance(dtype, str):
+        dtype = config.dtype if dtype == "auto" else getattr(torch, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:  # none saved: from_pretrained derives it from the config too
+        pass
+    return model
+
+
+def is_skeleton(model: torch.nn.Module) -> bool:
+    """Whether `model` was built on the meta device: it has a structure and no weights."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

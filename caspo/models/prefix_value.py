@@ -248,7 +248,7 @@ def load_prefix_value(path: str | Path, expected_provenance: Optional[Provenance
     the recorded ``reference_source`` unless given; either way its weights must have the
     recorded identity, or the values would be log-ratios against another model.
     """
-    from caspo.models.policy import load_policy, resolve_model_path
+    from caspo.models.policy import is_skeleton, load_policy, resolve_model_path
 
     path = resolve_model_path(str(path))  # a folder, or embedded:NAME for one that ships
     config = read_value_config(path)
@@ -261,7 +261,8 @@ def load_prefix_value(path: str | Path, expected_provenance: Optional[Provenance
         if not config["reference_source"]:
             raise ValueError(f"{path} records no reference_source; pass the reference model")
         reference = load_policy(config["reference_source"], device)
-    identity = model_identity(reference)
+    # a skeleton (a sharded run's rank other than 0, `fsdp.read_device`) has no weights: rank 0 checks them
+    identity = provenance.reference if is_skeleton(reference) else model_identity(reference)
     if identity != provenance.reference:
         raise ProvenanceError(f"the reference model has identity {identity}, but {path} was trained against "
                               f"{provenance.reference}; pass the reference it was trained with")

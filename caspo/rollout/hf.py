@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from caspo.models.policy import cast_parameters
+from caspo.models.policy import cast_parameters, is_skeleton
 from caspo.rollout.base import Completion, OnFinish, Request, SamplingParams, asleep_error
 from caspo.rollout.publication import Publication, PublishedWeights
 from caspo.rollout.sampling import sample_next
@@ -29,7 +29,12 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 class HFEngine(PublishedWeights):
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch: int = 0, decode=None,
                  dtype: torch.dtype | None = None, device: torch.device | None = None):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        skeleton = is_skeleton(model)  # a rank of a sharded run that reads no weights
+        if skeleton:  # built on `device` from the config (RoPE's buffers computed), filled by the first publication
+            with torch.device(device if device is not None else "cpu"):
+                self.model = type(model)(copy.deepcopy(model.config)).eval().requires_grad_(False)
+        else:
+            self.model = copy.deepcopy(model).eval().requires_grad_(False)
         if dtype is not None:  # the engine computes in its own dtype; publications are cast to it
             cast_parameters(self.model, dtype)
         if device is not None:  # the model's own device by default
@@ -41,6 +46,8 @@ class HFEngine(PublishedWeights):
         self._cache_kw = cache_kwarg(self.model)
         self._publication: Publication | None = None
         self._asleep = False
+        if skeleton:
+            self.await_publication()
 
     # ------------------------------------------------------------ publication
     def _params(self) -> dict[str, torch.Tensor]:

@@ -93,7 +93,7 @@ class PublishedWeights:
 
     version: int
     _publication: Publication | None
-    _released: dict[str, torch.Size] | None = None  # shapes of the weights `release_weights` freed
+    _released: dict[str, torch.Size] | None = None  # shapes of the weights freed or never filled
 
     def _params(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -102,11 +102,16 @@ class PublishedWeights:
     # freed, and the next publication brings them back.
     def release_weights(self) -> None:
         """Free the served weights' storage; generating then needs a publication first."""
+        params = self._params()
         if self._released is None:
-            params = self._params()
             self._released = {name: p.shape for name, p in params.items()}
-            for p in params.values():
-                p.data = p.data.new_empty(0)
+        for p in params.values():  # also those of an engine still awaiting its first publication
+            p.data = p.data.new_empty(0)
+
+    def await_publication(self) -> None:
+        """Mark the weights as not yet filled (an engine built from a model's skeleton): generating needs a
+        publication first."""
+        self._released = {name: p.shape for name, p in self._params().items()}
 
     def reallocate_weights(self) -> None:
         """Give released weights their storage back (uninitialised: a publication fills it)."""
@@ -117,8 +122,8 @@ class PublishedWeights:
 
     def check_weights(self) -> None:
         if self._released is not None:
-            raise PublicationError("the engine's weights were released by sleep(weights=True); publish the "
-                                   "policy before generating")
+            raise PublicationError("the engine holds no weights (released by sleep(weights=True), or built from a "
+                                   "model's skeleton); publish the policy before generating")
 
     def begin(self, version: int) -> None:
         self._publication = Publication(self._params(), version)

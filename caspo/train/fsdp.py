@@ -13,8 +13,10 @@ How a model is sharded depends on how the code calls it:
 A looped model runs its layers `depth` times per token, so its layers are not groups of their own: the
 whole model is one group. Every group reshards after its forward (no-grad passes leave nothing gathered).
 
-Placement: the models are read into host memory (`read_device`) and `fully_shard` moves each group to the
-rank's card as it wraps it, so a card never holds a whole model beside its shards.
+Placement: rank 0 reads the models into host memory, the other ranks build them on the meta device (no
+weights, `read_device`); `fully_shard` moves rank 0's groups to its card as it wraps them, and rank 0's whole
+tensors are then broadcast one at a time, each rank keeping its shard (`fill_from_main`). So the host holds
+one copy of each model, not one per rank, and no card holds a whole model beside its shards.
 
 Precision: bf16 keeps fp32 parameters (the optimizer's masters), gathers them in bf16 for compute and
 reduces gradients in fp32; fp32 is fp32 throughout. Gradients are *summed* over ranks (divide factor 1,
@@ -29,13 +31,14 @@ import weakref
 from typing import Callable, Iterator
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from caspo.batch import RolloutBatch
 from caspo.models.looped import LoopedPreTrainedModel
-from caspo.models.policy import attention_without_cudnn
+from caspo.models.policy import attention_without_cudnn, is_skeleton
 from caspo.precision import autocast
 from caspo.train import distributed
 from caspo.train.optim import Learner
@@ -56,13 +59,16 @@ class Root(torch.nn.Module):
 
 
 def read_device(device: torch.device | str) -> torch.device:
-    """Where the run's models are read: its device, or with several processes the host, from where sharding moves
-    each rank's shards to its card a layer at a time. Read on the card, a 7B policy and its reference would take
-    61 GB there whole before any sharding. On CUDA, attention runs without cuDNN either way."""
+    """Where the run's models are read: its device; with several processes, the host on rank 0 and the meta
+    device (a skeleton, no weights) on the others, whose shards come from rank 0's copy when they are sharded.
+    Read on the card, a 7B policy and its reference would take 61 GB there whole before any sharding; read on
+    every rank's host, 61 GB per rank. On CUDA, attention runs without cuDNN either way."""
     device = torch.device(device)
     if device.type == "cuda":
         attention_without_cudnn()
-    return torch.device("cpu") if distributed.active() else device
+    if not distributed.active():
+        return device
+    return torch.device("cpu") if distributed.is_main() else torch.device("meta")
 
 
 def mixed_precision(precision: str, cast_inputs: bool = True) -> MixedPrecisionPolicy:
@@ -97,20 +103,21 @@ def _layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_routed(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """Shard a causal LM (the policy, the reference) in place; its calls then go through `call`."""
-    mesh = _mesh()
+    """Shard a causal LM (the policy, the reference) in place, its weights rank 0's; its calls then go
+    through `call`."""
+    mesh, whole = _mesh(), main_state(model)
     if not isinstance(model, LoopedPreTrainedModel):
         for layer in _layers(model.get_decoder()):
             _group(layer, precision, mesh)
     root = Root(model)
     _group(root, precision, mesh, cast_inputs=False)  # the arguments are batches: their float tensors stay fp32
     _ROOTS[model] = root
-    return check_sharded(model)
+    return fill_from_main(check_sharded(model), whole)
 
 
 def shard_called(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """Shard a model called as modules (a critic: `base_model`, then its head) in place."""
-    backbone, mesh = model.base_model, _mesh()
+    """Shard a model called as modules (a critic: `base_model`, then its head) in place, its weights rank 0's."""
+    backbone, mesh, whole = model.base_model, _mesh(), main_state(model)
     if not isinstance(model, LoopedPreTrainedModel):
         for layer in _layers(backbone):
             _group(layer, precision, mesh)
@@ -118,7 +125,33 @@ def shard_called(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     for child in model.children():
         if child is not backbone and any(True for _ in child.parameters()):
             _group(child, precision, mesh)
-    return check_sharded(model)
+    return fill_from_main(check_sharded(model), whole)
+
+
+def main_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0's whole state of `model` (its tensors, not copies), taken before sharding replaces them by
+    shards; {} on the other ranks, whose model is a skeleton."""
+    if not distributed.is_main():
+        return {}
+    if is_skeleton(model):
+        raise RuntimeError(f"rank 0's {type(model).__name__} has no weights (built on the meta device); rank 0 "
+                           "reads every model that is sharded")
+    return model.state_dict()
+
+
+def fill_from_main(model: torch.nn.Module, whole: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Every rank's shards and buffers of a sharded `model` from rank 0's `whole` state (`main_state`): the
+    tensors are broadcast one at a time (torch.distributed.checkpoint's `broadcast_from_rank0`), so no card holds
+    more than one whole tensor at once. A skeleton gets its storage on the mesh's device first. Buffers are
+    broadcast too: RoPE's inverse frequencies are in no state dict, and a skeleton's are empty."""
+    device = distributed.collective_device()
+    if is_skeleton(model):
+        model.to_empty(device=device)
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+    return model
 
 
 def check_sharded(model: torch.nn.Module) -> torch.nn.Module:

@@ -125,8 +125,8 @@ def load_value_model(cfg: Config, tokenizer, source: ValueSource, label_policy: 
     """CASPO's prefix value model, refused if it was trained under other conditions than this run's
     sampling of `label_policy` (the base policy, or the policy of the checkpoint a refresh labelled)."""
     c = cfg.method.caspo
-    model = load_prefix_value(source.path, label_provenance(cfg, tokenizer, label_policy),
-                              allow_mismatch=c.allow_provenance_mismatch, device=device)
+    expected = distributed.on_main(label_provenance, cfg, tokenizer, label_policy)  # rank 0 holds the weights
+    model = load_prefix_value(source.path, expected, allow_mismatch=c.allow_provenance_mismatch, device=device)
     model.policy.requires_grad_(c.online).train(False)
     if c.online:  # φ trains as the critic does: its blocks recomputed in the backward when asked
         recompute_if_asked(cfg.train, model.policy)
@@ -281,7 +281,8 @@ class PrefixValues(MethodState):
         if self.online is not None:
             raise ValueError(f"cannot replace the value model by {source.path}: this run trains its value model "
                              "online (method.caspo.online=true), and a refreshed model needs a frozen run")
-        label_policy = load_policy(source.label_policy)  # on the CPU: only its weights' identity is read
+        # on the CPU (a skeleton on ranks other than 0): only its weights' identity is read, by rank 0
+        label_policy = load_policy(source.label_policy, fsdp.read_device("cpu"))
         self.model = load_value_model(self.cfg, self.tokenizer, source, label_policy, self.device)
         if distributed.active():
             self.shard(self.cfg.train.precision)

@@ -86,9 +86,9 @@ def build_trainer(cfg: Config) -> Trainer:
     limit_device_memory(device, cfg.model.device_memory_gib)  # before anything is allocated on it
     path = resolve_model_path(cfg.model.policy, cfg.model.revision)
     tokenizer = load_tokenizer(path)
-    read_on = fsdp.read_device(device)  # the host, with several processes: sharding moves each group to the card
+    read_on = fsdp.read_device(device)  # several processes: rank 0's host, a skeleton elsewhere (filled when sharded)
     policy = load_policy(path, read_on).eval()
-    base = base_identity(policy, tokenizer)
+    base = distributed.on_main(base_identity, policy, tokenizer)  # rank 0 holds the weights
     recompute_if_asked(cfg.train, policy)
     data = load_task_data(cfg, tokenizer)
     needs_ref = cfg.method.kl_coef > 0 or cfg.method.kl_reward_coef > 0
@@ -97,7 +97,7 @@ def build_trainer(cfg: Config) -> Trainer:
     compile_if_asked(cfg.train, policy, ref)
     method_state = method.state.build(cfg, path, policy, tokenizer, read_on)
     engine = None
-    if distributed.active():  # the engine reads the whole policy, then sleeps while the models are sharded
+    if distributed.active():  # the engine sleeps while the models are sharded; a publication fills it after
         engine = build_engine(cfg, policy, tokenizer, max_seq_len(cfg), device=device)
         engine.sleep(weights=True)
         actor, ref = shard(cfg, actor, ref, method_state)

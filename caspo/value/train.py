@@ -118,7 +118,8 @@ def train_value(labels_path: str | Path, policy: str, out_dir: str | Path, spec:
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"  # this rank's card
     reference = load_policy(path, fsdp.read_device(device))
-    model = PrefixValueModel.from_reference(reference, spec.beta, provenance.with_reference(model_identity(reference)),
+    identity = distributed.on_main(model_identity, reference)  # rank 0 holds the weights
+    model = PrefixValueModel.from_reference(reference, spec.beta, provenance.with_reference(identity),
                                             reference_source=policy)
     if distributed.active():  # φ and the reference sharded with FSDP2; each rank trains on its block of a batch
         fsdp.shard_routed(model.policy, "fp32")

@@ -129,6 +129,9 @@ class NativeEngine(PublishedWeights):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
         config, tensors, source_device = _read_source(model)
+        skeleton = any(t.is_meta for t in tensors.values())  # a rank of a sharded run that reads no weights
+        if skeleton and device is None:
+            raise ValueError("an engine built from a model's skeleton (on the meta device) needs device=")
         self.spec = decoder_spec(config)
         self.device = torch.device(device) if device is not None else source_device
         if cuda_graphs and self.device.type != "cuda":
@@ -184,6 +187,8 @@ class NativeEngine(PublishedWeights):
         self.version = 0
         self.stats = EngineStats()
         self._publication: Publication | None = None
+        if skeleton:
+            self.await_publication()
         self.model_runner = ModelRunner(self.runner, self.cache, self.spec, max_seq_len=max_seq_len,
                                         graph_batch_sizes=self.graph_batch_sizes, sampler_graphs=sampler_graphs,
                                         stats=self.stats, shared_prefix=shared_prefix_attention)

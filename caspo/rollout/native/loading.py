@@ -43,13 +43,15 @@ def fused_modules(runner: nn.Module) -> list[Attention | MLP]:
 
 def build_runner(runner_class: type[Runner], spec: DecoderSpec, tensors: Mapping[str, torch.Tensor], *,
                  dtype: torch.dtype, device: torch.device, max_seq_len: int) -> Runner:
-    """A runner on `device` in `dtype`, with every parameter loaded by name from `tensors`."""
+    """A runner on `device` in `dtype`, with every parameter loaded by name from `tensors`; tensors of a model's
+    skeleton (on the meta device) load nothing, and the weights come with the first publication."""
     with torch.device("meta"):
         runner = runner_class(spec, dtype)
     runner.to_empty(device=device).requires_grad_(False).eval()
     for module in fused_modules(runner):
         module.fuse()  # after to_empty, which gives every parameter its own storage
-    load_weights(runner, tensors)
+    if not any(t.is_meta for t in tensors.values()):
+        load_weights(runner, tensors)
     runner.init_rope(max_seq_len)
     return runner
 
