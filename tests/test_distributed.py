@@ -230,14 +230,15 @@ def samples(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "ppo_critic", "ppo_critic_in_value_phase", "caspo", "flow_dppo", "dppo",
-                                    "vineppo"])
+                                    "vineppo", "ppo_critic_looped_native"])
 def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_folder):
     """Deterministic fp32, 3 steps: the same sampled tokens and, up to the order of the sums, the same weights
     of every trained model (the policy; the critic, in the update or, with one minibatch a rollout, in the value
     phase; CASPO's online value model, sharded, each rank's gradient of its rows summed by FSDP); flow_dppo
     reads its frozen old policy sharded as the policy is; dppo generates with the policy of one update ago, which
     each rank keeps as its shards; vineppo's ranks each value their block of prompts by Monte Carlo, and the
-    step's counters are the whole batch's."""
+    step's counters are the whole batch's; a looped policy and critic, one FSDP group each, with rank 1's native
+    engine built from the policy's skeleton."""
     extra = [f"method.name={method}"]
     if method == "ppo_critic_in_value_phase":  # one minibatch of the 8 responses: the critic's step comes first
         extra = ["method.name=ppo_critic", "train.minibatch_size=8"]
@@ -246,6 +247,8 @@ def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_fol
                   "method.caspo.online_value_lr=1e-3"]
     if method == "dppo":
         extra += ["rollout.staleness=1"]
+    if method == "ppo_critic_looped_native":  # a looped policy and critic, rank 1's native engine from a skeleton
+        extra = ["method.name=ppo_critic", "model.policy=embedded:tiny-looped", "rollout.backend=native"]
     runs = {n: tmp_path / f"n{n}" for n in (1, 2)}
     for n, run in runs.items():
         result = caspo("train", "tests", *RUN, *extra, f"train.output_dir={run}", *(["--nproc", "2"] if n == 2 else []))
@@ -258,7 +261,8 @@ def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_fol
         assert len(mc[0]) == 3 and mc[0] == mc[1] and all(t > 0 for t in mc[0])
     # a learner's loss and gradient norm are the whole batch's, each row counted once, not one rank's part
     for key in {"caspo": ("value_bce", "value_grad_norm"), "ppo_critic": ("critic_grad_norm",),
-                "ppo_critic_in_value_phase": ("critic_grad_norm",)}.get(method, ()):
+                "ppo_critic_in_value_phase": ("critic_grad_norm",),
+                "ppo_critic_looped_native": ("critic_grad_norm",)}.get(method, ()):
         one_two = [[r[key] for r in rows if key in r] for rows in logged]
         assert len(one_two[0]) == 3 and one_two[1] == pytest.approx(one_two[0], rel=1e-5)
     assert [s["tokens_digest"] for s in one] == [s["tokens_digest"] for s in two]
@@ -266,7 +270,7 @@ def test_two_processes_sample_and_train_as_one(tmp_path, method, value_model_fol
     w1, w2 = exported(runs[1]), exported(runs[2])
     critic = {"critic"}
     learners = {"caspo": {"value"}, "ppo_critic": critic, "ppo_critic_in_value_phase": critic, "flow_dppo": critic,
-                "dppo": critic}.get(method, set())
+                "dppo": critic, "ppo_critic_looped_native": critic}.get(method, set())
     assert set(w1) == set(w2) == {"policy", *learners}
     for name in w1:
         assert set(w1[name]) == set(w2[name])
