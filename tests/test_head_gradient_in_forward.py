@@ -193,3 +193,27 @@ def test_on_cuda_the_head_never_waits_for_the_device(monkeypatch):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert hidden.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("in_forward", [False, True])
+def test_a_micro_batch_whose_mean_ratio_passes_ratio_skip_adds_nothing(rollout, in_forward):
+    """Upstream VinePPO's ratio_threshold: the second micro-batch (rows 4-7), its π_old 3 nats below π (mean ratio
+    about e³ = 20), is dropped at ratio_skip=10 and kept at 25: the gradient is then that of the first alone,
+    which equals the whole minibatch's with the second's advantages at 0 (the loss still normalised by all 8)."""
+    tr, batch, state = rollout
+    saved = batch.old_logprobs, batch.advantages
+    grpo, no_kl = get_method("grpo"), ["method.kl_coef=0.0"]
+    try:
+        batch.old_logprobs = loop.score(tr.policy, batch, tr.cfg).clone()
+        batch.old_logprobs[4:8] -= 3.0
+        skipped, metrics = gradients(tr, batch, state, grpo, [*no_kl, "method.ratio_skip=10"], in_forward)
+        kept, kept_metrics = gradients(tr, batch, state, grpo, [*no_kl, "method.ratio_skip=25"], in_forward)
+        batch.advantages = batch.advantages.clone()
+        batch.advantages[4:8] = 0.0
+        first_alone, _ = gradients(tr, batch, state, grpo, no_kl, in_forward)
+    finally:
+        batch.old_logprobs, batch.advantages = saved
+    assert [m["ratio_skipped"] for m in metrics] == [0.0, 1.0]
+    assert [m["ratio_skipped"] for m in kept_metrics] == [0.0, 0.0]
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(skipped, first_alone))
+    assert max((a - b).abs().max() for a, b in zip(kept, skipped)) > 1e-4

@@ -192,6 +192,9 @@ class MethodConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
+    # drop (multiply by 0) a micro-batch's policy and KL terms when its mean ratio π/π_old over its response
+    # tokens exceeds this: upstream VinePPO's ratio_threshold (10 by default there); null = off
+    ratio_skip: Optional[float] = None
     # how token losses are summed (caspo.algo.aggregate); seq-mean-token-sum-norm (Dr. GRPO) divides by
     # rows × rollout.max_new_tokens
     loss_agg: LossAgg = "token-mean"

@@ -100,6 +100,7 @@ RANGES: dict[str, Range] = {
     "method.clip_low": Range(0, 1, high_open=True, note="the ratio's lower bound is 1 - clip_low"),
     "method.clip_high": at_least(0),
     "method.dual_clip": above(1, "or null"),
+    "method.ratio_skip": above(1, "or null"),
     "method.adv_clip": at_least(0, "0 = off"),
     "method.kl_coef": at_least(0),
     "method.kl_reward_coef": at_least(0),

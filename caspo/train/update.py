@@ -83,7 +83,19 @@ def policy_loss(model, batch: RolloutBatch, cfg: Config, denom, norm_len: int, m
         loss = combined(pg_loss, kl_loss)
     batch.update_ratios = (logp.detach() - batch.old_logprobs).exp() * batch.response_mask
     metrics = dict(metrics, pg_loss=pg_loss.detach(), entropy=algo.masked_mean(entropy, batch.response_mask))
+    if m.ratio_skip is not None:
+        loss, metrics["ratio_skipped"] = skip_high_ratio(loss, batch.update_ratios, batch.response_mask, m.ratio_skip)
     return loss, metrics
+
+
+def skip_high_ratio(loss: torch.Tensor, ratios: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> tuple[torch.Tensor, float]:
+    """(loss, 0.0), or (0 · loss, 1.0) when the micro-batch's mean ratio π/π_old over its response tokens exceeds
+    `threshold`: upstream VinePPO's `ratio_threshold` (default 10), which drops a micro-batch (its policy and KL
+    terms) whose policy moved so far that its loss could spike. The optimizer step goes on with the others."""
+    if algo.masked_mean(ratios, mask).item() > threshold:
+        return loss * 0.0, 1.0
+    return loss, 0.0
 
 
 def old_policy_reading(old: torch.nn.Module, batch: RolloutBatch, model: torch.nn.Module, hidden: torch.Tensor,
