@@ -93,7 +93,7 @@ def main(debug: bool = typer.Option(False, "--debug", help="on an error, show th
 @app.command()
 def config(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES):
     """Print the resolved configuration."""
-    typer.echo(to_yaml(checked_config(preset, overrides)))
+    typer.echo(to_yaml(checked_config(preset, overrides, method_overrides=True)))
 
 
 @app.command()
@@ -108,12 +108,14 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
     import os
     import subprocess
 
+    from caspo.methods import unread_note
+    from caspo.runlog import console
     from caspo.train import distributed
     from caspo.train.signals import wait_relaying
     from caspo.value.refresh import train as run_train
 
     resume = expand_path(resume)
-    cfg = checked_config(preset, overrides)
+    cfg = checked_config(preset, overrides, method_overrides=True)
     check_output_dir(cfg.train.output_dir)
     if (nproc > 1 or ray_address) and not distributed.launched():  # start the ranks, each running this command
         distributed.check_config(cfg, nproc)
@@ -132,6 +134,9 @@ def train(ctx: typer.Context, preset: str = PRESET, overrides: Optional[List[str
         raise typer.Exit(wait_relaying(launcher))
     if nproc > 1 and distributed.launched() and int(os.environ["WORLD_SIZE"]) != nproc:
         raise ConfigError(f"--nproc {nproc}, but the launcher started {os.environ['WORLD_SIZE']} processes")
+    note = unread_note(cfg)
+    if note and int(os.environ.get("RANK", "0")) == 0:  # once, not from every rank
+        console.print(f"[yellow]{note}[/]", soft_wrap=True)  # one line, however wide the terminal
     summary = run_train(cfg, resume=resume, overwrite=overwrite)
     main = distributed.is_main()
     distributed.finish()  # a rank leaves its group once the run's models are gone
@@ -284,7 +289,7 @@ def verify_resume(preset: str = PRESET, overrides: Optional[List[str]] = OVERRID
     from caspo.train.distributed import check_config
     from caspo.train.verify_resume import verify_resume as run_verify
 
-    cfg = checked_config(preset, overrides)
+    cfg = checked_config(preset, overrides, method_overrides=True)
     check_config(cfg, nproc)  # fail fast on a bad config
     if not run_verify(preset, overrides or [], workdir, nproc=nproc):
         raise typer.Exit(1)
@@ -329,11 +334,18 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     from caspo.config import ConfigError
     from caspo.train.suite import run_suite
 
+    shared = list(overrides or [])
+
+    def run_config(preset: str, run_overrides: list[str], **kwargs):
+        # a run's config, checked as its `caspo train` checks it; the suite's look-up of the device (the shared
+        # overrides alone, under the preset's method) is no run's: its method's reads are not checked
+        return checked_config(preset, run_overrides, method_overrides=run_overrides != shared, **kwargs)
+
     try:
         seed_list = [integer("--seeds", s) for s in seeds.split(",") if s.strip()]
         device_list = [d.strip() if d.strip() == "cpu" else f"cuda:{integer('--devices', d, 'CUDA indices or cpu')}"
                        for d in devices.split(",")] if devices else None
-        result = run_suite(preset, methods, seed_list, expand_path(out), checked_config=checked_config,
+        result = run_suite(preset, methods, seed_list, expand_path(out), checked_config=run_config,
                            devices=device_list, overrides=overrides or [], benchmarks=benchmarks, group_by=group_by,
                            ray_address=ray_address, ray_slots=ray_slots)
     except ValueError as err:  # a bad --methods / --seeds / --devices item, a folder holding another suite

@@ -12,7 +12,7 @@ import typer
 from caspo.config import Config, ConfigError, load_config
 from caspo.data.check import check_arith, check_sources, check_template
 from caspo.eval.benchmarks import HELDOUT
-from caspo.methods import resolve_method
+from caspo.methods import check_unread_overrides, resolve_method
 from caspo.models.hub import looks_like_folder, missing_model_error
 from caspo.models.policy import resolve_model_path
 
@@ -31,13 +31,18 @@ def option_argv(options: dict) -> list[str]:
     return out
 
 
-def checked_config(preset: str, overrides: Optional[List[str]], *, policy: bool = True, data: bool = True) -> Config:
+def checked_config(preset: str, overrides: Optional[List[str]], *, policy: bool = True, data: bool = True,
+                   method_overrides: bool = False) -> Config:
     """The config with its method's checks and the data layer's (template, arithmetic task, benchmarks that
     exist); a ConfigError otherwise, which the CLI prints as one line. `policy`: the command loads
     model.policy, so it must exist (a hub id is checked when it loads); `data`: it reads data.source and
-    data.eval_source, so they must exist (without it, only when eval.benchmarks has the heldout set)."""
+    data.eval_source, so they must exist (without it, only when eval.benchmarks has the heldout set);
+    `method_overrides`: the command trains with the config's method, so an override of a method.* setting
+    that method does not read is refused (the value commands read some outside any method)."""
     cfg = load_config(preset, overrides or [])
     resolve_method(cfg)
+    if method_overrides:
+        check_unread_overrides(cfg, overrides or [])
     check_template(cfg.data.template)
     check_arith(cfg)
     sources = {f"eval.benchmarks[{i}]": name for i, name in enumerate(cfg.eval.benchmarks) if name != HELDOUT}

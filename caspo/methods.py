@@ -10,6 +10,9 @@
                 "halves": one epoch of two optimizer steps, each on half the completions
     state       the method-owned state and its hooks (caspo.train.method_state): a critic, a
                 Monte Carlo value source, a prefix value model, a frozen old policy
+    reads       the method.* settings it reads beyond COMMON, those every method reads ("caspo.online"
+                for method.caspo.online); a command-line override of any other is refused
+                (check_unread_overrides), and the config file's are noted at start (unread_note)
 
 Adding a method is one row here (or `register(Method(...))` from anywhere) plus, at
 most, one new pure function.
@@ -17,10 +20,11 @@ most, one new pure function.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
-from caspo.config import Config, ConfigError
+from caspo.config import Config, ConfigError, MethodConfig, parse_override
 from caspo.train import advantages as adv
 from caspo.train import policy_losses as losses
 from caspo.train.critic import Critic, CriticAndFrozenOld
@@ -39,6 +43,7 @@ class Method:
     schedule: Literal["minibatches", "halves"] = "minibatches"
     state: type[MethodState] = MethodState
     group_baseline: bool = False  # compares samples within a prompt group: needs G >= 2
+    reads: frozenset[str] = frozenset()  # method.* keys read beyond COMMON (method.caspo.x as "caspo.x")
     doc: str = ""
 
 
@@ -51,27 +56,106 @@ def register(method: Method) -> Method:
     return method
 
 
+# The method.* settings every method reads: the loss's token aggregation, the KL terms, the ±adv_clip σ clip,
+# the high-ratio micro-batch skip, and the step splitter (each run logs its steps per response; train.health's
+# length alarm counts them).
+COMMON = frozenset({"loss_agg", "kl_coef", "kl_estimator", "kl_loss_agg", "kl_reward_coef", "adv_clip",
+                    "ratio_skip", "step_splitter", "max_steps", "after_final_box"})
+# what each part of a row reads: PPO's ratio clip, GAE and its critic, the step methods' TD
+CLIP = frozenset({"clip_low", "clip_high", "dual_clip"})
+GAE = frozenset({"adv_whiten", "gamma", "lam", "critic_lr", "critic_weight_decay", "critic_grad_clip", "value_clip"})
+GROUP = frozenset({"adv_whiten", "std_normalize"})
+DPPO_MASK = GROUP | {"dppo_delta_low", "dppo_delta_high", "dppo_ratio_cap"}
+STEP_TD = CLIP | {"gamma", "step_adv_scope"}
+# CASPO's prefix value model: frozen or online (φ's step takes the critic's weight decay and clip), refreshed
+CASPO = frozenset({"adv_whiten", "critic_weight_decay", "critic_grad_clip"}) | {
+    f"caspo.{name}" for name in ("value_model", "transform", "online", "online_value_lr", "use_adb", "use_dlw",
+                                 "refresh_every", "refresh_prompts", "refresh_k", "refresh_j", "refresh_boundaries",
+                                 "refresh_state_temperature", "refresh_lr", "refresh_epochs", "refresh_batch_size",
+                                 "refresh_val_fraction", "refresh_pairing", "refresh_max_train_prefix_len",
+                                 "step_adv_clip", "allow_provenance_mismatch", "shuffle_values")}
+
 for _row in [
-    Method("grpo", adv.group_relative, losses.PPO_CLIP, group_baseline=True,
+    Method("grpo", adv.group_relative, losses.PPO_CLIP, group_baseline=True, reads=CLIP | GROUP,
            doc="group-relative terminal reward (DeepSeekMath); no second batch-wide whitening"),
-    Method("ppo", adv.terminal, losses.PPO_CLIP,
+    Method("ppo", adv.terminal, losses.PPO_CLIP, reads=CLIP | GROUP | {"terminal_scope"},
            doc="PPO with the terminal reward standardised over batch, group or not at all"),
-    Method("ppo_critic", adv.gae, losses.PPO_CLIP, whiten="batch", state=Critic,
+    Method("ppo_critic", adv.gae, losses.PPO_CLIP, whiten="batch", state=Critic, reads=CLIP | GAE,
            doc="PPO with a learned scalar critic and GAE (Schulman et al. 2017)"),
-    Method("dppo", adv.gae, losses.DECOUPLED, whiten="batch", state=Critic,
+    Method("dppo", adv.gae, losses.DECOUPLED, whiten="batch", state=Critic, reads=CLIP | GAE | {"iw_low", "iw_high"},
            doc="decoupled PPO: behaviour log-probs from the engine, proximal ones recomputed, bounded weight"),
     Method("flow_dppo", adv.gae, losses.DIVERGENCE_GATE, whiten="batch", schedule="halves", state=CriticAndFrozenOld,
+           reads=GAE | {"gate_threshold"},
            doc="categorical divergence gate against frozen old-policy distributions; two steps on halves"),
     Method("vineppo", adv.mc_step_td, losses.PPO_CLIP, step_whiten="tokens", state=MonteCarloValues,
+           reads=STEP_TD | {"vineppo_k", "vineppo_context_tokens"},
            doc="VinePPO: step values = mean reward of K Monte Carlo continuations from each step boundary"),
     Method("caspo", adv.prefix_step_td, losses.PPO_CLIP, step_whiten="steps", state=PrefixValues,
+           reads=STEP_TD | CASPO,
            doc="step TD on values from a learned prefix value model (IPVRM-style), frozen or online"),
-    Method("dppo_tv", adv.group_relative, losses.DPPO_TV, group_baseline=True,
+    Method("dppo_tv", adv.group_relative, losses.DPPO_TV, group_baseline=True, reads=DPPO_MASK,
            doc="Divergence-PPO binary total-variation mask, group-relative advantages"),
-    Method("dppo_kl", adv.group_relative, losses.DPPO_KL, group_baseline=True,
+    Method("dppo_kl", adv.group_relative, losses.DPPO_KL, group_baseline=True, reads=DPPO_MASK,
            doc="Divergence-PPO binary KL mask, group-relative advantages"),
 ]:
     register(_row)
+
+
+def method_keys(method: Method) -> frozenset[str]:
+    """The method.* settings `method` reads, as keys under method ("critic_lr", "caspo.online")."""
+    return COMMON | method.reads
+
+
+def readers(key: str) -> list[str]:
+    """The methods that read method.`key`."""
+    return [name for name, row in METHODS.items() if key in method_keys(row)]
+
+
+def flat_keys(key: str, value: Any) -> list[str]:
+    """The leaf keys an override sets: `method.caspo={online: true}` sets method.caspo.online."""
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in flat_keys(f"{key}.{k}", v)]
+    return [key]
+
+
+def check_unread_overrides(cfg: Config, overrides: list[str]) -> None:
+    """Refuse a command-line override of a method.* setting that cfg's method does not read: it would run
+    without effect. Run after resolve_method, whose refusals of such values name a more specific fix."""
+    method = get_method(cfg.method.name)
+    for item in overrides:
+        for key in flat_keys(*parse_override(item)):
+            if not key.startswith("method.") or key == "method.name":
+                continue
+            setting = key.removeprefix("method.")
+            if setting not in method_keys(method):
+                by = readers(setting)
+                read = f"is read by {', '.join(by)}" if by else "is read by no method"
+                raise ConfigError(f"{key} {read}; method.name={method.name} does not read it: drop it"
+                                  + (" or choose that method" if len(by) == 1 else
+                                     " or choose one of those methods" if by else ""))
+
+
+def unread_settings(cfg: Config) -> list[str]:
+    """The method.* settings of `cfg` that differ from their defaults and that its method does not read (a
+    config carrying every method's settings, to switch among them with method.name)."""
+    keys = method_keys(get_method(cfg.method.name))
+    default = dict(flat_items(dataclasses.asdict(MethodConfig())))
+    return [f"method.{key}" for key, value in flat_items(dataclasses.asdict(cfg.method))
+            if key != "name" and key not in keys and value != default[key]]
+
+
+def unread_note(cfg: Config) -> str | None:
+    """One start-up line naming `unread_settings`, or None."""
+    unread = unread_settings(cfg)
+    if not unread:
+        return None
+    return f"note: {cfg.method.name} does not read {', '.join(unread)} (set in the config for other methods)"
+
+
+def flat_items(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a nested dict."""
+    return [item for key, value in tree.items()
+            for item in (flat_items(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)])]
 
 
 def get_method(name: str) -> Method:
