@@ -264,10 +264,12 @@ def test_vineppo_context_holds_a_rollout_and_sizes_the_engine_for_its_continuati
         load_config("tests", [f"method.vineppo_context_tokens={rollout - 1}"])
     assert max_seq_len(cfg) == rollout  # (eval's budget is not longer in this preset)
     # a continuation from a whole response's prefix may add a response more, up to the context
-    wide = load_config("tests", [f"method.vineppo_context_tokens={rollout + 5}"])
+    wide = load_config("tests", ["method.name=vineppo", f"method.vineppo_context_tokens={rollout + 5}"])
     assert max_seq_len(wide) == rollout + 5
-    huge = load_config("tests", [f"method.vineppo_context_tokens={10 * rollout}"])
+    huge = load_config("tests", ["method.name=vineppo", f"method.vineppo_context_tokens={10 * rollout}"])
     assert max_seq_len(huge) == rollout + cfg.rollout.max_new_tokens
+    # another method leaves the setting to vineppo: its engine holds a rollout
+    assert max_seq_len(load_config("tests", [f"method.vineppo_context_tokens={10 * rollout}"])) == rollout
 
 
 def schema_numbers(cls, prefix: str = "") -> set[str]:

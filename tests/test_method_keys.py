@@ -24,7 +24,6 @@ CHECKS = (str(PACKAGE / "config"), str(PACKAGE / "methods.py"))
 # reads of a setting whatever the method, where it does nothing for the others: (setting, file, function)
 GUARDS = {
     ("caspo.refresh_every", "train/loop.py", "train"),  # refuses a refresh without its pipeline
-    ("vineppo_context_tokens", "rollout/factory.py", "max_seq_len"),  # sizes the engine for VinePPO's continuations
 }
 QUICK = ["train.steps=1", "eval.before=false", "eval.after=false", "train.save_every=0", "model.threads=1",
          "method.vineppo_k=2"]
@@ -35,7 +34,8 @@ EXTRA = {"caspo": ["method.caspo.online=true", "method.caspo.use_adb=true", "met
 def recording(cls, seen: set, prefix: str = ""):
     """A subclass of the settings dataclass `cls` that adds to `seen` each field caspo's code reads (through
     dataclasses' asdict, replace or the checks, a read is no use of the setting)."""
-    fields = {f.name for f in dataclasses.fields(cls)} - {"caspo"}  # a section: its own recorder has its reads
+    # `caspo` is a section (its own recorder has its reads); `name` chooses the row, which every method reads
+    fields = {f.name for f in dataclasses.fields(cls)} - {"caspo", "name"}
 
     def __getattribute__(self, name):
         if name in fields:

@@ -30,11 +30,12 @@ def sampling_params(cfg: Config, tokenizer, policy: torch.nn.Module | None = Non
 
 
 def max_seq_len(cfg: Config) -> int:
-    """The engine's longest sequence: a prompt and the longer of the rollout and eval budgets, or, with
-    `method.vineppo_context_tokens` set, VinePPO's longest continuation (a prefix of up to a whole response,
-    then up to rollout.max_new_tokens more, within that context)."""
+    """The engine's longest sequence: a prompt and the longer of the rollout and eval budgets, or, for vineppo with
+    `method.vineppo_context_tokens` set, its longest continuation (a prefix of up to a whole response, then up to
+    rollout.max_new_tokens more, within that context). Other methods leave the setting unread: a preset that
+    carries it for vineppo does not size their engines."""
     longest = cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
-    if cfg.method.vineppo_context_tokens:
+    if cfg.method.name == "vineppo" and cfg.method.vineppo_context_tokens:
         continuation = cfg.data.max_prompt_tokens + 2 * cfg.rollout.max_new_tokens
         longest = max(longest, min(cfg.method.vineppo_context_tokens, continuation))
     return longest
