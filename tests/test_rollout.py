@@ -287,6 +287,6 @@ def test_an_engine_built_from_a_skeleton_serves_only_after_a_publication(tiny_mo
     want = engine_of(backend, tiny_model).generate(requests(8), SAMPLING)
     got = engine.generate(requests(8), SAMPLING)
     assert [(c.tokens, c.logprobs) for c in got] == [(c.tokens, c.logprobs) for c in want]
-    if backend == "native":
-        with pytest.raises(ValueError, match="needs device="):
+    with pytest.raises(ValueError, match="needs device="):
+        HFEngine(skeleton, pad_token_id=0) if backend == "hf" else \
             NativeEngine(skeleton, max_seq_len=32, capacity_tokens=32 * 8)

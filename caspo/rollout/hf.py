@@ -30,8 +30,10 @@ class HFEngine(PublishedWeights):
     def __init__(self, model: torch.nn.Module, pad_token_id: int, max_batch: int = 0, decode=None,
                  dtype: torch.dtype | None = None, device: torch.device | None = None):
         skeleton = is_skeleton(model)  # a rank of a sharded run that reads no weights
+        if skeleton and device is None:
+            raise ValueError("an engine built from a model's skeleton (on the meta device) needs device=")
         if skeleton:  # built on `device` from the config (RoPE's buffers computed), filled by the first publication
-            with torch.device(device if device is not None else "cpu"):
+            with torch.device(device):
                 self.model = type(model)(copy.deepcopy(model.config)).eval().requires_grad_(False)
         else:
             self.model = copy.deepcopy(model).eval().requires_grad_(False)
