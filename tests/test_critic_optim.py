@@ -82,6 +82,23 @@ def test_warmup_as_a_ratio_of_the_runs_updates_then_linear_decay():
         load_config("tests", ["optim.warmup_steps=5", "optim.warmup_ratio=0.03"])
 
 
+def test_a_log_shaped_warmup_is_deepspeeds_warmup_decay():
+    """optim.warmup_shape=log: DeepSpeed WarmupDecayLR's default warmup, lr · log(k + 1) / log(W) at update k
+    (0 at the first), then its linear decay (T − k) / (T − W): here W = 6, T = 200, by hand."""
+    cfg = load_config("tests", ["train.steps=50", "train.epochs_per_rollout=2", "optim.warmup_steps=6",
+                                "optim.warmup_shape=log", "optim.schedule=linear", "optim.lr=1.0"])
+    sched = learner(torch.nn.Linear(2, 2), cfg).scheduler
+    lrs = []
+    for _ in range(200):
+        lrs.append(sched.get_last_lr()[0])
+        sched.optimizer.step()
+        sched.step()
+    log6 = 1.791759469228055  # ln 6
+    assert lrs[:8] == pytest.approx([0.0, 0.693147 / log6, 1.098612 / log6, 1.386294 / log6, 1.609438 / log6,
+                                     1.0, 1.0, 193 / 194], rel=1e-6)
+    assert lrs[-1] == pytest.approx(1 / 194)
+
+
 def test_a_step_logs_the_learning_rate_its_updates_start_with(tmp_path):
     from caspo.train import loop
 

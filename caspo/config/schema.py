@@ -269,6 +269,9 @@ class OptimConfig:
     warmup_steps: int = 0
     # warmup as a fraction of the run's optimizer updates, ceil(ratio × updates) (VinePPO's 0.03); or warmup_steps
     warmup_ratio: float = 0.0
+    # the warmup's rise: linear, (k + 1) / W at update k; or log, DeepSpeed WarmupDecayLR's default (upstream
+    # VinePPO's trainer sets no warmup_type): log(k + 1) / log(W), so the first update's rate is 0
+    warmup_shape: Literal["linear", "log"] = "linear"
     schedule: Literal["constant", "linear", "cosine"] = "constant"
 
 

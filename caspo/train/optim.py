@@ -32,8 +32,8 @@ def learner(model: torch.nn.Module, cfg: Config, lr: float | None = None, schedu
     updates = cfg.train.steps * cfg.train.epochs_per_rollout * (cfg.responses_per_step // cfg.train.minibatch_size)
     warmup = optim.warmup_steps or math.ceil(optim.warmup_ratio * updates)
     optimizer = build_optimizer(model.parameters(), optim)
-    return Learner(model, optimizer, build_scheduler(optimizer, warmup=warmup, total=updates,
-                                                     schedule=optim.schedule), optim.grad_clip)
+    return Learner(model, optimizer, build_scheduler(optimizer, warmup=warmup, total=updates, schedule=optim.schedule,
+                                                     shape=optim.warmup_shape), optim.grad_clip)
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -48,9 +48,16 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     raise ValueError(f"optim.name={cfg.name!r}; use adamw or sgd")
 
 
-def lr_multiplier(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
-    """Linear warmup over `warmup` updates, then constant, linear or cosine decay to min_ratio at `total`."""
+def lr_multiplier(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0,
+                  shape: str = "linear") -> float:
+    """A warmup over `warmup` updates, then constant, linear or cosine decay to min_ratio at `total`. The warmup
+    rises linearly, (step + 1) / warmup, or as DeepSpeed's WarmupDecayLR by default, log(step + 1) / log(warmup)
+    (at least 2 updates), whose linear decay (total − step) / (total − warmup) is the one here."""
     if warmup and step < warmup:
+        if shape == "log":
+            return math.log(step + 1) / math.log(max(2, warmup))
+        if shape != "linear":
+            raise ValueError(f"unknown warmup shape {shape!r}; use linear or log")
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
@@ -64,9 +71,11 @@ def lr_multiplier(step: int, *, warmup: int, total: int, schedule: str, min_rati
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-def build_scheduler(optimizer, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0):
+def build_scheduler(optimizer, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0,
+                    shape: str = "linear"):
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, warmup=warmup, total=total, schedule=schedule, min_ratio=min_ratio)
+        optimizer, lambda step: lr_multiplier(step, warmup=warmup, total=total, schedule=schedule, min_ratio=min_ratio,
+                                              shape=shape)
     )
 
 
