@@ -270,7 +270,8 @@ class OptimConfig:
     # warmup as a fraction of the run's optimizer updates, ceil(ratio × updates) (VinePPO's 0.03); or warmup_steps
     warmup_ratio: float = 0.0
     # the warmup's rise: linear, (k + 1) / W at update k; or log, DeepSpeed WarmupDecayLR's default (upstream
-    # VinePPO's trainer sets no warmup_type): log(k + 1) / log(W), so the first update's rate is 0
+    # VinePPO's trainer sets no warmup_type): log(k + 1) / log(W), so the first update's rate is 0 (DeepSpeed's
+    # engine applies iteration k's rate one update later, after a first update at its minimum, 0)
     warmup_shape: Literal["linear", "log"] = "linear"
     schedule: Literal["constant", "linear", "cosine"] = "constant"
 
