@@ -64,17 +64,23 @@ def test_no_learner_holds_gradients_after_an_outer_step(tmp_path):
         assert all(p.grad is None for p in model.parameters())  # ...and hold no gradient after
 
 
+def learning_rates(cfg, updates: int) -> list[float]:
+    """The policy learner's rate at each of its first `updates` optimizer steps."""
+    sched = learner(torch.nn.Linear(2, 2), cfg).scheduler
+    lrs = []
+    for _ in range(updates):
+        lrs.append(sched.get_last_lr()[0])
+        sched.optimizer.step()
+        sched.step()
+    return lrs
+
+
 def test_warmup_as_a_ratio_of_the_runs_updates_then_linear_decay():
     # tests preset: 8 responses a step, minibatch 4 (2 updates an epoch); 50 steps × 2 epochs = 200 updates
     cfg = load_config("tests", ["train.steps=50", "train.epochs_per_rollout=2", "optim.warmup_ratio=0.03",
                                 "optim.schedule=linear", "optim.lr=1.0"])
     assert cfg.responses_per_step // cfg.train.minibatch_size == 2
-    sched = learner(torch.nn.Linear(2, 2), cfg).scheduler
-    lrs = []
-    for _ in range(200):
-        lrs.append(sched.get_last_lr()[0])
-        sched.optimizer.step()
-        sched.step()
+    lrs = learning_rates(cfg, 200)
     # ceil(0.03 × 200) = 6 warmup updates at 1/6 ... 6/6, then linear decay over the other 194, to 0 at update 200
     assert lrs[:8] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0, 1.0, 1 - 1 / 194])
     assert lrs[-1] == pytest.approx(1 / 194)
@@ -87,12 +93,7 @@ def test_a_log_shaped_warmup_is_deepspeeds_warmup_decay():
     (0 at the first), then its linear decay (T − k) / (T − W): here W = 6, T = 200, by hand."""
     cfg = load_config("tests", ["train.steps=50", "train.epochs_per_rollout=2", "optim.warmup_steps=6",
                                 "optim.warmup_shape=log", "optim.schedule=linear", "optim.lr=1.0"])
-    sched = learner(torch.nn.Linear(2, 2), cfg).scheduler
-    lrs = []
-    for _ in range(200):
-        lrs.append(sched.get_last_lr()[0])
-        sched.optimizer.step()
-        sched.step()
+    lrs = learning_rates(cfg, 200)
     log6 = 1.791759469228055  # ln 6
     assert lrs[:8] == pytest.approx([0.0, 0.693147 / log6, 1.098612 / log6, 1.386294 / log6, 1.609438 / log6,
                                      1.0, 1.0, 193 / 194], rel=1e-6)
