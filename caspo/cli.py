@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import List, Optional
 
 import click
@@ -334,18 +335,12 @@ def suite(preset: str = PRESET, overrides: Optional[List[str]] = OVERRIDES,
     from caspo.config import ConfigError
     from caspo.train.suite import run_suite
 
-    shared = list(overrides or [])
-
-    def run_config(preset: str, run_overrides: list[str], **kwargs):
-        # a run's config, checked as its `caspo train` checks it; the suite's look-up of the device (the shared
-        # overrides alone, under the preset's method) is no run's: its method's reads are not checked
-        return checked_config(preset, run_overrides, method_overrides=run_overrides != shared, **kwargs)
-
     try:
         seed_list = [integer("--seeds", s) for s in seeds.split(",") if s.strip()]
         device_list = [d.strip() if d.strip() == "cpu" else f"cuda:{integer('--devices', d, 'CUDA indices or cpu')}"
                        for d in devices.split(",")] if devices else None
-        result = run_suite(preset, methods, seed_list, expand_path(out), checked_config=run_config,
+        result = run_suite(preset, methods, seed_list, expand_path(out),
+                           checked_config=partial(checked_config, method_overrides=True),  # as each run's caspo train
                            devices=device_list, overrides=overrides or [], benchmarks=benchmarks, group_by=group_by,
                            ray_address=ray_address, ray_slots=ray_slots)
     except ValueError as err:  # a bad --methods / --seeds / --devices item, a folder holding another suite

@@ -40,7 +40,7 @@ from caspo.report.compare import GROUP_BY, expand, read_suite, report
 from caspo.runlog import console, read_status, write_json
 
 FORMAT = "caspo-suite-1"
-# (preset, overrides, policy=, data=) -> Config: the command line's check of a config (caspo.cli_args.checked_config)
+# (preset, overrides, policy=, data=) -> Config: the command line's check of a run's config (cli_args.checked_config)
 ConfigCheck = Callable[..., Config]
 
 
@@ -274,8 +274,8 @@ def run_suite(preset: str, methods: str, seeds: list[int], out: str | Path, *, c
     if slots is None and ray_address:
         from caspo.train.ray_launch import RaySlots
 
-        slots = RaySlots(ray_address, ray_slots or 1, checked_config(preset, shared, policy=False, data=False)
-                         .model.device)
+        # every run's config, shared overrides included, passed check_configs above
+        slots = RaySlots(ray_address, ray_slots or 1, load_config(preset, shared).model.device)
     slots = slots or LocalSlots(devices)
     active: dict[int, tuple[object, SuiteRun, str]] = {}  # slot -> (handle, run, phase)
     failed: list[str] = []
