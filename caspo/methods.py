@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
-from caspo.config import Config, ConfigError, MethodConfig, parse_override
+from caspo.config import Config, ConfigError, MethodConfig, config_changes, leaves, parse_override
 from caspo.train import advantages as adv
 from caspo.train import policy_losses as losses
 from caspo.train.critic import Critic, CriticAndFrozenOld
@@ -111,19 +111,13 @@ def readers(key: str) -> list[str]:
     return [name for name, row in METHODS.items() if key in method_keys(row)]
 
 
-def flat_keys(key: str, value: Any) -> list[str]:
-    """The leaf keys an override sets: `method.caspo={online: true}` sets method.caspo.online."""
-    if isinstance(value, dict):
-        return [leaf for k, v in value.items() for leaf in flat_keys(f"{key}.{k}", v)]
-    return [key]
-
-
 def check_unread_overrides(cfg: Config, overrides: list[str]) -> None:
     """Refuse a command-line override of a method.* setting that cfg's method does not read: it would run
     without effect. Run after resolve_method, whose refusals of such values name a more specific fix."""
     method = get_method(cfg.method.name)
     for item in overrides:
-        for key in flat_keys(*parse_override(item)):
+        key, value = parse_override(item)
+        for key, _ in leaves(value, key):  # method.caspo={online: true} sets method.caspo.online
             if not key.startswith("method.") or key == "method.name":
                 continue
             setting = key.removeprefix("method.")
@@ -139,9 +133,9 @@ def unread_settings(cfg: Config) -> list[str]:
     """The method.* settings of `cfg` that differ from their defaults and that its method does not read (a
     config carrying every method's settings, to switch among them with method.name)."""
     keys = method_keys(get_method(cfg.method.name))
-    default = dict(flat_items(dataclasses.asdict(MethodConfig())))
-    return [f"method.{key}" for key, value in flat_items(dataclasses.asdict(cfg.method))
-            if key != "name" and key not in keys and value != default[key]]
+    now = dataclasses.asdict(cfg.method)
+    changed = config_changes(dataclasses.asdict(MethodConfig()), now)
+    return [f"method.{key}" for key, _ in leaves(now) if key in changed and key != "name" and key not in keys]
 
 
 def unread_note(cfg: Config) -> str | None:
@@ -150,12 +144,6 @@ def unread_note(cfg: Config) -> str | None:
     if not unread:
         return None
     return f"note: {cfg.method.name} does not read {', '.join(unread)} (set in the config for other methods)"
-
-
-def flat_items(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, value) of every leaf of a nested dict."""
-    return [item for key, value in tree.items()
-            for item in (flat_items(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)])]
 
 
 def get_method(name: str) -> Method:

@@ -19,6 +19,7 @@ from caspo.config.load import (
     coerce,
     config_changes,
     describe_changes,
+    leaves,
     load_config,
     parse_override,
     read_text_checked,
@@ -49,7 +50,7 @@ __all__ = [
     "ArithConfig", "CaspoConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "LossAgg", "MethodConfig",
     "ModelConfig", "OptimConfig", "RewardConfig", "RolloutConfig", "SftConfig", "TrainConfig", "HealthConfig",
     "WandbConfig",
-    "ABSENT", "FLOAT_RE", "PRESET_DIR", "build", "coerce", "config_changes", "describe_changes",
+    "ABSENT", "FLOAT_RE", "PRESET_DIR", "build", "coerce", "config_changes", "describe_changes", "leaves",
     "load_config", "parse_override", "read_text_checked", "resolve_preset",
     "set_dotted", "to_dict", "to_yaml", "validate", "validate_refresh",
 ]

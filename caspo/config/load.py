@@ -216,6 +216,13 @@ def to_dict(cfg: Config) -> dict:
 ABSENT = "(absent)"  # a key one of two configs lacks
 
 
+def leaves(value: Any, key: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of each leaf of a nested dict under `key`: an override train={steps: 5} sets train.steps."""
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in leaves(v, f"{key}.{k}" if key else k)]
+    return [(key, value)]
+
+
 def config_changes(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """dotted key -> (saved, now) for every setting whose value differs between two config dicts (sorted; a
     key only one of them has is ABSENT in the other)."""

@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+from caspo.config import leaves
 from caspo.report.curves import plot_curves, plot_phases, plot_vs_compute
 from caspo.report.runs import CONFIG_FIX, CONFIG_SECTIONS, PHASES, Run, age_s, final, mean_std, read_run
 from caspo.runlog import DamagedRunFile, check_keys, read_mapping
@@ -31,20 +32,10 @@ GROUP_BY = ("config", "method", "run")
 COMPUTE = ("policy_tokens", "mc_tokens", "value_tokens", "refresh_tokens", "wall_s")  # the report's compute table
 
 
-def flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out |= flat(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def conditions(config: dict) -> dict:
     out = {}
     for section, keys in CONDITIONS.items():
-        values = flat(config.get(section, {}), f"{section}.")
+        values = dict(leaves(config.get(section, {}), section))
         out |= {k: v for k, v in values.items() if keys is None or k.split(".", 1)[1] in keys}
     return out
 
@@ -58,7 +49,7 @@ def check_conditions(runs: list[Run]) -> list[str]:
 
 
 def config_key(config: dict) -> dict:
-    return {k: v for k, v in flat(config).items()
+    return {k: v for k, v in leaves(config)
             if k not in NOT_CONFIG and not k.startswith(NOT_CONFIG_SECTIONS)}
 
 

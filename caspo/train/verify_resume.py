@@ -24,7 +24,7 @@ import torch
 from rich.table import Table
 
 from caspo.config import ConfigError
-from caspo.config.load import parse_override
+from caspo.config.load import leaves, parse_override
 from caspo.runlog import console
 from caspo.train.checkpoint import SHARDS, is_sharded, load_rank_state, load_trainer_state, resolve_checkpoint
 
@@ -47,7 +47,7 @@ def check_overrides(overrides: list[str]) -> None:
     appended after the user's, verify-resume's own would silently win."""
     for item in overrides:
         key, value = parse_override(item)
-        for name, given in flat(key, value):
+        for name, given in leaves(value, key):
             if name in PER_RUN:
                 raise ConfigError(f"{item}: verify-resume sets {name} itself ({PER_RUN[name]}); leave it out")
             if name in FIXED and given != FIXED[name]:
@@ -55,13 +55,6 @@ def check_overrides(overrides: list[str]) -> None:
                 raise ConfigError(f"{item}: verify-resume sets {name}={fixed} itself ({STEPS} steps against "
                                   f"{STOP_AFTER} + a resumed {STEPS - STOP_AFTER}, deterministic, not evaluated, "
                                   "saved at the stop and the end); leave it out")
-
-
-def flat(key: str, value) -> list[tuple[str, object]]:
-    """(dotted key, value) of each leaf an override sets: train={steps: 5} sets train.steps."""
-    if isinstance(value, dict):
-        return [pair for k, v in value.items() for pair in flat(f"{key}.{k}", v)]
-    return [(key, value)]
 
 
 def digest(obj) -> str:
