@@ -139,8 +139,8 @@ class NativeEngine(PublishedWeights):
         self.dtype = dtype or weights_dtype(tensors)
         self.max_seq_len = max_seq_len
         runner_class = LoopedCausalLM if isinstance(self.spec, LoopedSpec) else CausalLM
-        self.runner = build_runner(runner_class, self.spec, tensors, dtype=self.dtype, device=self.device,
-                                   max_seq_len=max_seq_len)
+        self.runner = build_runner(runner_class, self.spec, None if skeleton else tensors, dtype=self.dtype,
+                                   device=self.device, max_seq_len=max_seq_len)
         del tensors
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # triton's CPU interpreter (tests)
         for name, asked, fallback in (("decode_kernel", decode_kernel, "masked SDPA"),

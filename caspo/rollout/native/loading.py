@@ -41,16 +41,16 @@ def fused_modules(runner: nn.Module) -> list[Attention | MLP]:
     return [m for m in runner.modules() if isinstance(m, (Attention, MLP))]
 
 
-def build_runner(runner_class: type[Runner], spec: DecoderSpec, tensors: Mapping[str, torch.Tensor], *,
+def build_runner(runner_class: type[Runner], spec: DecoderSpec, tensors: Mapping[str, torch.Tensor] | None, *,
                  dtype: torch.dtype, device: torch.device, max_seq_len: int) -> Runner:
-    """A runner on `device` in `dtype`, with every parameter loaded by name from `tensors`; tensors of a model's
-    skeleton (on the meta device) load nothing, and the weights come with the first publication."""
+    """A runner on `device` in `dtype`, with every parameter loaded by name from `tensors`; with None (a model's
+    skeleton) its storage stays unfilled, and the weights come with the first publication."""
     with torch.device("meta"):
         runner = runner_class(spec, dtype)
     runner.to_empty(device=device).requires_grad_(False).eval()
     for module in fused_modules(runner):
         module.fuse()  # after to_empty, which gives every parameter its own storage
-    if not any(t.is_meta for t in tensors.values()):
+    if tensors is not None:
         load_weights(runner, tensors)
     runner.init_rope(max_seq_len)
     return runner
